@@ -1,0 +1,54 @@
+# CoSine: the two contract commands are `make run` (local cluster + demo workload) and
+# `make test` (the test suite). Both set everything up idempotently on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
+STAMP  := $(VENV)/.cosine-installed
+PROTOS := $(wildcard protos/cosine/v1/*.proto)
+PB_STAMP := pb/.generated
+
+.PHONY: setup proto redis-server test run clean help
+
+help:
+	@echo "make run    - set up, start the local cluster and serve a demo workload"
+	@echo "make test   - set up and run the test suite"
+	@echo "make proto  - regenerate the gRPC/protobuf code (pb/) from protos/"
+	@echo "make clean  - remove the virtual environment and generated code"
+
+setup: $(STAMP) redis-server
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# grpcio-tools first: the package discovery of the project install needs pb/ generated.
+$(PB_STAMP): $(PROTOS) constraints.txt | $(BIN)/python
+	$(PIP) grpcio-tools
+	rm -rf pb && mkdir -p pb
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=pb --pyi_out=pb --grpc_python_out=pb $(PROTOS)
+	touch pb/cosine/__init__.py pb/cosine/v1/__init__.py
+	touch $@
+
+proto: $(PB_STAMP)
+
+$(STAMP): pyproject.toml constraints.txt $(PB_STAMP)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	touch $@
+
+# Debian's redis-server, installed when missing (tests and `cosine up` start private ones).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian package)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 || { echo "redis-server is still missing; install it and retry" >&2; exit 1; }
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+run: setup
+	$(BIN)/cosine demo $(RUN_ARGS)
+
+clean:
+	rm -rf $(VENV) pb

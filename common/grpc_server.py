@@ -1,0 +1,118 @@
+"""gRPC plumbing shared by the four services: server creation with health and reflection,
+signal handling and graceful shutdown. Servicers stay thin; this module knows no domain logic."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Generous limits: a verify batch of many trees with logits-free payloads stays far below this.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerHandle:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+async def create_server(
+    address: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+) -> ServerHandle:
+    """Create an aio server bound to ``address`` ("host:port"; port 0 picks a free one) with the
+    standard health service and server reflection. Returns a started handle with its port."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    register(server)
+    names = tuple(service_names)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise PortInUse(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise PortInUse(f"cannot listen on {address} (address in use or not local)")
+    await server.start()
+    handle = ServerHandle(server, port, health_servicer, names)
+    await handle.set_serving(True)
+    return handle
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def wait_for_shutdown_signal() -> str:
+    """Resolve with the signal name on SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    fired: asyncio.Future[str] = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: fired.done() or fired.set_result(signal.Signals(s).name))
+    try:
+        return await fired
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
+    """True when the server at ``address`` answers SERVING for ``service``."""
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def wait_healthy(address: str, timeout_s: float, service: str = "", is_alive: Callable[[], bool] | None = None) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if is_alive is not None and not is_alive():
+            return False
+        if await check_health(address, service, timeout_s=1.0):
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+ShutdownHook = Callable[[], Awaitable[None]]

@@ -1,0 +1,95 @@
+"""Start and stop a private redis-server on a free loopback port (tests, `cosine up`)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+class RedisServerError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A throw-away redis-server process: no persistence, loopback only.
+
+    Use as a context manager or call start()/stop(). ``url`` is valid once started.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, binary: str | None = None):
+        self.host = host
+        self.port = port
+        self.binary = binary or shutil.which("redis-server")
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        if not self.binary:
+            raise RedisServerError("redis-server is not installed (Debian: apt-get install redis-server; `make setup` does it)")
+        for _attempt in range(5):
+            port = self.port or free_port(self.host)
+            self._dir = tempfile.TemporaryDirectory(prefix="cosine-redis-")
+            cmd = [
+                self.binary, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no",
+                "--dir", self._dir.name, "--protected-mode", "no", "--loglevel", "warning",
+            ]
+            log = open(Path(self._dir.name) / "redis.log", "wb")
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            log.close()
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    break  # exited: port taken between probe and bind; try another
+                if _ping(self.host, port):
+                    self.port = port
+                    return self
+                time.sleep(0.02)
+            self._kill()
+            if self.port:  # fixed port requested: do not retry elsewhere
+                break
+        raise RedisServerError(f"redis-server did not start on {self.host}")
+
+    def _kill(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+        self._proc = None
+        if self._dir:
+            self._dir.cleanup()
+            self._dir = None
+
+    def stop(self) -> None:
+        self._kill()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _ping(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
