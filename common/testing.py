@@ -31,3 +31,80 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture()
 def redis_prefix() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
+
+
+class InProcessService:
+    """Runs one service's full start-up path (``common.service.serve``) on its own event loop in a
+    background thread, bound to a free port. ``port`` is valid after start(); stop() shuts it down
+    the way SIGTERM would."""
+
+    def __init__(self, settings, factory, prog: str = "test-service"):
+        self.settings = settings
+        self.factory = factory
+        self.prog = prog
+        self.port = 0
+        self.error: BaseException | None = None
+        self._loop = None
+        self._stop = None
+        self._thread = None
+
+    def start(self, timeout_s: float = 60.0) -> InProcessService:
+        import asyncio
+        import threading
+
+        from common.service import serve
+
+        started = threading.Event()
+
+        async def body() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            ready = asyncio.Event()
+            task = asyncio.create_task(serve(self.settings, self.factory, self.prog, ready=ready, stop=self._stop))
+            waiter = asyncio.create_task(ready.wait())
+            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter in done:
+                self.port = ready.port  # type: ignore[attr-defined]
+            started.set()
+            await task
+
+        def run() -> None:
+            try:
+                asyncio.run(body())
+            except BaseException as exc:  # surfaced to the test through start()/stop()
+                self.error = exc
+            finally:
+                started.set()
+
+        self._thread = threading.Thread(target=run, name=f"{self.prog}-loop", daemon=True)
+        self._thread.start()
+        started.wait(timeout_s)
+        if self.error is not None:
+            raise self.error
+        if not self.port:
+            raise RuntimeError(f"{self.prog} did not start within {timeout_s}s")
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> InProcessService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_service(settings, factory, prog: str = "test-service") -> tuple[InProcessService, int]:
+    """Start a service in-process on the port its settings give (use port=0): returns (server, port)."""
+    server = InProcessService(settings, factory, prog).start()
+    return server, server.port

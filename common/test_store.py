@@ -1,0 +1,82 @@
+import asyncio
+
+import pytest
+
+from common.store import Member, Store, StoreUnavailable
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_profiles_seed_then_online_updates(redis_url, redis_prefix):
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix)
+        await store.seed_profile("code", {"code": 3.0, "prose": 1.0}, prior_weight=10)
+        await store.record_acceptance([("code", "code", 1.0, 4.0)] * 10 + [("prose-d", "prose", 2.0, 4.0)])
+        profiles = await store.load_profiles(["code", "prose-d", "absent"])
+        ids = await store.profile_ids()
+        await store.close()
+        return profiles, ids
+
+    profiles, ids = run(body())
+    code = profiles["code"]
+    # (3.0 * 10 + 10 * 1.0) / (10 + 10) = 2.0: online evidence pulls the prior down
+    assert code.score("code") == pytest.approx(2.0)
+    assert code.score("prose") == pytest.approx(1.0)
+    assert code.domains["code"].proposed == pytest.approx(40.0)
+    assert profiles["prose-d"].score("prose") == pytest.approx(2.0)
+    assert profiles["absent"].score("code") == 0.0
+    assert ids == ["code", "prose-d"]
+
+
+def test_request_state_lifecycle(redis_url, redis_prefix):
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix, request_ttl_s=30)
+        await store.create_request("r1", [1, 2, 3], {"max_new_tokens": 8}, owner="gw-1")
+        await store.append_tokens("r1", [7, 8])
+        await store.append_tokens("r1", [9], status="done")
+        state = await store.get_request("r1")
+        listed = await store.request_ids()
+        await store.delete_request("r1")
+        gone = await store.get_request("r1")
+        left = await store.request_ids()
+        await store.close()
+        return state, listed, gone, left
+
+    state, listed, gone, left = run(body())
+    assert state["prompt_ids"] == [1, 2, 3]
+    assert state["tokens"] == [7, 8, 9] and state["committed"] == 3
+    assert state["status"] == "done" and state["params"] == {"max_new_tokens": 8}
+    assert listed == ["r1"] and gone is None and left == []
+
+
+def test_membership_expires_without_heartbeat(redis_url, redis_prefix):
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix)
+        await store.register(Member("drafter", "d1", "127.0.0.1:1", {"drafters": ["a"]}), ttl_s=0.3)
+        await store.register(Member("drafter", "d2", "127.0.0.1:2"), ttl_s=30)
+        first = [m.member_id for m in await store.members("drafter")]
+        await asyncio.sleep(0.5)
+        second = [m.member_id for m in await store.members("drafter")]
+        await store.deregister("drafter", "d2")
+        third = await store.members("drafter")
+        await store.close()
+        return first, second, third
+
+    first, second, third = run(body())
+    assert first == ["d1", "d2"]
+    assert second == ["d2"]
+    assert third == []
+
+
+def test_unreachable_redis_is_reported():
+    async def body():
+        store = Store.from_url("redis://127.0.0.1:1/0")
+        try:
+            await store.ping()
+        finally:
+            await store.close()
+
+    with pytest.raises(StoreUnavailable, match="111|refused"):
+        run(body())

@@ -1,0 +1,41 @@
+"""Settings of the drafter service (flags or COSINE_* variables; see `python -m services.drafter --help`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.service import ServiceSettings
+from common.settings import non_negative, port_check, positive, setting
+
+
+def drafter_spec_check(value: str) -> str | None:
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        return "must look like NAME=PATH (a drafter id and a checkpoint directory)"
+    return None
+
+
+@dataclass(frozen=True)
+class DrafterSettings(ServiceSettings):
+    port: int = setting(50054, help="port to listen on (0 picks a free port)", check=port_check)
+    drafters: tuple[str, ...] = setting(
+        (), help="drafter model to host, as NAME=PATH to a transformers checkpoint; repeat to host several "
+        "(each is its own drafter identity to the router)", check=drafter_spec_check, metavar="NAME=PATH",
+    )
+    device: str = setting("cpu", help="torch device for the drafter models (cpu, cuda, cuda:1 ...)")
+    dtype: str = setting("float32", help="weight dtype", choices=("float32", "float16", "bfloat16"))
+    torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
+    kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests, per drafter model", check=positive)
+    max_top_n: int = setting(8, help="largest number of candidates a step may ask for", check=positive)
+
+    def parsed_drafters(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for spec in self.drafters:
+            name, _, path = spec.partition("=")
+            out[name.strip()] = path.strip()
+        return out
+
+    def validate(self) -> str | None:
+        names = [spec.partition("=")[0].strip() for spec in self.drafters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        return f"--drafters: drafter name(s) given twice: {', '.join(dupes)}" if dupes else None

@@ -1,0 +1,26 @@
+"""Settings of the gateway service (flags or COSINE_* variables; see `python -m services.gateway --help`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.service import ServiceSettings
+from common.settings import port_check, positive, setting
+
+
+@dataclass(frozen=True)
+class GatewaySettings(ServiceSettings):
+    host: str = setting("0.0.0.0", help="address to listen on (the gateway is the public face)")
+    port: int = setting(50051, help="port to listen on (0 picks a free port)", check=port_check)
+    router_address: str = setting("", help="host:port of the router (default: discovered through Redis membership)")
+    tokenizer: str = setting("", help="the target's tokenizer: a checkpoint directory (default: asked from the verifier's model path)", metavar="PATH")
+    default_max_new_tokens: int = setting(128, help="max_new_tokens when a request leaves it at 0", check=positive)
+    max_new_tokens_limit: int = setting(2048, help="largest max_new_tokens a request may ask for", check=positive)
+    max_prompt_tokens: int = setting(4096, help="longest prompt accepted, in target tokens", check=positive)
+    max_stop_strings: int = setting(16, help="most stop strings one request may give", check=positive)
+    request_timeout_s: float = setting(600.0, help="longest a request may run when the client sets no deadline", check=positive)
+
+    def validate(self) -> str | None:
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            return "--default-max-new-tokens must not exceed --max-new-tokens-limit"
+        return None

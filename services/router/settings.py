@@ -1,0 +1,35 @@
+"""Settings of the router service (flags or COSINE_* variables; see `python -m services.router --help`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.service import ServiceSettings
+from common.settings import in_range, non_negative, port_check, positive, setting
+
+
+@dataclass(frozen=True)
+class RouterSettings(ServiceSettings):
+    port: int = setting(50052, help="port to listen on (0 picks a free port)", check=port_check)
+    verifier_address: str = setting("", help="host:port of the verifier (default: discovered through Redis membership)")
+    discovery_interval_s: float = setting(1.0, help="how often live drafters are re-read from Redis, seconds", check=positive)
+    # speculation
+    min_k: int = setting(1, help="shortest speculation length (draft depth) per round", check=positive)
+    max_k: int = setting(8, help="longest speculation length per round", check=positive)
+    initial_k: int = setting(4, help="speculation length of a request's first round", check=positive)
+    tree_width: int = setting(3, help="most sibling candidates per tree level (losing fusion candidates become siblings)", check=positive)
+    drafters_per_request: int = setting(2, help="drafters that cooperate on one request", check=positive)
+    fusion: str = setting("token", help="token: fuse drafter proposals at every draft step; chunk: each drafter drafts a whole chunk, then fuse", choices=("token", "chunk"))
+    routing: bool = setting(True, help="route by expertise (off: every request uses the first drafters in a fixed order)")
+    explore_threshold: float = setting(0.5, help="when a request's recent acceptance rate falls under this, try a less-used drafter", check=in_range(0.0, 1.0))
+    # batching and pipelining
+    rounds_in_flight: int = setting(2, help="rounds kept in flight (>= 2 lets one batch draft while another verifies; 1 disables pipelining)", check=positive)
+    max_batch_requests: int = setting(16, help="most requests in one round", check=positive)
+    verify_token_budget: int = setting(1024, help="most tree tokens one verify batch may carry", check=positive)
+    max_queue: int = setting(1024, help="most requests waiting; beyond it Submit answers RESOURCE_EXHAUSTED", check=positive)
+    profile_prior_weight: float = setting(20.0, help="how many rounds an offline profile counts for against online figures", check=non_negative)
+
+    def validate(self) -> str | None:
+        if not self.min_k <= self.initial_k <= self.max_k:
+            return f"speculation lengths must satisfy min_k <= initial_k <= max_k (got {self.min_k}, {self.initial_k}, {self.max_k})"
+        return None

@@ -1,0 +1,23 @@
+"""Settings of the verifier service (flags or COSINE_* variables; see `python -m services.verifier --help`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.service import ServiceSettings
+from common.settings import non_negative, port_check, positive, setting
+
+
+@dataclass(frozen=True)
+class VerifierSettings(ServiceSettings):
+    port: int = setting(50053, help="port to listen on (0 picks a free port)", check=port_check)
+    target: str = setting("", help="target model: path to a transformers checkpoint directory (Llama / Qwen2 family)", metavar="PATH")
+    device: str = setting("cpu", help="torch device for the target model (cpu, cuda, cuda:1 ...)")
+    dtype: str = setting("float32", help="weight dtype", choices=("float32", "float16", "bfloat16"))
+    attention: str = setting(
+        "auto", help="attention backend: flash_attn (CUDA, when installed), sdpa, eager; auto picks flash_attn on CUDA when importable, else sdpa",
+        choices=("auto", "flash_attn", "sdpa", "eager"),
+    )
+    torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
+    kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests; a request that would exceed it is refused", check=positive)
+    max_batch_tokens: int = setting(4096, help="most tokens (tree nodes + appended tokens) one verify forward pass takes", check=positive)
