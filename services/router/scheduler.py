@@ -1,0 +1,103 @@
+"""Batch scheduling and speculation-length control (no gRPC here).
+
+Batch scheduling: the router picks the requests of the next round to maximise a weighted sum of
+latency urgency and expected accepted tokens, under the verifier's token budget per pass:
+
+    priority(r) = w_wait * wait_s(r) / (1 + wait_s(r)) * 2 + w_gain * expected_tokens(r) / k_max
+
+``expected_tokens`` follows the request's acceptance history. Cost of a request in a verify pass
+is its tree size plus the tokens it appends (the prompt on its first round).
+
+Speculation length: per request, k follows acceptance (all drafted tokens accepted -> k + 1, less
+than half -> k - 1), bounded by [min_k, max_k]. The global load hook :class:`LoadControl` scales
+speculation by verifier idleness: idle verifier -> longer k and more drafters per request,
+backlogged verifier -> shorter (the adaptive controller of a later stage plugs in here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the scheduler needs to know of a request waiting for a round."""
+
+    request_id: str
+    wait_s: float  # since its last round ended (or since arrival)
+    k: int
+    width: int
+    append_tokens: int
+    expected_tokens: float  # expected accepted draft tokens + 1 next token
+
+
+def round_cost(c: Candidate) -> int:
+    # tree: the fused chain of k nodes plus up to (width - 1) siblings per level, + appended tokens + 1
+    return c.k * max(1, c.width) + c.append_tokens + 1
+
+
+def pick_batch(
+    waiting: Sequence[Candidate],
+    token_budget: int,
+    max_requests: int,
+    k_max: int,
+    w_wait: float = 1.0,
+    w_gain: float = 1.0,
+) -> list[Candidate]:
+    """Greedy knapsack by priority. The most urgent request is always taken, even over budget,
+    so nothing starves behind a long prompt."""
+
+    def priority(c: Candidate) -> float:
+        return w_wait * 2 * c.wait_s / (1.0 + c.wait_s) + w_gain * c.expected_tokens / max(1, k_max)
+
+    ranked = sorted(waiting, key=lambda c: (-priority(c), c.request_id))
+    batch: list[Candidate] = []
+    used = 0
+    for c in ranked:
+        if len(batch) >= max_requests:
+            break
+        cost = round_cost(c)
+        if batch and used + cost > token_budget:
+            continue
+        batch.append(c)
+        used += cost
+    return batch
+
+
+@dataclass
+class SpeculationLength:
+    """Per-request k from its acceptance history."""
+
+    k: int
+    min_k: int
+    max_k: int
+
+    def update(self, accepted: int, drafted: int) -> int:
+        if drafted <= 0:
+            return self.k
+        if accepted >= drafted:
+            self.k = min(self.max_k, self.k + 1)
+        elif accepted * 2 < drafted:
+            self.k = max(self.min_k, self.k - 1)
+        return self.k
+
+
+@dataclass
+class LoadControl:
+    """Hook for adaptive speculation control: a multiplier on k and on drafters per request,
+    driven by the verifier's busy fraction. Negative feedback: idle -> more speculation."""
+
+    target_busy: float = 0.85
+    gain: float = 0.5
+    scale: float = 1.0
+    min_scale: float = 0.5
+    max_scale: float = 1.5
+
+    def observe(self, verifier_busy_frac: float) -> float:
+        error = self.target_busy - verifier_busy_frac  # > 0: verifier idles -> speculate more
+        self.scale = min(self.max_scale, max(self.min_scale, self.scale + self.gain * error * 0.1))
+        return self.scale
+
+    def apply(self, k: int, min_k: int, max_k: int) -> int:
+        return max(min_k, min(max_k, round(k * self.scale)))
