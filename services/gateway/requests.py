@@ -1,0 +1,183 @@
+"""Request validation, incremental detokenization and stop strings for the gateway (no gRPC here)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+REQUEST_ID_MAX = 128
+
+
+class InvalidRequest(ValueError):
+    """A request field is invalid. ``field`` names it for the client."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class Limits:
+    default_max_new_tokens: int
+    max_new_tokens_limit: int
+    max_prompt_tokens: int
+    max_stop_strings: int
+    vocab_size: int
+    max_context: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: everything downstream may trust it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    domain_hint: str = ""
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "domain_hint": self.domain_hint,
+        }
+
+
+@dataclass(frozen=True)
+class RawRequest:
+    """The fields of a GenerateRequest as plain values (the servicer fills this from protobuf)."""
+
+    prompt: str | None
+    prompt_ids: Sequence[int] | None
+    max_new_tokens: int
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: Sequence[str]
+    request_id: str
+    domain_hint: str
+    unknown_fields: Sequence[int] = ()
+
+
+def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int]]) -> GenerationRequest:
+    """Check every field; raise InvalidRequest naming the first bad one."""
+    if raw.unknown_fields:
+        numbers = ", ".join(str(n) for n in sorted(raw.unknown_fields))
+        raise InvalidRequest("request", f"unknown field number(s) {numbers}: this gateway speaks cosine.v1; upgrade the gateway or drop the field(s)")
+    request_id = raw.request_id or uuid.uuid4().hex
+    if len(request_id) > REQUEST_ID_MAX or not all(ch.isalnum() or ch in "-_.:" for ch in request_id):
+        raise InvalidRequest("request_id", f"at most {REQUEST_ID_MAX} characters of letters, digits and -_.:")
+    if raw.prompt is not None:
+        if not raw.prompt.strip():
+            raise InvalidRequest("prompt", "must not be empty")
+        prompt_ids = tuple(tokenize(raw.prompt))
+    elif raw.prompt_ids is not None:
+        prompt_ids = tuple(int(t) for t in raw.prompt_ids)
+        if not prompt_ids:
+            raise InvalidRequest("prompt_ids", "must not be empty")
+        bad = next((t for t in prompt_ids if t < 0 or t >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest("prompt_ids", f"token id {bad} is outside the target's vocabulary (0..{limits.vocab_size - 1})")
+    else:
+        raise InvalidRequest("prompt", "give either prompt (text) or prompt_ids")
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens is more than the limit of {limits.max_prompt_tokens}")
+    max_new = raw.max_new_tokens or limits.default_max_new_tokens
+    if not 1 <= max_new <= limits.max_new_tokens_limit:
+        raise InvalidRequest("max_new_tokens", f"must be between 1 and {limits.max_new_tokens_limit} (got {max_new})")
+    if len(prompt_ids) + max_new > limits.max_context:
+        raise InvalidRequest(
+            "max_new_tokens",
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context of {limits.max_context}",
+        )
+    temperature = 0.0 if raw.temperature is None else float(raw.temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest("temperature", f"must be >= 0 (got {raw.temperature})")
+    top_p = 1.0 if raw.top_p is None or raw.top_p == 0 else float(raw.top_p)
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise InvalidRequest("top_p", f"must be in (0, 1] (got {raw.top_p})")
+    top_k = 0 if raw.top_k is None else int(raw.top_k)
+    if top_k < 0:
+        raise InvalidRequest("top_k", f"must be >= 0 (got {raw.top_k})")
+    stops = tuple(raw.stop)
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidRequest("stop", f"at most {limits.max_stop_strings} stop strings")
+    if any(not s for s in stops):
+        raise InvalidRequest("stop", "stop strings must not be empty")
+    return GenerationRequest(
+        request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=max_new, temperature=temperature,
+        top_p=top_p, top_k=top_k, seed=raw.seed, stop=stops, domain_hint=raw.domain_hint,
+    )
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything and
+    without emitting half of a multi-byte character (held back until complete)."""
+
+    decode: Callable[[list[int]], str]
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0  # ids[:prefix_offset] are fully emitted and no longer decoded
+    read_offset: int = 0
+    emitted: str = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(t) for t in new_ids)
+        prefix_text = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.decode(self.ids[self.prefix_offset :])
+        if full_text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.emitted += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (a truly broken byte sequence included)."""
+        full_text = self.decode(self.ids[self.prefix_offset :])
+        prefix_text = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        delta = full_text[len(prefix_text) :]
+        self.read_offset = self.prefix_offset = len(self.ids)
+        self.emitted += delta
+        return delta
+
+
+@dataclass
+class StopMatcher:
+    """Finds stop strings in streamed text. Text that could be the start of a stop string is held
+    back until it is known not to be one; the stop string itself is never emitted."""
+
+    stops: tuple[str, ...]
+    pending: str = ""
+    stopped: bool = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending, self.stopped = self.pending[:cut], "", True
+            return out
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out

@@ -1,0 +1,77 @@
+import pytest
+
+from services.gateway.requests import IncrementalDetokenizer, InvalidRequest, Limits, RawRequest, StopMatcher, validate
+
+LIMITS = Limits(default_max_new_tokens=16, max_new_tokens_limit=64, max_prompt_tokens=8, max_stop_strings=2, vocab_size=100, max_context=40)
+
+
+def raw(**kw):
+    base = dict(prompt="hello", prompt_ids=None, max_new_tokens=0, temperature=None, top_p=None, top_k=None, seed=None,
+                stop=(), request_id="", domain_hint="")
+    base.update(kw)
+    return RawRequest(**base)
+
+
+def tok(text):
+    return [ord(c) % 100 for c in text]
+
+
+def test_defaults_are_filled():
+    req = validate(raw(), LIMITS, tok)
+    assert req.prompt_ids == tuple(tok("hello")) and req.max_new_tokens == 16
+    assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.0, 1.0, 0, None)
+    assert len(req.request_id) == 32
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="   "), "prompt"),
+        (dict(prompt=None, prompt_ids=[]), "prompt_ids"),
+        (dict(prompt=None), "prompt"),
+        (dict(prompt=None, prompt_ids=[1, 100]), "prompt_ids"),
+        (dict(prompt="x" * 9), "prompt"),
+        (dict(max_new_tokens=65), "max_new_tokens"),
+        (dict(max_new_tokens=39), "max_new_tokens"),  # 5 + 39 > context 40
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(stop=("a", "b", "c")), "stop"),
+        (dict(stop=("",)), "stop"),
+        (dict(request_id="bad id!"), "request_id"),
+        (dict(unknown_fields=(42,)), "request"),
+    ],
+)
+def test_invalid_fields_are_named(kw, field):
+    with pytest.raises(InvalidRequest) as info:
+        validate(raw(**kw), LIMITS, tok)
+    assert info.value.field == field
+    assert str(info.value).startswith(field + ":")
+
+
+def utf8_decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_detokenizer_holds_back_partial_characters():
+    data = "héllo ✓ ok".encode()
+    d = IncrementalDetokenizer(utf8_decode)
+    out = "".join(d.push([b]) for b in data) + d.flush()
+    assert out == "héllo ✓ ok"
+    d = IncrementalDetokenizer(utf8_decode)
+    assert d.push(list("✓".encode())[:2]) == ""
+    assert d.push(list("✓".encode())[2:]) == "✓"
+
+
+def test_stop_matcher_cuts_before_stop_and_holds_prefixes():
+    m = StopMatcher(("END",))
+    assert m.feed("abc E") == "abc "
+    assert m.feed("N") == ""
+    assert m.feed("X") == "ENX"
+    assert m.feed("tail EN") == "tail "
+    assert m.feed("D more") == "" and m.stopped
+    assert m.feed("ignored") == "" and m.flush() == ""
+    m = StopMatcher(("\n\n", "###"))
+    assert m.feed("a\n") == "a" and m.flush() == "\n"
