@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # module path -> imported lazily; each exposes register(subparsers)
 COMMAND_MODULES = (
     "cosine_zoo.cli",
+    "cosine_cli.commands",
 )
 
 

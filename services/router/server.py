@@ -1,30 +1,98 @@
-"""Router service: a thin gRPC servicer over the control plane (request pool, routing, fusion, rounds)."""
+"""Router service: a thin gRPC servicer over the control plane (services/router/core.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from common.grpc_server import ServerHandle
+from common.logs import get_logger, request_context
+from common.service import StartupError
 from common.store import Store
-from cosine.v1 import router_pb2, router_pb2_grpc
+from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.convert import sampling_from_pb
+from services.router.clients import GrpcDrafterPool, GrpcVerifier
+from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterConfig, RouterCore
 from services.router.settings import RouterSettings
 
 SERVICE_NAME = "cosine.v1.Router"
+log = get_logger("router")
+
+FINISH_TO_PB = {
+    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH, FINISH_EOS: common_pb2.FINISH_REASON_EOS,
+    FINISH_STOP: common_pb2.FINISH_REASON_STOP, FINISH_CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+KIND_TO_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT, "context": grpc.StatusCode.INVALID_ARGUMENT,
+    "kv_budget": grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE, "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "unknown_request": grpc.StatusCode.NOT_FOUND, "internal": grpc.StatusCode.INTERNAL,
+}
+
+
+def stats_to_pb(stats: Any) -> common_pb2.SpecStats:
+    return common_pb2.SpecStats(
+        rounds=stats.rounds, mean_accepted_len=stats.mean_accepted_len, draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens, drafters_used=sorted(stats.drafters_used),
+        accepted_by_drafter=dict(stats.accepted_by_drafter),
+    )
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, settings: RouterSettings):
-        self.settings = settings
+    def __init__(self, app: RouterApp):
+        self.app = app
 
     async def Submit(self, request: router_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier is connected to this router")
-        yield  # pragma: no cover
+        core = self.app.core
+        if core is None or not self.app.verifier_ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier is connected to this router")
+        with request_context(request.request_id):
+            try:
+                req = core.submit(request.request_id, list(request.prompt_ids), request.max_new_tokens,
+                                  sampling_from_pb(request.sampling), list(request.stop_token_ids), request.domain_hint)
+            except RequestFailed as exc:
+                await context.abort(KIND_TO_STATUS.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))
+            try:
+                while True:
+                    event = await req.events.get()
+                    if event.error is not None:
+                        await context.abort(KIND_TO_STATUS.get(event.error.kind, grpc.StatusCode.INTERNAL), str(event.error))
+                    chunk = router_pb2.TokenChunk(request_id=req.request_id, token_ids=event.tokens, finished=event.finished)
+                    chunk.timings.total_ns = event.round_ns
+                    if event.finished:
+                        chunk.finish_reason = FINISH_TO_PB.get(event.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+                        chunk.stats.CopyFrom(stats_to_pb(req.stats))
+                        yield chunk
+                        log.info("request finished", reason=event.finish_reason, tokens=len(req.generated),
+                                 rounds=req.stats.rounds, mean_accepted=round(req.stats.mean_accepted_len, 3), domain=req.domain)
+                        return
+                    if event.tokens:
+                        yield chunk
+            except asyncio.CancelledError:
+                core.cancel(req.request_id)  # client went away or deadline passed: free everything
+                log.info("request cancelled by client")
+                raise
 
     async def Status(self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouterStatus:
-        return router_pb2.RouterStatus()
+        app = self.app
+        out = router_pb2.RouterStatus(verifier_address=app.verifier.address if app.verifier else "", verifier_healthy=app.verifier_ready)
+        if app.core is not None:
+            core = app.core
+            out.queue_depth = core.queue_depth()
+            out.active_requests = len(core.requests)
+            out.rounds_in_flight = core.rounds_in_flight
+            for key, value in core.counters.as_dict().items():
+                out.counters[key] = float(value)
+            acceptance = core.drafter_acceptance()
+            for d in sorted(set(app.pool.by_drafter) | set(acceptance)):
+                ep = app.pool.by_drafter.get(d)
+                rounds, mean = acceptance.get(d, (0.0, 0.0))
+                out.drafters.add(drafter_id=d, address=ep.address if ep else "", healthy=bool(ep and not ep.failed),
+                                 acceptance=mean, rounds=int(rounds))
+        return out
 
 
 class RouterApp:
@@ -34,22 +102,76 @@ class RouterApp:
     def __init__(self, settings: RouterSettings, store: Store):
         self.settings = settings
         self.store = store
-        self.servicer = RouterServicer(settings)
+        self.servicer = RouterServicer(self)
+        self.verifier: GrpcVerifier | None = None
+        self.pool: GrpcDrafterPool = GrpcDrafterPool(store, "", settings.discovery_interval_s)
+        self.core: RouterCore | None = None
+        self.verifier_ready = False
+        self._connect_task: asyncio.Task[None] | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
 
     async def start(self, handle: ServerHandle, address: str) -> None:
-        pass
+        self._connect_task = asyncio.create_task(self._connect_verifier(), name="verifier-connect")
+
+    async def _connect_verifier(self) -> None:
+        """Find the verifier (setting or membership), read its tokenizer fingerprint, then start
+        drafter discovery and the round workers. Retries until it succeeds."""
+        warned = False
+        while True:
+            address = self.settings.verifier_address
+            if not address:
+                members = await self.store.members("verifier")
+                address = members[0].address if members else ""
+            if address:
+                verifier = GrpcVerifier(address)
+                try:
+                    info = await verifier.fetch_info()
+                    break
+                except Exception as exc:
+                    await verifier.close()
+                    if not warned:
+                        log.warning("verifier not ready yet; retrying", address=address, error=str(exc))
+                        warned = True
+            elif not warned:
+                log.info("waiting for a verifier to register")
+                warned = True
+            await asyncio.sleep(0.5)
+        self.verifier = verifier
+        self.pool.fingerprint = info.tokenizer_fingerprint
+        await self.pool.refresh()
+        self.pool.start()
+        prior_weight = self.settings.profile_prior_weight
+
+        async def profiles(drafters: Sequence[str], domain: str) -> dict[str, float]:
+            loaded = await self.store.load_profiles(drafters)
+            return {d: p.score(domain) for d, p in loaded.items()}
+
+        self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier,
+                               profiles=profiles, record=self.store.record_acceptance)
+        self.core.start()
+        self.verifier_ready = True
+        log.info("verifier connected", address=address, model=info.model_name, vocab=info.vocab_size,
+                 fingerprint=info.tokenizer_fingerprint, drafters=self.pool.live(), prior_weight=prior_weight)
 
     async def stop(self) -> None:
-        pass
+        if self._connect_task:
+            self._connect_task.cancel()
+            await asyncio.gather(self._connect_task, return_exceptions=True)
+        if self.core is not None:
+            await self.core.stop()
+        await self.pool.close()
+        if self.verifier is not None:
+            await self.verifier.close()
 
     def member_info(self) -> dict[str, Any]:
-        return {}
+        return {"fusion": self.settings.fusion, "rounds_in_flight": self.settings.rounds_in_flight}
 
 
 async def build_app(settings: RouterSettings, store: Store) -> RouterApp:
+    if settings.drafters_per_request < 1:
+        raise StartupError("--drafters-per-request must be >= 1")
     return RouterApp(settings, store)
 
 

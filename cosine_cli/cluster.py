@@ -1,0 +1,225 @@
+"""A local CoSine cluster as processes: a private Redis (unless a URL is given), the verifier,
+drafter processes, the router and the gateway. Used by `cosine up`, `cosine demo`, the
+integration tests and the benchmark.
+
+Thread budget: on a small machine the processes must not oversubscribe the cores. Drafting and
+verification overlap (pipelined rounds), so the cores are split between the verifier and the
+drafter processes; each process gets ``--torch-threads`` accordingly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.grpc_server import wait_healthy
+from common.redis_server import RedisServer, free_port
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    target: str
+    drafters: Mapping[str, str]  # drafter id -> checkpoint path
+    drafter_domains: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    redis_url: str = ""
+    host: str = "127.0.0.1"
+    gateway_port: int = 0
+    drafter_processes: int = 1
+    router_args: tuple[str, ...] = ()
+    verifier_args: tuple[str, ...] = ()
+    drafter_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    log_dir: str = ".cosine/logs"
+    cores: int = 0  # 0: os.cpu_count()
+    prefix: str = "cosine"
+    startup_timeout_s: float = 180.0
+
+
+def thread_budget(cores: int, drafter_processes: int) -> tuple[int, int]:
+    """(verifier threads, threads per drafter process) for ``cores`` cores."""
+    cores = max(1, cores)
+    per_drafter = max(1, cores // (2 * max(1, drafter_processes)))
+    verifier = max(1, cores - per_drafter * drafter_processes)
+    return verifier, per_drafter
+
+
+def split_drafters(drafters: Mapping[str, str], processes: int) -> list[dict[str, str]]:
+    names = sorted(drafters)
+    processes = max(1, min(processes, len(names))) if names else 0
+    groups: list[dict[str, str]] = [{} for _ in range(processes)]
+    for i, name in enumerate(names):
+        groups[i % processes][name] = drafters[name]
+    return groups
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    address: str
+    log_path: Path
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.redis: RedisServer | None = None
+        self.redis_url = spec.redis_url
+        self.procs: list[Proc] = []
+        self.gateway_address = ""
+        self.router_address = ""
+
+    # ---- processes ---------------------------------------------------------------------------
+
+    def _spawn(self, name: str, module: str, port: int, args: Sequence[str], threads: int | None = None) -> Proc:
+        log_dir = Path(self.spec.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}.log"
+        env = {**os.environ, "COSINE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+        if threads:
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        address = f"{self.spec.host}:{port}"
+        cmd = [
+            sys.executable, "-m", module, "--host", self.spec.host, "--port", str(port),
+            "--redis-url", self.redis_url, "--redis-prefix", self.spec.prefix, "--member-id", name, *args,
+        ]
+        if threads:
+            cmd += ["--torch-threads", str(threads)]
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
+        proc = Proc(name, popen, address, log_path)
+        self.procs.append(proc)
+        return proc
+
+    async def _wait(self, procs: Sequence[Proc], what: str) -> None:
+        async def one(p: Proc) -> None:
+            ok = await wait_healthy(p.address, self.spec.startup_timeout_s, is_alive=lambda: p.popen.poll() is None)
+            if not ok:
+                tail = _tail(p.log_path)
+                state = f"exited with status {p.popen.returncode}" if p.popen.poll() is not None else "not healthy in time"
+                raise ClusterError(f"{p.name} {state}; last log lines:\n{tail}")
+
+        await asyncio.gather(*(one(p) for p in procs))
+
+    async def start_async(self, progress: bool = True) -> str:
+        spec = self.spec
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+        if not self.redis_url:
+            self.redis = RedisServer(host="127.0.0.1").start()
+            self.redis_url = self.redis.url
+            say(f"redis      private redis-server at {self.redis_url}")
+        cores = spec.cores or os.cpu_count() or 1
+        groups = split_drafters(spec.drafters, spec.drafter_processes)
+        v_threads, d_threads = thread_budget(cores, len(groups))
+        say(f"threads    {cores} cores: verifier {v_threads}, {len(groups)} drafter process(es) x {d_threads}")
+        try:
+            verifier = self._spawn("verifier", "services.verifier", free_port(spec.host), ["--target", spec.target, *spec.verifier_args], v_threads)
+            drafters = []
+            for i, group in enumerate(groups):
+                args = [a for name, path in group.items() for a in ("--drafters", f"{name}={path}")]
+                drafters.append(self._spawn(f"drafter-{i}", "services.drafter", free_port(spec.host), [*args, *spec.drafter_args], d_threads))
+            say(f"starting   verifier ({spec.target}) and {len(spec.drafters)} drafter(s): {', '.join(sorted(spec.drafters))}")
+            await self._wait([verifier, *drafters], "models")
+            router = self._spawn("router", "services.router", free_port(spec.host), ["--verifier-address", verifier.address, *spec.router_args])
+            await self._wait([router], "router")
+            self.router_address = router.address
+            gw_port = spec.gateway_port or free_port(spec.host)
+            gateway = self._spawn("gateway", "services.gateway", gw_port,
+                                  ["--router-address", router.address, "--tokenizer", spec.target, *spec.gateway_args])
+            await self._wait([gateway], "gateway")
+            self.gateway_address = gateway.address
+            await self._wait_router_ready(len(spec.drafters))
+        except BaseException:
+            self.stop()
+            raise
+        say(f"ready      gateway at {self.gateway_address} (logs in {spec.log_dir}/)")
+        return self.gateway_address
+
+    async def _wait_router_ready(self, drafters: int, timeout_s: float = 60.0) -> None:
+        """Until the router sees the verifier and every drafter."""
+        import grpc
+
+        from cosine.v1 import router_pb2, router_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        async with grpc.aio.insecure_channel(self.router_address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            while time.monotonic() < deadline:
+                status = await stub.Status(router_pb2.StatusRequest(), timeout=5)
+                if status.verifier_healthy and sum(d.healthy for d in status.drafters) >= drafters:
+                    return
+                await asyncio.sleep(0.2)
+        raise ClusterError(f"the router did not see the verifier and {drafters} drafter(s) within {timeout_s:.0f}s")
+
+    def start(self, progress: bool = True) -> str:
+        return asyncio.run(self.start_async(progress))
+
+    def alive(self) -> list[str]:
+        return [p.name for p in self.procs if p.popen.poll() is None]
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen.poll() is not None]
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def kill(self, name: str) -> None:
+        p = self.proc(name)
+        p.popen.kill()
+        p.popen.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM in reverse start order (gateway first), then SIGKILL what is left."""
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
+        self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def state(self) -> dict[str, str]:
+        return {"gateway": self.gateway_address, "router": self.router_address, "redis_url": self.redis_url, "prefix": self.spec.prefix}
+
+    def __enter__(self) -> LocalCluster:
+        self.start(progress=False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return "(no log)"
+    out = []
+    for line in text:
+        try:
+            event = json.loads(line)
+            out.append(f"  {event.get('level', '')} {event.get('event', '')} " + " ".join(
+                f"{k}={v}" for k, v in event.items() if k not in ("level", "event", "timestamp", "service")))
+        except ValueError:
+            out.append("  " + line)
+    return "\n".join(out)

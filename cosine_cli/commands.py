@@ -1,0 +1,265 @@
+"""`cosine up | generate | status | profile | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = Path(".cosine/cluster.json")
+DEFAULT_ZOO = ".cosine/zoo-default"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start a local cluster (Redis, verifier, drafters, router, gateway) and keep it running",
+                        description="Start a local CoSine cluster as processes and wait until every service is healthy. "
+                        "Ctrl-C stops everything cleanly.")
+    _cluster_args(up)
+    up.set_defaults(func=cmd_up)
+
+    gen = sub.add_parser("generate", help="generate from a prompt through the gateway (streams to the terminal)")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--address", help="gateway host:port (default: the cluster started by `cosine up`)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--domain-hint", default="")
+    gen.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON instead of streaming")
+    gen.add_argument("--timeout", type=float, default=300.0)
+    gen.set_defaults(func=cmd_generate)
+
+    st = sub.add_parser("status", help="live drafters, queue depth and acceptance per drafter (from the router)")
+    st.add_argument("--router", help="router host:port (default: the cluster started by `cosine up`)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    pr = sub.add_parser("profile", help="write drafter expertise profiles into Redis (from a zoo's acceptance matrix)")
+    pr.add_argument("--zoo", default=DEFAULT_ZOO, help="model zoo directory whose zoo.json holds the acceptance matrix")
+    pr.add_argument("--redis-url", help="Redis URL (default: the cluster started by `cosine up`)")
+    pr.add_argument("--redis-prefix", default="cosine")
+    pr.add_argument("--prior-weight", type=float, default=20.0, help="how many rounds the offline figures count for")
+    pr.add_argument("--reset", action="store_true", help="drop online statistics too")
+    pr.set_defaults(func=cmd_profile)
+
+    demo = sub.add_parser("demo", help="build the default zoo if absent, start the cluster, serve a mixed-domain workload, report, stop")
+    _cluster_args(demo)
+    demo.add_argument("--profile", default="default", help="zoo profile to build when the zoo is absent")
+    demo.add_argument("--requests", type=int, default=48, help="requests in the workload")
+    demo.add_argument("--concurrency", type=int, default=8)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.set_defaults(func=cmd_demo)
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--zoo", default=DEFAULT_ZOO, help="model zoo directory (target + drafters + zoo.json)")
+    p.add_argument("--target", help="target checkpoint directory (instead of a zoo)")
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH", help="drafter checkpoint (repeatable; instead of a zoo)")
+    p.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one")
+    p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    p.add_argument("--gateway-port", type=int, default=50051, help="gateway port (0: any free port)")
+    p.add_argument("--drafter-processes", type=int, default=1, help="drafter processes; the drafter models are spread over them")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG", help="extra router flag, e.g. --router-arg=--fusion=chunk")
+    p.add_argument("--log-dir", default=".cosine/logs")
+
+
+def _spec_from_args(args: argparse.Namespace):
+    from cosine_cli.cluster import ClusterSpec
+
+    domains: dict[str, list[str]] = {}
+    if args.target:
+        if not args.drafter:
+            raise SystemExit("cosine: error: --target needs at least one --drafter NAME=PATH")
+        drafters = {}
+        for spec in args.drafter:
+            name, sep, path = spec.partition("=")
+            if not sep:
+                raise SystemExit(f"cosine: error: --drafter {spec!r} must be NAME=PATH")
+            drafters[name] = path
+        target = args.target
+    else:
+        zoo = _load_zoo(args.zoo)
+        target = str(zoo.target.path)
+        drafters = {name: str(d.path) for name, d in zoo.drafters.items()}
+        domains = {name: list(d.domains) for name, d in zoo.drafters.items()}
+    return ClusterSpec(
+        target=target, drafters=drafters, drafter_domains=domains, redis_url=args.redis_url, host=args.host,
+        gateway_port=args.gateway_port, drafter_processes=args.drafter_processes, router_args=tuple(args.router_arg),
+        log_dir=args.log_dir,
+    )
+
+
+def _load_zoo(path: str):
+    from common.checkpoints import CheckpointError
+    from cosine_zoo.manifest import load_zoo
+
+    try:
+        return load_zoo(path)
+    except CheckpointError as exc:
+        raise SystemExit(f"cosine: error: {exc}\n  (build one with: cosine models build --profile default --out {path})") from None
+
+
+async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str, float]], prior_weight: float, reset: bool = False) -> int:
+    from common.store import Store
+
+    store = Store.from_url(redis_url, prefix=prefix)
+    try:
+        for drafter, row in matrix.items():
+            await store.seed_profile(drafter, row, prior_weight, reset=reset)
+    finally:
+        await store.close()
+    return len(matrix)
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cosine_cli.cluster import ClusterError, LocalCluster
+
+    spec = _spec_from_args(args)
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        if not args.target:
+            zoo = _load_zoo(args.zoo)
+            n = asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0))
+            print(f"profiles   {n} drafter profile(s) seeded from {args.zoo}/zoo.json", file=sys.stderr)
+        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STATE_FILE.write_text(json.dumps(cluster.state()))
+        print(cluster.gateway_address, flush=True)
+        print("Ctrl-C stops the cluster.", file=sys.stderr, flush=True)
+        _wait_for_signal()
+    except ClusterError as exc:
+        print(f"cosine up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping   the cluster", file=sys.stderr, flush=True)
+        cluster.stop()
+        STATE_FILE.unlink(missing_ok=True)
+    return 0
+
+
+def _state() -> dict[str, Any]:
+    try:
+        return json.loads(STATE_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cosine_client import Client, CosineError
+
+    address = args.address or _state().get("gateway")
+    if not address:
+        print("cosine generate: error: no --address and no running `cosine up` cluster", file=sys.stderr)
+        return 2
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=args.stop, domain_hint=args.domain_hint)
+    try:
+        with Client(address, timeout=args.timeout) as client:
+            if args.json:
+                print(json.dumps(client.generate(args.prompt, **kwargs).to_dict(), indent=2))
+                return 0
+            last = None
+            for chunk in client.stream(args.prompt, **kwargs):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+            sys.stdout.write("\n")
+            if last is not None and last.stats is not None:
+                s = last.stats
+                print(f"[{last.finish_reason}; {s.rounds} rounds, {s.mean_accepted_len:.2f} accepted/round, "
+                      f"drafters {', '.join(s.drafters_used) or '-'}]", file=sys.stderr)
+    except CosineError as exc:
+        print(f"cosine generate: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cosine.v1 import router_pb2, router_pb2_grpc
+
+    address = args.router or _state().get("router")
+    if not address:
+        print("cosine status: error: no --router and no running `cosine up` cluster", file=sys.stderr)
+        return 2
+    try:
+        with grpc.insecure_channel(address) as channel:
+            status = router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5)
+    except grpc.RpcError as exc:
+        print(f"cosine status: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    data = {
+        "verifier": {"address": status.verifier_address, "healthy": status.verifier_healthy},
+        "queue_depth": status.queue_depth, "active_requests": status.active_requests, "rounds_in_flight": status.rounds_in_flight,
+        "drafters": [{"id": d.drafter_id, "address": d.address, "healthy": d.healthy, "rounds": d.rounds, "acceptance": d.acceptance}
+                     for d in status.drafters],
+        "counters": dict(status.counters),
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"verifier {status.verifier_address} {'healthy' if status.verifier_healthy else 'NOT CONNECTED'}; "
+          f"queue {status.queue_depth}, active {status.active_requests}, rounds in flight {status.rounds_in_flight}")
+    print(f"{'drafter':<16}{'address':<24}{'healthy':<9}{'rounds':>8}{'accepted/round':>16}")
+    for d in data["drafters"]:
+        print(f"{d['id']:<16}{d['address']:<24}{'yes' if d['healthy'] else 'NO':<9}{d['rounds']:>8}{d['acceptance']:>16.2f}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    zoo = _load_zoo(args.zoo)
+    url = args.redis_url or _state().get("redis_url")
+    if not url:
+        print("cosine profile: error: no --redis-url and no running `cosine up` cluster", file=sys.stderr)
+        return 2
+    n = asyncio.run(seed_profiles(url, args.redis_prefix, zoo.acceptance, args.prior_weight, args.reset))
+    print(f"seeded {n} drafter profile(s) from {args.zoo}/zoo.json into {url}")
+    return 0
+
+
+def ensure_zoo(path: str, profile: str) -> None:
+    if (Path(path) / "zoo.json").is_file():
+        return
+    print(f"building   the {profile} model zoo into {path} (first run only)", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "cosine_cli.main", "models", "build", "--profile", profile, "--out", path], check=True)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cosine_cli.cluster import ClusterError, LocalCluster
+    from cosine_cli.workload import mixed_workload, print_summary, run_workload
+
+    if not args.target:
+        ensure_zoo(args.zoo, args.profile)
+    spec = _spec_from_args(args)
+    zoo = _load_zoo(args.zoo)
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0))
+        work = mixed_workload(zoo.prompts, args.requests)
+        results = asyncio.run(run_workload(cluster.gateway_address, work, args.concurrency, args.max_new_tokens, progress=True))
+        print_summary(results, cluster.router_address)
+    except ClusterError as exc:
+        print(f"cosine demo: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    failed = [r for r in results if r.error] if "results" in locals() else []
+    return 1 if failed else 0

@@ -1,0 +1,144 @@
+"""Blocking and asyncio clients of the CoSine gateway."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from cosine.v1 import gateway_pb2, gateway_pb2_grpc
+from cosine_client.errors import CosineError, from_rpc_error
+from cosine_client.types import FINISH_REASONS, Chunk, Generation, SpecStats, Usage
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.keepalive_time_ms", 30_000)]
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    max_new_tokens: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    request_id: str = "",
+    domain_hint: str = "",
+) -> gateway_pb2.GenerateRequest:
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of prompt or prompt_ids")
+    req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens, stop=list(stop), request_id=request_id, domain_hint=domain_hint)
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.prompt_ids.ids.extend(int(t) for t in prompt_ids or ())
+    if temperature is not None:
+        req.temperature = temperature
+    if top_p is not None:
+        req.top_p = top_p
+    if top_k is not None:
+        req.top_k = top_k
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def _generation(reply: gateway_pb2.GenerateResponse, elapsed_s: float) -> Generation:
+    return Generation(
+        request_id=reply.request_id, text=reply.text, token_ids=tuple(reply.token_ids),
+        finish_reason=FINISH_REASONS.get(reply.finish_reason, "unspecified"), stats=SpecStats.from_pb(reply.stats),
+        usage=Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens), elapsed_s=elapsed_s,
+    )
+
+
+def _chunk(msg: gateway_pb2.GenerateChunk) -> Chunk:
+    return Chunk(
+        request_id=msg.request_id, text=msg.text, token_ids=tuple(msg.token_ids), finished=msg.finished,
+        finish_reason=FINISH_REASONS.get(msg.finish_reason, "") if msg.finished else "",
+        stats=SpecStats.from_pb(msg.stats) if msg.finished else None,
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if msg.finished else None,
+    )
+
+
+class Client:
+    """Blocking client. ``timeout`` (seconds) is the default deadline of every call."""
+
+    def __init__(self, address: str, timeout: float | None = None, channel: grpc.Channel | None = None):
+        self.address = address
+        self.timeout = timeout
+        self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Generation:
+        req = build_request(prompt, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            reply = self._stub.Generate(req, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return _generation(reply, time.perf_counter() - t0)
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Chunk]:
+        req = build_request(prompt, **kwargs)
+        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; frees the server side when the caller stops early
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; use inside a running event loop."""
+
+    def __init__(self, address: str, timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Generation:
+        req = build_request(prompt, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            reply = await self._stub.Generate(req, timeout=timeout or self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return _generation(reply, time.perf_counter() - t0)
+
+    async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> AsyncIterator[Chunk]:
+        req = build_request(prompt, **kwargs)
+        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout)
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["Client", "AsyncClient", "CosineError", "build_request"]

@@ -1,0 +1,52 @@
+"""Typed errors of the SDK. Each carries the gRPC status code and the server's message."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class CosineError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+class InvalidArgument(CosineError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Unavailable(CosineError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(CosineError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(CosineError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class ResourceExhausted(CosineError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotFound(CosineError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, Unavailable, DeadlineExceeded, Cancelled, ResourceExhausted, NotFound)}
+
+
+def from_rpc_error(exc: grpc.RpcError) -> CosineError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _BY_CODE.get(code, CosineError)
+    return cls(details or code.name, code)

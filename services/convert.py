@@ -1,0 +1,122 @@
+"""Protobuf <-> domain dataclasses, in one place. Servicers and gRPC clients call these; nothing
+past them sees a protobuf message."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.spec_types import DraftItem, DraftResult, ModelInfo, SamplingParams, TokenTree, Verdict, VerifyItem
+from cosine.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+
+def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if s.seed is not None:
+        pb.seed = s.seed
+    return pb
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.top_p > 0 else 1.0, top_k=int(pb.top_k),
+        seed=int(pb.seed) if pb.HasField("seed") else None,
+    )
+
+
+def tree_to_pb(t: TokenTree) -> common_pb2.TokenTree:
+    return common_pb2.TokenTree(tokens=t.tokens, parents=t.parents, draft_probs=t.draft_probs,
+                                source_masks=t.source_masks, drafter_ids=t.drafter_ids)
+
+
+def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:
+    return TokenTree(tuple(pb.tokens), tuple(pb.parents), tuple(pb.draft_probs), tuple(pb.source_masks), tuple(pb.drafter_ids))
+
+
+def model_info_to_pb(info: ModelInfo, model_id: str, domains: Sequence[str] = ()) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=model_id, model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint, num_parameters=info.num_parameters, dtype=info.dtype,
+        device=info.device, attention_backend=info.attention_backend, domains=list(domains), max_context=info.max_context,
+    )
+
+
+# ---- drafter -----------------------------------------------------------------------------------
+
+
+def draft_step_to_pb(step_id: int, drafter_id: str, items: Sequence[DraftItem]) -> drafter_pb2.DraftStep:
+    return drafter_pb2.DraftStep(
+        step_id=step_id, drafter_id=drafter_id,
+        items=[
+            drafter_pb2.DraftItem(
+                request_id=i.request_id, truncate_to=i.truncate_to, append_ids=i.append_ids, top_n=i.top_n,
+                release=i.release, chain_len=i.chain_len, score_append=i.score_append,
+            )
+            for i in items
+        ],
+    )
+
+
+def draft_items_from_pb(step: drafter_pb2.DraftStep) -> list[DraftItem]:
+    return [
+        DraftItem(
+            request_id=i.request_id, truncate_to=i.truncate_to, append_ids=tuple(i.append_ids), top_n=i.top_n,
+            release=i.release, chain_len=i.chain_len, score_append=i.score_append,
+        )
+        for i in step.items
+    ]
+
+
+def draft_result_to_pb(r: DraftResult) -> drafter_pb2.Candidates:
+    pb = drafter_pb2.Candidates(request_id=r.request_id, cache_len=r.cache_len, error=r.error)
+    for ids, probs in r.positions:
+        pb.positions.add(token_ids=ids, probs=probs)
+    if r.append_logprob is not None:
+        pb.append_logprob = r.append_logprob
+    return pb
+
+
+def draft_result_from_pb(pb: drafter_pb2.Candidates) -> DraftResult:
+    positions = tuple((tuple(p.token_ids), tuple(p.probs)) for p in pb.positions)
+    first = positions[0] if positions else ((), ())
+    return DraftResult(
+        request_id=pb.request_id, token_ids=first[0], probs=first[1], cache_len=pb.cache_len, error=pb.error,
+        positions=positions, append_logprob=pb.append_logprob if pb.append_logprob != 0 else None,
+    )
+
+
+# ---- verifier ----------------------------------------------------------------------------------
+
+
+def verify_batch_to_pb(batch_id: int, items: Sequence[VerifyItem]) -> verifier_pb2.VerifyBatch:
+    return verifier_pb2.VerifyBatch(
+        batch_id=batch_id,
+        items=[
+            verifier_pb2.VerifyItem(request_id=i.request_id, append_ids=i.append_ids, tree=tree_to_pb(i.tree),
+                                    sampling=sampling_to_pb(i.sampling), release=i.release)
+            for i in items
+        ],
+    )
+
+
+def verify_items_from_pb(batch: verifier_pb2.VerifyBatch) -> list[VerifyItem]:
+    return [
+        VerifyItem(request_id=i.request_id, append_ids=tuple(i.append_ids), tree=tree_from_pb(i.tree),
+                   sampling=sampling_from_pb(i.sampling), release=i.release)
+        for i in batch.items
+    ]
+
+
+def verdict_to_pb(v: Verdict) -> verifier_pb2.Verdict:
+    return verifier_pb2.Verdict(
+        request_id=v.request_id, accepted_nodes=v.accepted_nodes, accepted_tokens=v.accepted_tokens,
+        next_token=v.next_token, node_accepted=v.node_accepted, committed_len=v.committed_len, error=v.error,
+        error_kind=v.error_kind,
+    )
+
+
+def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
+    return Verdict(
+        request_id=pb.request_id, accepted_nodes=tuple(pb.accepted_nodes), accepted_tokens=tuple(pb.accepted_tokens),
+        next_token=pb.next_token, node_accepted=tuple(pb.node_accepted), committed_len=pb.committed_len,
+        error=pb.error, error_kind=pb.error_kind,
+    )
