@@ -46,9 +46,10 @@ def _settings_class(name: str) -> type:
 
 
 def _health_service(name: str) -> str:
-    """The name the service's servicer registers with grpc.health.v1 (its app's service_names)."""
-    module = importlib.import_module(f"services.{name}.server")
-    return str(module.SERVICE_NAME)
+    """The grpc.health.v1 name the service registers (its proto service, cosine.v1.<Name>).
+    tests/test_deploy_compose.py checks it against services/<name>/server.py:SERVICE_NAME; it is
+    not imported from there so that these checks need only the settings modules."""
+    return f"cosine.v1.{name.capitalize()}"
 
 
 def service_specs() -> dict[str, ServiceSpec]:

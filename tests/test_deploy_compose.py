@@ -5,6 +5,7 @@ validated against the Compose Specification schema, and every service, port, COS
 volume, dependency and health check it names is compared with what the services really accept.
 """
 
+import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -254,3 +255,9 @@ def test_compose_builds_existing_targets(doc):
         if build:
             stages = dockerfile_targets(ROOT / build.get("context", ".") / build["dockerfile"])
             assert build["target"] in stages, f"{name}: no stage {build['target']} in {build['dockerfile']}"
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_health_names_are_the_ones_the_servers_register(kind):
+    server = importlib.import_module(f"services.{kind}.server")
+    assert SPECS[kind].health_service == server.SERVICE_NAME
