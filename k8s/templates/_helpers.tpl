@@ -1,0 +1,131 @@
+{{/*
+Helpers. The chart keeps to the template subset documented in deploy/helm_render.py so that it
+renders identically with Helm and with that renderer.
+*/}}
+
+{{- define "cosine.fullname" -}}
+{{ .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels; called with (dict "root" $ "component" NAME). */}}
+{{- define "cosine.labels" -}}
+app.kubernetes.io/name: cosine
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/component: {{ .component }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end }}
+
+{{- define "cosine.selectorLabels" -}}
+app.kubernetes.io/name: cosine
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Image of a service; (dict "root" $ "service" NAME "cuda" BOOL). */}}
+{{- define "cosine.image" -}}
+{{- $img := .root.Values.image -}}
+{{ printf "%s%s-%s%s:%s" $img.registry $img.prefix .service (ternary "-cuda" "" .cuda) $img.tag }}
+{{- end }}
+
+{{- define "cosine.redisSecret" -}}
+{{ default (printf "%s-redis" (include "cosine.fullname" .)) .Values.redis.existingSecret }}
+{{- end }}
+
+{{- define "cosine.modelsClaim" -}}
+{{ default (printf "%s-models" (include "cosine.fullname" .)) .Values.models.existingClaim }}
+{{- end }}
+
+{{/* Pod-level settings every CoSine pod shares; (dict "root" $). */}}
+{{- define "cosine.podCommon" -}}
+automountServiceAccountToken: false
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{- define "cosine.containerSecurity" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities:
+    drop: [ALL]
+{{- end }}
+
+{{/*
+Environment of a CoSine container; (dict "root" $ "port" PORT). The pod advertises its own IP
+(the router keeps per-pod KV state, so it must reach a pod, not a Service) and registers under
+its pod name. COSINE_* settings come from the ConfigMaps (envFrom) and the Redis URL from the
+Secret.
+*/}}
+{{- define "cosine.env" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: COSINE_MEMBER_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: COSINE_ADVERTISE_ADDRESS
+  value: {{ printf "$(POD_IP):%d" (int .port) | quote }}
+- name: COSINE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "cosine.redisSecret" .root }}
+      key: redis-url
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{/* Probes on the gRPC health protocol; (dict "port" PORT "service" NAME "startupSeconds" N). */}}
+{{- define "cosine.probes" -}}
+startupProbe:
+  grpc:
+    port: {{ int .port }}
+    service: {{ .service }}
+  periodSeconds: 5
+  failureThreshold: {{ div (int .startupSeconds) 5 }}
+readinessProbe:
+  grpc:
+    port: {{ int .port }}
+    service: {{ .service }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ int .port }}
+  periodSeconds: 10
+  timeoutSeconds: 3
+  failureThreshold: 3
+{{- end }}
+
+{{- define "cosine.modelsVolume" -}}
+- name: models
+{{- if .Values.models.volume }}
+  {{- toYaml .Values.models.volume | nindent 2 }}
+{{- else }}
+  persistentVolumeClaim:
+    claimName: {{ include "cosine.modelsClaim" . }}
+{{- end }}
+{{- end }}
+
+{{/* Waits for the zoo Job's output before a model server starts; (dict "root" $ "image" IMAGE). */}}
+{{- define "cosine.waitForZoo" -}}
+{{- if .root.Values.models.buildZoo.enabled -}}
+initContainers:
+  - name: wait-for-models
+    image: {{ .image }}
+    imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+    command: ["sh", "-c", {{ printf "until [ -f %s/zoo.json ]; do echo waiting for the model zoo; sleep 5; done" .root.Values.models.buildZoo.dir | quote }}]
+    {{- include "cosine.containerSecurity" . | nindent 4 }}
+    volumeMounts:
+      - name: models
+        mountPath: {{ .root.Values.models.mountPath }}
+        readOnly: true
+{{- end }}
+{{- end }}

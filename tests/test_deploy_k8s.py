@@ -1,0 +1,297 @@
+"""The Helm chart in k8s/, rendered without Helm (deploy.helm_render) with the default values, the
+multi-drafter example and an external-Redis/CPU variant, then checked:
+
+- every object validates against the Kubernetes OpenAPI schemas (kubernetes-validate, strict);
+- every COSINE_* variable a container gets (env + envFrom ConfigMaps) is accepted by the service
+  the container runs, and the service's settings load from it;
+- containers listen on the port the settings give, probes are gRPC health probes on that port and
+  the service's health name, Services, HPAs, PDBs and NetworkPolicies point at what exists.
+"""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.settings import SettingsError
+from deploy.helm_render import TemplateError, render_objects
+from deploy.settings_index import service_specs
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "k8s"
+MULTI = CHART / "examples" / "values-multi-drafter.yaml"
+SPECS = service_specs()
+K8S_VERSIONS = ("1.30.0", "1.37.0")  # oldest and newest schema sets checked
+EXTERNAL = ["redis.enabled=false", "redis.externalUrl=redis://:pw@redis.example.internal:6379/0", "verifier.gpu.enabled=false", "networkPolicy.enabled=false"]
+
+RENDERS = {
+    "default": dict(),
+    "multi-drafter": dict(values_files=[MULTI]),
+    "external-redis-cpu": dict(set_values=EXTERNAL),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RENDERS))
+def rendered(request):
+    return request.param, render_objects(CHART, **RENDERS[request.param])
+
+
+def by_kind(objects, kind):
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def pod_templates(objects):
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
+            yield o, o["spec"]["template"]
+
+
+def cosine_containers(objects):
+    """(workload, pod spec, container, service spec) for every container that runs a CoSine service."""
+    for workload, template in pod_templates(objects):
+        for c in template["spec"]["containers"]:
+            cmd = c.get("command") or []
+            if cmd[:2] == ["python", "-m"] and cmd[2].startswith("services."):
+                yield workload, template, c, SPECS[cmd[2].split(".")[1]]
+
+
+def container_env(objects, container):
+    """The environment the container sees: envFrom ConfigMaps/Secrets, then env (fieldRefs and
+    secretKeyRefs resolved, $(VAR) references expanded as the kubelet does)."""
+    configmaps, secrets = by_kind(objects, "ConfigMap"), by_kind(objects, "Secret")
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", ()):
+        if "configMapRef" in source:
+            env.update(configmaps[source["configMapRef"]["name"]]["data"])
+        else:
+            env.update(secrets[source["secretRef"]["name"]]["stringData"])
+    for item in container.get("env", ()):
+        if "value" in item:
+            value = item["value"]
+            for k, v in env.items():
+                value = value.replace(f"$({k})", v)
+        elif "fieldRef" in item["valueFrom"]:
+            value = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            value = secrets[ref["name"]]["stringData"][ref["key"]] if ref["name"] in secrets else "redis://:external@redis:6379/0"
+        env[item["name"]] = value
+    return env
+
+
+def problems(objects) -> list[str]:
+    """Everything wrong with a rendered chart against the code (empty when right)."""
+    out = []
+    services = by_kind(objects, "Service")
+    for workload, template, c, spec in cosine_containers(objects):
+        where = f"{workload['metadata']['name']}/{c['name']}"
+        env = container_env(objects, c)
+        unknown = spec.unknown(env)
+        if unknown:
+            out.append(f"{where}: {spec.name} does not accept {unknown}")
+            continue
+        try:
+            settings = spec.load(env)
+        except SettingsError as exc:
+            out.append(f"{where}: {exc}")
+            continue
+        if settings.host != "0.0.0.0":
+            out.append(f"{where}: listens on {settings.host}, not on every interface")
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        if ports.get("grpc") != settings.port:
+            out.append(f"{where}: containerPort {ports.get('grpc')} but the service listens on {settings.port}")
+        if settings.advertise_address != f"10.1.2.3:{settings.port}":
+            out.append(f"{where}: advertises {settings.advertise_address}, not the pod's own address")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            grpc = c.get(probe, {}).get("grpc")
+            if not grpc:
+                out.append(f"{where}: {probe} is not a gRPC health probe")
+            elif grpc["port"] != settings.port:
+                out.append(f"{where}: {probe} on port {grpc['port']}, the service listens on {settings.port}")
+            elif grpc.get("service", "") not in ("", spec.health_service):
+                out.append(f"{where}: {probe} asks for health of {grpc['service']!r}")
+        if c["readinessProbe"].get("grpc", {}).get("service") != spec.health_service:
+            out.append(f"{where}: readiness must ask for {spec.health_service}")
+        labels = template["metadata"]["labels"]
+        matching = [s for s in services.values() if s["spec"]["selector"].items() <= labels.items()]
+        if not matching:
+            out.append(f"{where}: no Service selects it")
+        for s in matching:
+            for p in s["spec"]["ports"]:
+                if ports.get(p["targetPort"], p["targetPort"]) != settings.port:
+                    out.append(f"Service {s['metadata']['name']}: targetPort {p['targetPort']} is not the {spec.name} port")
+    return out
+
+
+def test_render_needs_no_helm_and_gives_objects(rendered):
+    name, objects = rendered
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "PodDisruptionBudget"} <= kinds
+    if name != "external-redis-cpu":
+        assert {"StatefulSet", "NetworkPolicy", "HorizontalPodAutoscaler"} <= kinds
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)), "duplicate objects"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_validates_against_the_kubernetes_schemas(rendered, version):
+    import kubernetes_validate
+
+    _, objects = rendered
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {exc.message} at {'/'.join(map(str, exc.path))}")
+
+
+def test_settings_ports_and_probes_match_the_services(rendered):
+    _, objects = rendered
+    assert problems(objects) == []
+    assert {spec.name for *_, spec in cosine_containers(objects)} == set(SPECS)
+
+
+def test_a_misspelt_setting_fails_the_check():
+    objects = render_objects(CHART, set_values=["router.env.COSINE_DRAFTER_PER_REQUEST=3"])
+    assert any("COSINE_DRAFTER_PER_REQUEST" in p for p in problems(objects))
+    objects = render_objects(CHART, set_values=["verifier.dtype=float64"])
+    assert any("COSINE_DTYPE" in p for p in problems(objects))
+    objects = render_objects(CHART, set_values=["drafterDefaults.env.COSINE_PORT=6000"])
+    assert any("containerPort 50054" in p for p in problems(objects))
+
+
+@pytest.mark.parametrize("values", [None, MULTI])
+def test_one_drafter_deployment_per_listed_model(values):
+    objects = render_objects(CHART, [values] if values else [])
+    listed = yaml.safe_load((values or CHART / "values.yaml").read_text())["drafters"]
+    drafters = {c_env["COSINE_DRAFTERS"]: w for w, _, c, spec in cosine_containers(objects) if spec.name == "drafter"
+                for c_env in [container_env(objects, c)]}
+    assert sorted(drafters) == sorted(f"{d['name']}={d['path']}" for d in listed)
+    assert len(listed) >= 2
+    hpas = by_kind(objects, "HorizontalPodAutoscaler")
+    deployments = by_kind(objects, "Deployment")
+    for hpa in hpas.values():
+        target = hpa["spec"]["scaleTargetRef"]
+        assert target["kind"] == "Deployment" and target["name"] in deployments
+        assert "replicas" not in deployments[target["name"]]["spec"], "the HPA owns replicas"
+    autoscaled = [d for d in listed if (d.get("autoscaling") or {}).get("enabled", True)]
+    assert len(hpas) == len(autoscaled) >= 1
+
+
+def test_verifier_runs_on_a_gpu_node():
+    objects = render_objects(CHART)
+    (verifier,) = [w for w, _, _, spec in cosine_containers(objects) if spec.name == "verifier"]
+    pod = verifier["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["image"].endswith("-verifier-cuda:0.1.0")
+    assert container_env(objects, container)["COSINE_DEVICE"] == "cuda"
+    cpu = render_objects(CHART, set_values=["verifier.gpu.enabled=false"])
+    (verifier,) = [w for w, _, _, spec in cosine_containers(cpu) if spec.name == "verifier"]
+    pod = verifier["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
+
+
+def test_every_workload_has_requests_and_a_pdb(rendered):
+    _, objects = rendered
+    pdbs = by_kind(objects, "PodDisruptionBudget")
+    for workload, template in pod_templates(objects):
+        for c in template["spec"]["containers"]:
+            assert c["resources"]["requests"], f"{workload['metadata']['name']}: no resource requests"
+        if workload["kind"] == "Deployment":
+            labels = template["metadata"]["labels"]
+            assert any(p["spec"]["selector"]["matchLabels"].items() <= labels.items() for p in pdbs.values()), workload["metadata"]["name"]
+
+
+def test_redis_statefulset_or_external_url():
+    objects = render_objects(CHART)
+    (sts,) = by_kind(objects, "StatefulSet").values()
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    secret = by_kind(objects, "Secret")["cosine-redis"]["stringData"]
+    assert secret["redis-url"] == f"redis://:{secret['redis-password']}@cosine-redis:6379/0"
+    external = render_objects(CHART, set_values=EXTERNAL)
+    assert "StatefulSet" not in {o["kind"] for o in external}
+    assert by_kind(external, "Secret")["cosine-redis"]["stringData"] == {"redis-url": "redis://:pw@redis.example.internal:6379/0"}
+    with pytest.raises(TemplateError, match="redis.externalUrl is required"):
+        render_objects(CHART, set_values=["redis.enabled=false"])
+
+
+def _selected(policy, labels):
+    return policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def _peers_allowed(objects, policy):
+    """Components allowed in by a policy ('*' when anyone may connect)."""
+    allowed = set()
+    components = {"gateway", "router", "verifier", "drafter", "redis", "zoo"}
+    for rule in policy["spec"]["ingress"]:
+        if not rule.get("from"):
+            return {"*"}
+        for peer in rule["from"]:
+            if "ipBlock" in peer:
+                allowed.add(f"ip:{peer['ipBlock']['cidr']}")
+                continue
+            sel = peer["podSelector"]
+            for comp in components:
+                labels = {"app.kubernetes.io/name": "cosine", "app.kubernetes.io/instance": "cosine", "app.kubernetes.io/component": comp}
+                ok = sel.get("matchLabels", {}).items() <= labels.items() and all(
+                    labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", ()))
+                if ok:
+                    allowed.add(comp)
+    return allowed
+
+
+@pytest.mark.parametrize("values", [None, MULTI])
+def test_network_policies_expose_only_the_gateway(values):
+    objects = render_objects(CHART, [values] if values else [])
+    policies = by_kind(objects, "NetworkPolicy")
+    deny = policies.pop("cosine-default-deny")
+    assert deny["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in deny["spec"]
+    for _, template in pod_templates(objects):
+        assert _selected(deny, template["metadata"]["labels"]), "every pod of the release starts from deny-all"
+    allowed = {}
+    for policy in policies.values():
+        comp = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        allowed[comp] = _peers_allowed(objects, policy)
+    expected_gateway = {"*"} if values is None else {"ip:10.0.0.0/8"}
+    # Redis: every CoSine service registers its membership there, so all four reach it; nothing else.
+    assert allowed == {"gateway": expected_gateway, "router": {"gateway"}, "verifier": {"router"}, "drafter": {"router"},
+                       "redis": {"gateway", "router", "verifier", "drafter"}}
+    ports = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p["spec"]["ingress"][0]["ports"][0]["port"] for p in policies.values()}
+    assert ports == {**{n: SPECS[n].default_port for n in SPECS}, "redis": 6379}
+    assert by_kind(objects, "Service")["cosine-gateway"]["spec"]["type"] == ("ClusterIP" if values is None else "LoadBalancer")
+    for name, svc in by_kind(objects, "Service").items():
+        if name != "cosine-gateway":
+            assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", name
+
+
+def test_models_volume_and_zoo_job():
+    objects = render_objects(CHART)
+    (job,) = by_kind(objects, "Job").values()
+    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "[ -f /models/zoo/zoo.json ]" in script and "cosine models build --profile default --out /models/zoo" in script
+    assert "cosine-models" in by_kind(objects, "PersistentVolumeClaim")
+    for _, template, c, spec in cosine_containers(objects):
+        if spec.name in ("verifier", "drafter", "gateway"):
+            mounts = {m["name"]: m for m in c["volumeMounts"]}
+            assert mounts["models"]["readOnly"] is True and mounts["models"]["mountPath"] == "/models"
+            assert [i["name"] for i in template["spec"]["initContainers"]] == ["wait-for-models"]
+    multi = render_objects(CHART, [MULTI])
+    assert "Job" not in {o["kind"] for o in multi} and "PersistentVolumeClaim" not in {o["kind"] for o in multi}
+    for _, template, c, spec in cosine_containers(multi):
+        if spec.name in ("verifier", "drafter", "gateway"):
+            volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+            assert volumes["models"]["nfs"]["server"] == "nfs.example.internal"
+            assert "initContainers" not in template["spec"]
+
+
+def test_pods_run_as_non_root_with_read_only_root(rendered):
+    _, objects = rendered
+    for workload, template in pod_templates(objects):
+        spec = template["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, workload["metadata"]["name"]
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
