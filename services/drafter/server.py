@@ -1,41 +1,133 @@
-"""Drafter service: a thin gRPC servicer over the drafter engines hosted by this process."""
+"""Drafter service: a thin gRPC servicer over the drafter engines hosted by this process.
+
+One process may host several drafter models; each is its own drafter identity to the router.
+Model work runs in a worker thread (one per process: the engines are not thread-safe and the
+cores are budgeted per process), so the event loop keeps serving health checks and streams.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
+from common.checkpoints import CheckpointError
 from common.grpc_server import ServerHandle
+from common.logs import get_logger
+from common.runtime import configure_torch_threads
+from common.service import StartupError
+from common.spec_types import DraftItem, DraftResult, StageTimings
 from common.store import Store
-from cosine.v1 import common_pb2, drafter_pb2_grpc
+from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from services.convert import draft_items_from_pb, draft_result_to_pb, model_info_to_pb
+from services.drafter.engine import DrafterEngine
 from services.drafter.settings import DrafterSettings
 
 SERVICE_NAME = "cosine.v1.Drafter"
 VERSION = "0.1.0"
+log = get_logger("drafter")
+
+
+def run_chain_step(engine: DrafterEngine, items: Sequence[DraftItem]) -> tuple[list[DraftResult], StageTimings]:
+    """One batched step, then greedy continuation for items with chain_len > 1: each further
+    position appends the item's own best candidate and proposes again (one batched forward per
+    position, all chain items together)."""
+    t0 = time.perf_counter_ns()
+    outcome = engine.run_step(items)
+    results = list(outcome.results)
+    forward_ns = outcome.timings.forward_ns
+    chains = {i: [(r.token_ids, r.probs)] for i, (item, r) in enumerate(zip(items, results))
+              if item.chain_len > 1 and r.ok and r.token_ids}
+    ended: set[int] = set()  # chains cut short by a per-item error keep what they drafted
+    for _ in range(max((items[i].chain_len for i in chains), default=1) - 1):
+        live = [i for i in chains if i not in ended and len(chains[i]) < items[i].chain_len]
+        if not live:
+            break
+        step = [DraftItem(request_id=items[i].request_id, append_ids=(chains[i][-1][0][0],), top_n=max(1, items[i].top_n)) for i in live]
+        more = engine.run_step(step)
+        forward_ns += more.timings.forward_ns
+        for i, r in zip(live, more.results):
+            if r.ok and r.token_ids:
+                chains[i].append((r.token_ids, r.probs))
+                results[i] = replace(results[i], cache_len=r.cache_len)
+            else:
+                ended.add(i)
+    for i, positions in chains.items():
+        results[i] = replace(results[i], positions=tuple(positions))
+    total = time.perf_counter_ns() - t0
+    return results, StageTimings(prefill_ns=outcome.timings.prefill_ns, forward_ns=forward_ns,
+                                 decode_ns=max(0, total - forward_ns - outcome.timings.prefill_ns), total_ns=total)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, models: dict[str, Any]):
-        self.models = models
+    def __init__(self, app: DrafterApp):
+        self.app = app
 
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.InfoResponse:
-        return common_pb2.InfoResponse(service="drafter", version=VERSION)
+        reply = common_pb2.InfoResponse(service="drafter", version=VERSION)
+        for name, engine in sorted(self.app.engines.items()):
+            reply.models.append(model_info_to_pb(engine.model_info(), name, engine.domains))
+        return reply
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this drafter hosts no model (start it with --drafters NAME=PATH)")
-        yield  # pragma: no cover
+        released: set[str] = set()
+        owned: dict[str, set[str]] = {}  # drafter id -> request ids this stream touched
+        try:
+            async for step in request_iterator:
+                received = time.perf_counter_ns()
+                engine = self.app.engines.get(step.drafter_id)
+                if engine is None:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"this process hosts no drafter {step.drafter_id!r} "
+                                        f"(it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
+                items = draft_items_from_pb(step)
+                for item in items:
+                    (released.add if item.release else owned.setdefault(step.drafter_id, set()).add)(item.request_id)
+                results, timings = await self.app.run(engine, items)
+                reply = drafter_pb2.DraftStepResult(step_id=step.step_id, drafter_id=step.drafter_id,
+                                                    results=[draft_result_to_pb(r) for r in results])
+                reply.timings.prefill_ns = timings.prefill_ns
+                reply.timings.forward_ns = timings.forward_ns
+                reply.timings.decode_ns = timings.decode_ns
+                reply.timings.total_ns = time.perf_counter_ns() - received
+                reply.timings.queue_ns = max(0, reply.timings.total_ns - timings.total_ns)
+                yield reply
+        finally:
+            # the router went away: free every cache it left behind
+            leftovers = {d: ids - released for d, ids in owned.items()}
+            if any(leftovers.values()):
+                await self.app.release(leftovers)
 
 
 class DrafterApp:
     role = "drafter"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, settings: DrafterSettings, store: Store):
+    def __init__(self, settings: DrafterSettings, store: Store, engines: dict[str, DrafterEngine]):
         self.settings = settings
         self.store = store
-        self.servicer = DrafterServicer({})
+        self.engines = engines
+        self.servicer = DrafterServicer(self)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+
+    async def run(self, engine: DrafterEngine, items: Sequence[DraftItem]) -> tuple[list[DraftResult], StageTimings]:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, run_chain_step, engine, items)
+
+    async def release(self, leftovers: dict[str, set[str]]) -> None:
+        def work() -> int:
+            n = 0
+            for d, ids in leftovers.items():
+                for rid in ids:
+                    n += bool(self.engines[d].release(rid))
+            return n
+
+        n = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        if n:
+            log.info("released caches of a closed stream", requests=n)
 
     def register(self, server: grpc.aio.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(self.servicer, server)
@@ -44,14 +136,49 @@ class DrafterApp:
         pass
 
     async def stop(self) -> None:
-        pass
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def member_info(self) -> dict[str, Any]:
-        return {"drafters": sorted(self.servicer.models)}
+        return {"drafters": sorted(self.engines)}
 
 
 async def build_app(settings: DrafterSettings, store: Store) -> DrafterApp:
-    return DrafterApp(settings, store)
+    threads = configure_torch_threads(settings.torch_threads)
+    engines: dict[str, DrafterEngine] = {}
+    for name, path in settings.parsed_drafters().items():
+        try:
+            engine = await asyncio.to_thread(
+                DrafterEngine.from_checkpoint, path, device=settings.device, dtype=settings.dtype,
+                kv_token_budget=settings.kv_budget_tokens, domains=_domains_of(path, name),
+            )
+        except (CheckpointError, ValueError) as exc:
+            raise StartupError(f"drafter {name}: {exc}") from None
+        engines[name] = engine
+        info = engine.model_info()
+        log.info("drafter loaded", drafter=name, path=path, params=info.num_parameters, fingerprint=info.tokenizer_fingerprint,
+                 domains=list(engine.domains), threads=threads)
+    if not engines:
+        log.warning("no drafter model given (--drafters NAME=PATH); this process will refuse draft steps")
+    return DrafterApp(settings, store, engines)
+
+
+def _domains_of(path: str, name: str) -> list[str]:
+    """Domains a drafter was trained for: from a model zoo's manifest next to the checkpoint, if any."""
+    import json
+    from pathlib import Path
+
+    for parent in Path(path).resolve().parents:
+        manifest = parent / "zoo.json"
+        if manifest.is_file():
+            try:
+                data = json.loads(manifest.read_text())
+            except ValueError:
+                return []
+            for key, entry in (data.get("drafters") or {}).items():
+                if key == name or Path(parent, entry.get("path", "")).resolve() == Path(path).resolve():
+                    return list(entry.get("domains") or [])
+            return []
+    return []
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,41 +1,98 @@
-"""Verifier service: a thin gRPC servicer over the verifier engine (the target model)."""
+"""Verifier service: a thin gRPC servicer over the verifier engine (the target model).
+
+Each VerifyBatch from the router is verified in one forward pass in a worker thread (the engine
+is not thread-safe; one model worker per process), so the event loop keeps answering health
+checks while the model runs.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
+from common.checkpoints import CheckpointError
 from common.grpc_server import ServerHandle
+from common.logs import get_logger
+from common.runtime import configure_torch_threads
+from common.service import StartupError
+from common.spec_types import VerifyItem, VerifyOutcome
 from common.store import Store
-from cosine.v1 import common_pb2, verifier_pb2_grpc
+from cosine.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.convert import model_info_to_pb, verdict_to_pb, verify_items_from_pb
+from services.verifier.engine import VerifierEngine
 from services.verifier.settings import VerifierSettings
 
 SERVICE_NAME = "cosine.v1.Verifier"
 VERSION = "0.1.0"
+log = get_logger("verifier")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, app: VerifierApp):
+        self.app = app
 
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.InfoResponse:
-        return common_pb2.InfoResponse(service="verifier", version=VERSION)
+        reply = common_pb2.InfoResponse(service="verifier", version=VERSION)
+        if self.app.engine is not None:
+            reply.models.append(model_info_to_pb(self.app.engine.model_info(), "target"))
+        return reply
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verifier hosts no target model (start it with --target PATH)")
-        yield  # pragma: no cover
+        engine = self.app.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verifier hosts no target model (start it with --target PATH)")
+        seen: set[str] = set()
+        released: set[str] = set()
+        try:
+            async for batch in request_iterator:
+                received = time.perf_counter_ns()
+                items = verify_items_from_pb(batch)
+                for item in items:
+                    (released.add if item.release else seen.add)(item.request_id)
+                outcome = await self.app.verify(items)
+                reply = verifier_pb2.VerifyResult(batch_id=batch.batch_id, verdicts=[verdict_to_pb(v) for v in outcome.verdicts],
+                                                  batch_tokens=outcome.batch_tokens)
+                t = outcome.timings
+                reply.timings.prefill_ns, reply.timings.forward_ns, reply.timings.decode_ns = t.prefill_ns, t.forward_ns, t.decode_ns
+                reply.timings.total_ns = time.perf_counter_ns() - received
+                reply.timings.queue_ns = max(0, reply.timings.total_ns - t.total_ns)
+                yield reply
+        finally:
+            leftovers = seen - released
+            if leftovers:
+                await self.app.release(leftovers)
 
 
 class VerifierApp:
     role = "verifier"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, settings: VerifierSettings, store: Store):
+    def __init__(self, settings: VerifierSettings, store: Store, engine: VerifierEngine | None):
         self.settings = settings
         self.store = store
-        self.servicer = VerifierServicer(None)
+        self.engine = engine
+        self.servicer = VerifierServicer(self)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
+        self.busy_ns = 0
+
+    async def verify(self, items: Sequence[VerifyItem]) -> VerifyOutcome:
+        assert self.engine is not None
+        outcome = await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.verify, items)
+        self.busy_ns += outcome.timings.total_ns
+        return outcome
+
+    async def release(self, request_ids: set[str]) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        n = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: sum(engine.release(r) for r in request_ids))
+        if n:
+            log.info("released caches of a closed stream", requests=n)
 
     def register(self, server: grpc.aio.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self.servicer, server)
@@ -44,14 +101,34 @@ class VerifierApp:
         pass
 
     async def stop(self) -> None:
-        pass
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def member_info(self) -> dict[str, Any]:
-        return {"target": self.settings.target}
+        info: dict[str, Any] = {"target": self.settings.target}
+        if self.engine is not None:
+            m = self.engine.model_info()
+            info.update(vocab_size=m.vocab_size, max_context=m.max_context, fingerprint=m.tokenizer_fingerprint,
+                        attention_backend=m.attention_backend)
+        return info
 
 
 async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
-    return VerifierApp(settings, store)
+    threads = configure_torch_threads(settings.torch_threads)
+    engine = None
+    if settings.target:
+        try:
+            engine = await asyncio.to_thread(
+                VerifierEngine.from_checkpoint, settings.target, device=settings.device, dtype=settings.dtype,
+                attention_backend=settings.attention, kv_token_budget=settings.kv_budget_tokens,
+            )
+        except (CheckpointError, ValueError) as exc:
+            raise StartupError(f"target: {exc}") from None
+        m = engine.model_info()
+        log.info("target loaded", path=settings.target, architecture=m.architecture, params=m.num_parameters,
+                 attention_backend=m.attention_backend, threads=threads, fingerprint=m.tokenizer_fingerprint)
+    else:
+        log.warning("no target model given (--target PATH); this verifier will refuse Verify streams")
+    return VerifierApp(settings, store, engine)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,25 @@
+"""Process-level runtime settings for model-serving processes."""
+
+from __future__ import annotations
+
+import os
+
+
+def configure_torch_threads(requested: int) -> int:
+    """Set torch's intra-op threads: ``requested`` when > 0, else the cores this process may use.
+    Returns the number set. Called once at start-up by the drafter and verifier."""
+    import torch
+
+    if requested > 0:
+        threads = requested
+    else:
+        try:
+            threads = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            threads = os.cpu_count() or 1
+    torch.set_num_threads(max(1, threads))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (a second engine in the same process)
+        pass
+    return torch.get_num_threads()
