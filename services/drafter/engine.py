@@ -148,7 +148,7 @@ class DrafterEngine:
         return self._many([item])[0]
 
     def _many(self, items: Sequence[DraftItem]) -> list[DraftResult]:
-        results, errors = self._run(items)
+        results, errors, _timings, _tokens = self._run(items)
         for e in errors:
             if e is not None:
                 raise e
@@ -162,11 +162,15 @@ class DrafterEngine:
         A failing item gets ``error`` set and leaves its request unchanged; the others still run.
         """
         t0 = time.perf_counter_ns()
-        results, _errors, timings, batch_tokens = self._run(items, timed=True)
+        results, _errors, timings, batch_tokens = self._run(items)
         return DraftOutcome(results=tuple(results), batch_tokens=batch_tokens,
                             timings=StageTimings(*timings, total_ns=time.perf_counter_ns() - t0))
 
-    def _run(self, items: Sequence[DraftItem], timed: bool = False):
+    def _run(
+        self, items: Sequence[DraftItem]
+    ) -> tuple[list[DraftResult], list[SpecError | None], tuple[int, int, int], int]:
+        """Results and the exception of each failed item (None otherwise), the stage times
+        ``(prefill_ns, forward_ns, decode_ns)`` and the number of tokens run through the model."""
         t0 = time.perf_counter_ns()
         results: list[DraftResult | None] = [None] * len(items)
         errors: list[SpecError | None] = [None] * len(items)
@@ -219,9 +223,8 @@ class DrafterEngine:
                 ids, probs = tuple(idx.tolist()), tuple(vals.tolist())
             results[p.index] = DraftResult(p.item.request_id, ids, probs, cache_len=state.cache.length)
         t3 = time.perf_counter_ns()
-        if timed:
-            return results, errors, (t1 - t0, t2 - t1, t3 - t2), sum(len(s.token_ids) for s in seqs)
-        return results, errors
+        batch_tokens = sum(len(s.token_ids) for s in seqs)
+        return results, errors, (t1 - t0, t2 - t1, t3 - t2), batch_tokens  # type: ignore[return-value]
 
     def _plan(self, index: int, item: DraftItem) -> _Planned:
         """Validate an item, apply its truncation and reserve room for its feed.
