@@ -287,21 +287,24 @@ class FlashAttnBackend(AttentionBackend):
     def plan(self, layout: BatchLayout, device: torch.device) -> VarlenPlan:
         dense = dense_plan(layout, device)
         S = dense.max_total
-        q_index, k_index, cu_q, cu_k = [], [], [0], [0]
+        q_index: list[int] = []
+        k_parts: list[torch.Tensor] = []
+        cu_q, cu_k = [0], [0]
         max_q = max_k = 0
         for b, off in enumerate(layout.offsets):
             L = layout.past_lens[b]
             for path in layout.paths(b) if layout.new_lens[b] else []:
                 q_index += [off + i for i in path]
-                k_index += [b * S + j for j in range(L)] + [b * S + L + i for i in path]
+                k_parts += [torch.arange(b * S, b * S + L), torch.tensor(path, dtype=torch.long) + (b * S + L)]
                 cu_q.append(cu_q[-1] + len(path))
                 cu_k.append(cu_k[-1] + L + len(path))
                 max_q, max_k = max(max_q, len(path)), max(max_k, L + len(path))
+        k_index = torch.cat(k_parts) if k_parts else torch.zeros(0, dtype=torch.long)
 
         def t(x, dt=torch.long):
             return torch.tensor(x, dtype=dt, device=device)
 
-        return VarlenPlan(dense, t(q_index), t(k_index), t(cu_q, torch.int32), t(cu_k, torch.int32), max_q, max_k)
+        return VarlenPlan(dense, t(q_index), k_index.to(device), t(cu_q, torch.int32), t(cu_k, torch.int32), max_q, max_k)
 
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: VarlenPlan, scale: float) -> torch.Tensor:
         k, v = pad_kv(kvs, plan.dense.max_total)  # [B, Hkv, S, D]
