@@ -1,0 +1,353 @@
+"""Attention backends for batched forwards over per-request KV caches with arbitrary tree masks.
+
+One interface, three implementations, chosen once at start-up (:func:`select_backend`):
+
+- ``eager``: matmul + masked softmax in fp32; the reference.
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask;
+  the CPU default.
+- ``flash_attn``: flash-attn's varlen kernel (CUDA, fp16/bf16). The kernel only knows causal
+  masks, so every sequence's new tokens are expanded into root-to-leaf paths: each path is one
+  varlen sequence ``past + path`` with a bottom-right aligned causal mask. A node shared by several
+  paths is computed once per path (identical values: it sees the same keys each time).
+
+What every backend computes, per sequence ``b`` of the batch: the new tokens (``t_b`` of them) attend
+to the ``L_b`` committed cache entries and to the new tokens that are their ancestors-or-self (a
+chain for ordinary causal decoding, a tree for verification). The layout of one forward pass is
+described once by :class:`BatchLayout`; each backend turns it into a plan (masks, index tensors)
+reused by every layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common.logs import get_logger
+
+log = get_logger(__name__)
+
+BACKENDS = ("eager", "sdpa", "flash_attn")
+
+KV = tuple[torch.Tensor, torch.Tensor]  # ([Hkv, L_b + t_b, D], [Hkv, L_b + t_b, D])
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Shape of one batched forward pass.
+
+    ``parents[b][i]``: index among sequence ``b``'s new tokens of token ``i``'s parent, or -1 when
+    it hangs off the committed cache (a chain is ``[-1, 0, 1, ...]``). Parents precede children.
+    New tokens are packed in sequence order: sequence ``b`` occupies rows
+    ``offsets[b] : offsets[b] + new_lens[b]`` of the packed ``[N, ...]`` activations.
+    """
+
+    past_lens: tuple[int, ...]
+    parents: tuple[tuple[int, ...], ...]
+
+    @property
+    def batch(self) -> int:
+        return len(self.past_lens)
+
+    @property
+    def new_lens(self) -> tuple[int, ...]:
+        return tuple(len(p) for p in self.parents)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for n in self.new_lens:
+            out.append(acc)
+            acc += n
+        return tuple(out)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_lens)
+
+    def depths(self, b: int) -> list[int]:
+        """Depth of each new token of sequence ``b`` below the committed cache (0 = first new)."""
+        d: list[int] = []
+        for p in self.parents[b]:
+            d.append(0 if p < 0 else d[p] + 1)
+        return d
+
+    def positions(self, b: int) -> list[int]:
+        """Position ids: ``past_len + depth`` (depth in the tree, not index in the array)."""
+        return [self.past_lens[b] + d for d in self.depths(b)]
+
+    def ancestor_mask(self, b: int) -> torch.Tensor:
+        """``[t_b, t_b]`` bool: entry ``[i, j]`` is True when new token ``j`` is ``i`` or an ancestor of ``i``."""
+        par = self.parents[b]
+        t = len(par)
+        m = torch.zeros((t, t), dtype=torch.bool)
+        for i, p in enumerate(par):
+            if p >= 0:
+                m[i] = m[p]
+            m[i, i] = True
+        return m
+
+    def paths(self, b: int) -> list[list[int]]:
+        """Root-to-leaf chains of new-token indices (ancestors first), one per leaf."""
+        par = self.parents[b]
+        has_child = [False] * len(par)
+        for p in par:
+            if p >= 0:
+                has_child[p] = True
+        out = []
+        for leaf in (i for i, c in enumerate(has_child) if not c):
+            path, node = [], leaf
+            while node >= 0:
+                path.append(node)
+                node = par[node]
+            out.append(path[::-1])
+        return out
+
+    def is_chain(self, b: int) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents[b]))
+
+
+class AttentionBackend:
+    """``attend(q, kvs, plan, scale)``: ``q: [N, H, D]`` packed new-token queries;
+    ``kvs[b]``: keys/values ``[Hkv, L_b + t_b, D]`` of sequence ``b`` (cache + new tokens);
+    returns ``[N, H, D]``. ``H`` must be a multiple of ``Hkv`` (GQA)."""
+
+    name = "abstract"
+
+    def plan(self, layout: BatchLayout, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+# ---- dense (padded) backends ---------------------------------------------------------------------
+
+
+@dataclass
+class DensePlan:
+    batch: int  # B
+    batch_idx: torch.Tensor  # [N] sequence of each packed row
+    row_idx: torch.Tensor  # [N] row of each packed row inside its sequence
+    max_new: int  # T
+    max_total: int  # S
+    mask: torch.Tensor | None  # [B, 1, T, S] bool (True = may attend); None = every entry visible
+    single: bool  # one sequence: no padding needed at all
+
+
+def dense_plan(layout: BatchLayout, device: torch.device) -> DensePlan:
+    B = layout.batch
+    T = max(layout.new_lens, default=0)
+    S = max((p + n for p, n in zip(layout.past_lens, layout.new_lens)), default=0)
+    mask = torch.zeros((B, 1, T, S), dtype=torch.bool)
+    bidx, ridx = [], []
+    for b in range(B):
+        L, t = layout.past_lens[b], layout.new_lens[b]
+        mask[b, 0, :t, :L] = True
+        mask[b, 0, :t, L : L + t] = layout.ancestor_mask(b)
+        mask[b, 0, t:, 0] = True  # padded query rows: any visible key keeps softmax finite; output unused
+        bidx += [b] * t
+        ridx += list(range(t))
+    full = bool(mask.all())
+    return DensePlan(
+        batch=B,
+        batch_idx=torch.tensor(bidx, dtype=torch.long, device=device),
+        row_idx=torch.tensor(ridx, dtype=torch.long, device=device),
+        max_new=T,
+        max_total=S,
+        mask=None if full else mask.to(device),
+        single=B == 1,
+    )
+
+
+def pad_kv(kvs: Sequence[KV], total: int) -> KV:
+    """Stack per-sequence keys/values ``[Hkv, S_b, D]`` into ``[B, Hkv, total, D]`` (zero padded)."""
+    if len(kvs) == 1 and kvs[0][0].shape[1] == total:
+        return kvs[0][0].unsqueeze(0), kvs[0][1].unsqueeze(0)
+    k0 = kvs[0][0]
+    shape = (len(kvs), k0.shape[0], total, k0.shape[2])
+    k = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
+    v = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
+    for b, (kb, vb) in enumerate(kvs):
+        k[b, :, : kb.shape[1]] = kb
+        v[b, :, : vb.shape[1]] = vb
+    return k, v
+
+
+def pad_queries(q: torch.Tensor, plan: DensePlan) -> torch.Tensor:
+    """Packed ``[N, H, D]`` -> padded ``[B, H, T, D]``."""
+    if plan.single:
+        return q.transpose(0, 1).unsqueeze(0)
+    out = q.new_zeros((plan.batch, plan.max_new, q.shape[1], q.shape[2]))
+    out[plan.batch_idx, plan.row_idx] = q
+    return out.transpose(1, 2)
+
+
+def unpad_output(o: torch.Tensor, plan: DensePlan) -> torch.Tensor:
+    """Padded ``[B, H, T, D]`` -> packed ``[N, H, D]``."""
+    if plan.single:
+        return o[0].transpose(0, 1)
+    return o.transpose(1, 2)[plan.batch_idx, plan.row_idx]
+
+
+class EagerBackend(AttentionBackend):
+    """Reference: explicit scores, masked softmax in fp32, GQA by repeating key/value heads."""
+
+    name = "eager"
+
+    def plan(self, layout: BatchLayout, device: torch.device) -> DensePlan:
+        return dense_plan(layout, device)
+
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+        qp = pad_queries(q, plan)  # [B, H, T, D]
+        k, v = pad_kv(kvs, plan.max_total)  # [B, Hkv, S, D]
+        rep = qp.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, H, T, S]
+        if plan.mask is not None:
+            scores = scores.masked_fill(~plan.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qp.dtype)
+        return unpad_output(torch.matmul(probs, v), plan)
+
+
+class SdpaBackend(AttentionBackend):
+    """``scaled_dot_product_attention`` with an explicit boolean mask (native GQA)."""
+
+    name = "sdpa"
+
+    def plan(self, layout: BatchLayout, device: torch.device) -> DensePlan:
+        return dense_plan(layout, device)
+
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+        qp = pad_queries(q, plan)
+        k, v = pad_kv(kvs, plan.max_total)
+        o = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
+        )
+        return unpad_output(o, plan)
+
+
+# ---- flash-attn varlen ---------------------------------------------------------------------------
+
+
+@dataclass
+class VarlenPlan:
+    dense: DensePlan
+    q_index: torch.Tensor  # [Nq] packed-row index of every query of every path
+    k_index: torch.Tensor  # [Nk] index into the flattened padded keys [B * S] of every key of every path
+    cu_q: torch.Tensor  # [P + 1] int32
+    cu_k: torch.Tensor  # [P + 1] int32
+    max_q: int
+    max_k: int
+
+
+VarlenFn = Callable[..., torch.Tensor]
+
+
+def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=True):
+    """Pure-PyTorch stand-in for ``flash_attn_varlen_func`` (bottom-right aligned causal mask).
+
+    Used to test the path expansion of :class:`FlashAttnBackend` without CUDA.
+    """
+    out = torch.empty_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        qi = q[cq[i] : cq[i + 1]].transpose(0, 1)  # [H, tq, D]
+        ki = k[ck[i] : ck[i + 1]].transpose(0, 1)
+        vi = v[ck[i] : ck[i + 1]].transpose(0, 1)
+        tq, tk = qi.shape[1], ki.shape[1]
+        mask = torch.ones((tq, tk), dtype=torch.bool, device=q.device)
+        if causal:
+            mask = torch.arange(tk, device=q.device)[None, :] <= torch.arange(tq, device=q.device)[:, None] + (tk - tq)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale, enable_gqa=qi.shape[0] != ki.shape[0])
+        out[cq[i] : cq[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn varlen kernels; trees are expanded into root-to-leaf causal paths.
+
+    ``varlen_fn`` defaults to ``flash_attn.flash_attn_varlen_func`` (imported on first use);
+    tests inject :func:`reference_varlen` to check the expansion on CPU.
+    """
+
+    name = "flash_attn"
+
+    def __init__(self, varlen_fn: VarlenFn | None = None) -> None:
+        if varlen_fn is None:
+            from flash_attn import flash_attn_varlen_func as varlen_fn  # type: ignore[no-redef]
+        self.varlen_fn = varlen_fn
+
+    def plan(self, layout: BatchLayout, device: torch.device) -> VarlenPlan:
+        dense = dense_plan(layout, device)
+        S = dense.max_total
+        q_index: list[int] = []
+        k_parts: list[torch.Tensor] = []
+        cu_q, cu_k = [0], [0]
+        max_q = max_k = 0
+        for b, off in enumerate(layout.offsets):
+            L = layout.past_lens[b]
+            for path in layout.paths(b) if layout.new_lens[b] else []:
+                q_index += [off + i for i in path]
+                k_parts += [torch.arange(b * S, b * S + L), torch.tensor(path, dtype=torch.long) + (b * S + L)]
+                cu_q.append(cu_q[-1] + len(path))
+                cu_k.append(cu_k[-1] + L + len(path))
+                max_q, max_k = max(max_q, len(path)), max(max_k, L + len(path))
+        k_index = torch.cat(k_parts) if k_parts else torch.zeros(0, dtype=torch.long)
+
+        def t(x, dt=torch.long):
+            return torch.tensor(x, dtype=dt, device=device)
+
+        return VarlenPlan(dense, t(q_index), k_index.to(device), t(cu_q, torch.int32), t(cu_k, torch.int32), max_q, max_k)
+
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: VarlenPlan, scale: float) -> torch.Tensor:
+        k, v = pad_kv(kvs, plan.dense.max_total)  # [B, Hkv, S, D]
+        B, Hkv, S, D = k.shape
+        kf = k.transpose(1, 2).reshape(B * S, Hkv, D)[plan.k_index]
+        vf = v.transpose(1, 2).reshape(B * S, Hkv, D)[plan.k_index]
+        o = self.varlen_fn(
+            q[plan.q_index].contiguous(), kf.contiguous(), vf.contiguous(), plan.cu_q, plan.cu_k,
+            plan.max_q, plan.max_k, softmax_scale=scale, causal=True,
+        )
+        out = torch.empty_like(q)
+        out[plan.q_index] = o  # a node on several paths gets the same value from each
+        return out
+
+
+# ---- selection -----------------------------------------------------------------------------------
+
+
+def flash_attn_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return (
+        torch.device(device).type == "cuda"
+        and torch.cuda.is_available()
+        and dtype in (torch.float16, torch.bfloat16)
+        and importlib.util.find_spec("flash_attn") is not None
+    )
+
+
+def select_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+    """``auto`` = ``flash_attn`` when importable on a CUDA device with a half dtype, else ``sdpa``.
+
+    Raises ``ValueError`` for an unknown name or an explicit ``flash_attn`` that cannot run here.
+    """
+    if name == "auto":
+        name = "flash_attn" if flash_attn_available(device, dtype) else "sdpa"
+    if name == "eager":
+        return EagerBackend()
+    if name == "sdpa":
+        return SdpaBackend()
+    if name == "flash_attn":
+        if not flash_attn_available(device, dtype):
+            raise ValueError(
+                "attention backend flash_attn needs the flash-attn package, a CUDA device and "
+                f"float16/bfloat16 weights (device={device}, dtype={dtype}); use sdpa or eager"
+            )
+        return FlashAttnBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, {', '.join(BACKENDS)})")

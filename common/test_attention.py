@@ -1,0 +1,113 @@
+"""Tree layouts (positions, masks, paths) and agreement of the attention backends."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.attention import (
+    BatchLayout,
+    EagerBackend,
+    FlashAttnBackend,
+    SdpaBackend,
+    reference_varlen,
+    select_backend,
+)
+
+# committed cache of 5, then: 2 uncached tokens (chain), and a tree under the last of them:
+#   u0 -> u1 -> {a(2) -> {c(4), d(5) -> e(6)}, b(3)}
+TREE_PARENTS = (-1, 0, 1, 1, 2, 2, 5)
+
+
+def test_positions_are_depths_not_indices() -> None:
+    layout = BatchLayout(past_lens=(5,), parents=(TREE_PARENTS,))
+    assert layout.depths(0) == [0, 1, 2, 2, 3, 3, 4]
+    assert layout.positions(0) == [5, 6, 7, 7, 8, 8, 9]
+
+
+def test_chain_positions_follow_the_cache() -> None:
+    layout = BatchLayout(past_lens=(0, 3), parents=((-1, 0, 1), (-1,)))
+    assert layout.positions(0) == [0, 1, 2]
+    assert layout.positions(1) == [3]
+    assert layout.offsets == (0, 3) and layout.num_tokens == 4
+    assert layout.is_chain(0) and layout.is_chain(1)
+
+
+def test_ancestor_mask_sees_self_and_ancestors_only() -> None:
+    m = BatchLayout(past_lens=(5,), parents=(TREE_PARENTS,)).ancestor_mask(0)
+    expect = {
+        0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 1, 3},
+        4: {0, 1, 2, 4}, 5: {0, 1, 2, 5}, 6: {0, 1, 2, 5, 6},
+    }
+    for i, visible in expect.items():
+        assert {j for j in range(7) if m[i, j]} == visible, i
+
+
+def test_paths_are_root_to_leaf() -> None:
+    layout = BatchLayout(past_lens=(5,), parents=(TREE_PARENTS,))
+    assert layout.paths(0) == [[0, 1, 3], [0, 1, 2, 4], [0, 1, 2, 5, 6]]
+    assert BatchLayout(past_lens=(0,), parents=((-1, 0, 1),)).paths(0) == [[0, 1, 2]]
+    assert BatchLayout(past_lens=(0,), parents=((-1, -1),)).paths(0) == [[0], [1]]
+
+
+def brute_force(q, kvs, layout, scale):
+    """Per query: softmax over exactly the keys it may see (cache + ancestors-or-self)."""
+    out = torch.empty_like(q)
+    H = q.shape[1]
+    for b, off in enumerate(layout.offsets):
+        k, v = kvs[b]
+        rep = H // k.shape[0]
+        L = layout.past_lens[b]
+        anc = layout.ancestor_mask(b)
+        for i in range(layout.new_lens[b]):
+            idx = list(range(L)) + [L + j for j in range(layout.new_lens[b]) if anc[i, j]]
+            kk = k[:, idx].repeat_interleave(rep, 0)  # [H, n, D]
+            vv = v[:, idx].repeat_interleave(rep, 0)
+            w = torch.softmax((kk @ q[off + i].unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [H, n]
+            out[off + i] = (w.unsqueeze(-1) * vv).sum(1)
+    return out
+
+
+def random_batch(seed: int, H: int = 4, Hkv: int = 2, D: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    layout = BatchLayout(
+        past_lens=(5, 0, 12, 3),
+        parents=(TREE_PARENTS, (-1, 0, 1, 2), (-1,), (-1, -1, 0, 1, 1, 1)),
+    )
+    q = torch.randn(layout.num_tokens, H, D, generator=g)
+    kvs = []
+    for L, t in zip(layout.past_lens, layout.new_lens):
+        kvs.append((torch.randn(Hkv, L + t, D, generator=g), torch.randn(Hkv, L + t, D, generator=g)))
+    return layout, q, kvs
+
+
+@pytest.mark.parametrize("backend", [EagerBackend(), SdpaBackend(), FlashAttnBackend(varlen_fn=reference_varlen)],
+                         ids=lambda b: b.name)
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
+def test_backends_match_brute_force(backend, heads) -> None:
+    layout, q, kvs = random_batch(0, H=heads[0], Hkv=heads[1])
+    scale = 1 / math.sqrt(q.shape[-1])
+    want = brute_force(q, kvs, layout, scale)
+    got = backend.attend(q, kvs, backend.plan(layout, torch.device("cpu")), scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_single_sequence_without_padding() -> None:
+    layout = BatchLayout(past_lens=(7,), parents=((-1,),))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 8, generator=g)
+    kvs = [(torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g))]
+    plan = SdpaBackend().plan(layout, torch.device("cpu"))
+    assert plan.mask is None and plan.single
+    torch.testing.assert_close(SdpaBackend().attend(q, kvs, plan, 0.3), brute_force(q, kvs, layout, 0.3))
+
+
+def test_select_backend() -> None:
+    assert select_backend("auto", "cpu", torch.float32).name == "sdpa"
+    assert select_backend("eager", "cpu", torch.float32).name == "eager"
+    with pytest.raises(ValueError, match="flash_attn needs"):
+        select_backend("flash_attn", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("xformers", "cpu", torch.float32)

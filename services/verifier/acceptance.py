@@ -1,0 +1,125 @@
+"""Acceptance rules: how the verifier decides which draft nodes the target agrees with.
+
+A rule sees one request's token tree and the target's logits for it and returns the accepted
+path and the next token. It is chosen per request from the request's :class:`SamplingParams` by
+a rule factory injected into the engine (:func:`default_rule_factory`), so the engine itself has
+no greedy/sampling branches.
+
+``logits`` layout, shared by every rule: ``[n + 1, vocab]`` where row 0 is the target's
+distribution for the tree's roots (the position after the last committed token) and row
+``1 + i`` is the distribution for the children of node ``i``.
+
+Both rules are lossless:
+
+- greedy: the committed sequence is exactly the target's argmax continuation, because a node is
+  kept only when it equals the argmax at its parent, and the next token is the argmax where the
+  walk stopped.
+- sampling: drafts are deterministic proposals (q = a point mass), so speculative sampling's
+  accept probability ``min(1, p(x) / q(x))`` is ``p(x)`` and its residual ``norm(max(p - q, 0))`` is
+  ``p`` with ``x`` zeroed. Trying the siblings in order against the successively zeroed and
+  renormalised ``p`` (SpecInfer's multi-step rule) yields exactly ``p``:
+  P(out = y) = p(y) for a tried-and-accepted ``y`` and the residual mass for the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from common.spec_types import SamplingParams, TokenTree
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Accepted node indices (root first) and the target's next token after them."""
+
+    accepted_nodes: tuple[int, ...]
+    next_token: int
+
+
+class AcceptanceRule(Protocol):
+    def decide(self, tree: TokenTree, logits: torch.Tensor, generator: torch.Generator | None) -> Decision:
+        """``logits: [len(tree) + 1, vocab]`` (see the module docstring)."""
+        ...
+
+
+RuleFactory = Callable[[SamplingParams], AcceptanceRule]
+
+
+class GreedyRule:
+    """Walk the tree following the child equal to the target's argmax; stop where none matches."""
+
+    def decide(self, tree: TokenTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Decision:
+        argmax = logits.argmax(dim=-1).tolist()  # [n + 1]
+        children = tree.children
+        accepted: list[int] = []
+        node = -1
+        while True:
+            target = argmax[node + 1]  # row 0 for the roots, row 1 + i below node i
+            match = next((c for c in children[node] if tree.tokens[c] == target), None)
+            if match is None:
+                return Decision(tuple(accepted), target)  # correction (or bonus at a leaf)
+            accepted.append(match)
+            node = match
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The target's sampling distribution for one position: temperature, then top-k, then top-p.
+
+    ``logits: [vocab]`` -> float64 probabilities ``[vocab]`` on the CPU. Top-p keeps the smallest
+    prefix of the sorted distribution whose mass reaches ``top_p`` (at least one token).
+    """
+    x = logits.detach().to("cpu", torch.float64) / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if 0.0 < params.top_p < 1.0:
+        sorted_p, order = torch.sort(p, descending=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop = mass_before >= params.top_p
+        drop[0] = False
+        p = p.clone()
+        p[order[drop]] = 0.0
+        p = p / p.sum()
+    return p
+
+
+class SamplingRule:
+    """Speculative sampling with deterministic drafts over a tree (see the module docstring)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+
+    def decide(self, tree: TokenTree, logits: torch.Tensor, generator: torch.Generator | None) -> Decision:
+        children = tree.children
+        accepted: list[int] = []
+        node = -1
+        while True:
+            p = target_probs(logits[node + 1], self.params)
+            chosen = None
+            for c in children[node]:
+                x = tree.tokens[c]
+                mass = float(p.sum())
+                px = float(p[x]) / mass if mass > 0 else 0.0
+                # accept x with probability p(x) under the renormalised residual ...
+                if px > 0.0 and float(torch.rand((), generator=generator, dtype=torch.float64)) < px:
+                    chosen = c
+                    break
+                # ... otherwise remove it: the residual is p with x zeroed
+                p[x] = 0.0
+            if chosen is None:
+                if float(p.sum()) <= 0.0:  # only reachable through rounding: every token was tried
+                    p = target_probs(logits[node + 1], self.params)
+                token = int(torch.multinomial(p / p.sum(), 1, generator=generator))
+                return Decision(tuple(accepted), token)
+            accepted.append(chosen)
+            node = chosen
+
+
+def default_rule_factory(params: SamplingParams) -> AcceptanceRule:
+    """Greedy at temperature 0, speculative sampling otherwise."""
+    return GreedyRule() if params.greedy else SamplingRule(params)

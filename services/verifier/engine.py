@@ -1,0 +1,272 @@
+"""Verifier engine: verifies a batch of token trees against the target model in one forward pass.
+
+Per request the engine keeps the committed sequence (prompt + generated tokens) and a KV cache.
+
+Cache invariant: between batches the cache holds the keys/values of every committed token
+**except the last one**. The last committed token (the next token of the previous verdict, or
+the prompt's last token) has not been through the model yet; its row is computed in the next pass
+together with the tree, and its logits are the target's distribution for the tree's roots.
+
+One verify pass for a request with ``C`` cached tokens, committed length ``N`` (after
+``append_ids``) and an ``n``-node tree feeds ``s = N - C`` uncached committed tokens as a causal chain
+followed by the tree nodes (each sees the committed prefix and its own ancestors only; a node of
+depth ``d`` gets position ``N - 1 + d``)::
+
+    new tokens   [ u_0 ... u_{s-1} | node_0 ... node_{n-1} ]
+    logit rows                 s-1 | s    ...   s+n-1         -> [n + 1, vocab]
+
+After the acceptance rule has spoken, only the uncached committed tokens and the accepted path
+keep their cache entries (the rejected nodes' entries are dropped), so the invariant holds again:
+cache = ``N + len(accepted)`` tokens, committed = that + 1.
+
+FASER-style early pruning (dropping clearly-rejected nodes after the first layers) is not
+implemented: a node's acceptance depends on its parent's *final* logits, so pruning on
+early-layer evidence cannot be guaranteed never to change the output without a re-run fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.lm_runner import LMRunner, SeqInput
+from common.logs import get_logger
+from common.kv_cache import KVCache
+from common.spec_types import (
+    ContextTooLong,
+    InvalidInput,
+    ModelInfo,
+    SpecError,
+    StageTimings,
+    UnknownRequest,
+    Verdict,
+    VerifyItem,
+    VerifyOutcome,
+)
+from services.verifier.acceptance import RuleFactory, default_rule_factory
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RequestState:
+    """One request's committed sequence, cache (all committed tokens but the last) and generator."""
+
+    request_id: str
+    tokens: list[int]
+    cache: KVCache
+    generator: torch.Generator | None = None
+    verdicts: int = field(default=0)
+
+
+@dataclass
+class _Planned:
+    index: int
+    state: RequestState
+    item: VerifyItem
+    uncached: list[int]
+    new: bool
+
+
+class VerifierEngine:
+    """The target model plus per-request state. Not thread-safe: call from one worker."""
+
+    def __init__(
+        self,
+        runner: LMRunner,
+        *,
+        kv_token_budget: int | None = None,
+        rule_factory: RuleFactory = default_rule_factory,
+        seed: int | None = None,
+    ) -> None:
+        self.runner = runner
+        self.pool = runner.new_pool(kv_token_budget)
+        self.rule_factory = rule_factory
+        self._requests: dict[str, RequestState] = {}
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        log.info("verifier_engine_ready", model=runner.name, attention_backend=runner.backend.name,
+                 kv_token_budget=kv_token_budget, max_context=runner.max_context)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention_backend: str = "auto",
+        kv_token_budget: int | None = None,
+        rule_factory: RuleFactory = default_rule_factory,
+        seed: int | None = None,
+    ) -> VerifierEngine:
+        runner = LMRunner.from_checkpoint(path, dtype=dtype, device=device, backend=attention_backend)
+        return cls(runner, kv_token_budget=kv_token_budget, rule_factory=rule_factory, seed=seed)
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        r = self.runner
+        return ModelInfo(
+            model_name=r.name, architecture=r.architecture, vocab_size=r.vocab_size,
+            tokenizer_fingerprint=r.tokenizer_fingerprint, num_parameters=r.num_parameters,
+            dtype=str(r.dtype).removeprefix("torch."), device=str(r.device),
+            attention_backend=r.backend.name, max_context=r.max_context,
+        )
+
+    def committed(self, request_id: str) -> tuple[int, ...]:
+        """The request's committed sequence (prompt + generated)."""
+        return tuple(self._state(request_id).tokens)
+
+    def cache_len(self, request_id: str) -> int:
+        return self._state(request_id).cache.length
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def kv_reserved_tokens(self) -> int:
+        return self.pool.reserved_tokens
+
+    def release(self, request_id: str) -> bool:
+        """Free a request's cache and state; False when it was not known."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        state.cache.release()
+        return True
+
+    def _state(self, request_id: str) -> RequestState:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise UnknownRequest(f"unknown request {request_id!r} (never seen or released)") from None
+
+    # ---- verification ------------------------------------------------------------------------
+
+    def verify(self, items: Sequence[VerifyItem]) -> VerifyOutcome:
+        """Verify a batch: one forward pass for every item that passes validation.
+
+        A failing item gets a verdict with ``error`` set and leaves its request unchanged; the others
+        still run. A request may appear only once per batch.
+        """
+        t0 = time.perf_counter_ns()
+        verdicts: list[Verdict | None] = [None] * len(items)
+        planned: list[_Planned] = []
+        seen: set[str] = set()
+        for i, item in enumerate(items):
+            if item.request_id in seen:
+                verdicts[i] = Verdict(item.request_id, error=f"request {item.request_id!r} appears twice in one batch")
+                continue
+            seen.add(item.request_id)
+            if item.release:
+                self.release(item.request_id)
+                verdicts[i] = Verdict(item.request_id)
+                continue
+            try:
+                planned.append(self._plan(i, item))
+            except SpecError as exc:
+                verdicts[i] = Verdict(item.request_id, error=str(exc))
+
+        t1 = time.perf_counter_ns()
+        seqs = [self._seq_input(p) for p in planned]
+        try:
+            logits = self.runner.forward(seqs)
+        except Exception as exc:  # e.g. a device OOM: fail this batch, keep every request consistent
+            log.error("verify_forward_failed", error=repr(exc), batch=len(seqs))
+            for p in planned:
+                p.state.cache.discard_pending()
+                if p.new:
+                    self._drop(p.state)
+                verdicts[p.index] = Verdict(p.item.request_id, error=f"verify forward failed: {exc}")
+            planned, logits = [], []
+        t2 = time.perf_counter_ns()
+
+        for p, lg in zip(planned, logits):
+            verdicts[p.index] = self._decide(p, lg)
+        t3 = time.perf_counter_ns()
+        timings = StageTimings(prefill_ns=t1 - t0, forward_ns=t2 - t1, decode_ns=t3 - t2, total_ns=t3 - t0)
+        batch_tokens = sum(len(s.token_ids) for s in seqs)
+        return VerifyOutcome(verdicts=tuple(v for v in verdicts if v is not None), batch_tokens=batch_tokens, timings=timings)
+
+    def _plan(self, index: int, item: VerifyItem) -> _Planned:
+        """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""
+        vocab = self.runner.vocab_size
+        item.sampling.validate()
+        item.tree.validate(vocab)
+        for t in item.append_ids:
+            if not 0 <= t < vocab:
+                raise InvalidInput(f"append_ids: token id {t} outside the vocabulary [0, {vocab})")
+        state = self._requests.get(item.request_id)
+        new = state is None
+        if new and not item.append_ids:
+            raise UnknownRequest(f"unknown request {item.request_id!r}: the first verify item must carry the prompt in append_ids")
+        committed = (0 if new else len(state.tokens)) + len(item.append_ids)
+        after = committed + item.tree.depth + 1
+        if after > self.runner.max_context:
+            raise ContextTooLong(
+                f"request {item.request_id!r}: {committed} committed tokens + tree depth {item.tree.depth} + 1 "
+                f"exceeds the model's maximum context of {self.runner.max_context}"
+            )
+        if new:
+            gen = None
+            if item.sampling.seed is not None:
+                gen = torch.Generator().manual_seed(int(item.sampling.seed))
+            state = RequestState(item.request_id, [], self.pool.new_cache(), gen)
+        uncached = state.tokens[state.cache.length :] + list(item.append_ids)
+        try:
+            state.cache.reserve(len(uncached) + len(item.tree))
+        except SpecError:
+            if new:
+                state.cache.release()
+            raise
+        if new:
+            self._requests[item.request_id] = state
+        return _Planned(index, state, item, uncached, new)
+
+    @staticmethod
+    def _seq_input(p: _Planned) -> SeqInput:
+        s, tree = len(p.uncached), p.item.tree
+        parents = tuple(range(-1, s - 1)) + tuple(s - 1 if q < 0 else s + q for q in tree.parents)
+        return SeqInput(
+            cache=p.state.cache,
+            token_ids=tuple(p.uncached) + tree.tokens,
+            parents=parents,
+            logit_rows=tuple(range(s - 1, s + len(tree))),
+        )
+
+    def _decide(self, p: _Planned, logits: torch.Tensor) -> Verdict:
+        """Apply the request's acceptance rule to ``logits: [n + 1, vocab]`` and commit the result."""
+        state, item, tree = p.state, p.item, p.item.tree
+        rule = self.rule_factory(item.sampling)
+        decision = rule.decide(tree, logits, state.generator or self._generator)
+        s = len(p.uncached)
+        # keep the uncached committed tokens and the accepted path; drop every other tree entry
+        state.cache.commit(list(range(s)) + [s + a for a in decision.accepted_nodes])
+        accepted_tokens = tuple(tree.tokens[a] for a in decision.accepted_nodes)
+        state.tokens += [*item.append_ids, *accepted_tokens, decision.next_token]
+        state.verdicts += 1
+        flags = [False] * len(tree)
+        for a in decision.accepted_nodes:
+            flags[a] = True
+        return Verdict(
+            request_id=item.request_id,
+            accepted_nodes=decision.accepted_nodes,
+            accepted_tokens=accepted_tokens,
+            next_token=decision.next_token,
+            node_accepted=tuple(flags),
+            committed_len=len(state.tokens),
+        )
+
+    def _drop(self, state: RequestState) -> None:
+        if self._requests.get(state.request_id) is state:
+            del self._requests[state.request_id]
+        state.cache.release()
