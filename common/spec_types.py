@@ -43,6 +43,19 @@ class InvalidInput(SpecError):
     """Malformed input: bad token ids, an inconsistent tree, bad sampling parameters."""
 
 
+def error_kind(exc: BaseException) -> str:
+    """The protocol's name for a failure (Verdict.error_kind), which the router maps to a status."""
+    if isinstance(exc, KVBudgetExceeded):
+        return "kv_budget"
+    if isinstance(exc, ContextTooLong):
+        return "context"
+    if isinstance(exc, InvalidInput):
+        return "invalid"
+    if isinstance(exc, UnknownRequest):
+        return "unknown_request"
+    return "internal"
+
+
 # ---- sampling ------------------------------------------------------------------------------------
 
 
@@ -171,6 +184,7 @@ class Verdict:
     node_accepted: tuple[bool, ...] = ()
     committed_len: int = 0
     error: str = ""
+    error_kind: str = ""  # kv_budget | context | invalid | unknown_request | internal
 
     @property
     def ok(self) -> bool:
@@ -194,6 +208,9 @@ class DraftItem:
        fused token of the previous step).
     3. ``top_n > 0`` returns the top-n candidates for the next position; 0 = append only.
     ``release`` frees the request and ignores the rest.
+    ``chain_len > 1`` asks the service to continue greedily on its own for that many positions
+    (chunk drafting; see services/drafter/server.py). ``score_append`` asks for the mean
+    log-probability the drafter gives ``append_ids[1:]`` (the router's domain signal).
     """
 
     request_id: str
@@ -201,6 +218,8 @@ class DraftItem:
     append_ids: tuple[int, ...] = ()
     top_n: int = 0
     release: bool = False
+    chain_len: int = 0
+    score_append: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,6 +232,8 @@ class DraftResult:
     probs: tuple[float, ...] = ()
     cache_len: int = 0
     error: str = ""
+    positions: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()  # chain drafting: (ids, probs) per position
+    append_logprob: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -193,7 +193,8 @@ class DrafterEngine:
 
         t1 = time.perf_counter_ns()
         running = [p for p in planned if p.feed]
-        seqs = [SeqInput(p.state.cache, tuple(p.feed)) for p in running]
+        seqs = [SeqInput(p.state.cache, tuple(p.feed), logit_rows=tuple(range(len(p.feed))) if p.item.score_append else None)
+                for p in running]
         try:
             logits = self.runner.forward(seqs)
         except Exception as exc:  # e.g. a device OOM: fail the items that needed the pass
@@ -209,9 +210,15 @@ class DrafterEngine:
             failed = {p.index for p in running}
             planned = [p for p in planned if p.index not in failed]
             running, logits = [], []
+        scores: dict[int, float] = {}
         for p, lg in zip(running, logits):
             p.state.cache.commit(len(p.feed))
             p.state.next_probs = torch.softmax(lg[-1], dim=-1)  # [vocab], temperature 1
+            if p.item.score_append and len(p.feed) > 1:
+                # mean log p(feed[i+1] | ..., feed[i]) over the fed tokens: lg is [len(feed), vocab]
+                logp = torch.log_softmax(lg[:-1], dim=-1)
+                nxt = torch.tensor(p.feed[1:], dtype=torch.long, device=logp.device)
+                scores[p.index] = float(logp.gather(1, nxt.unsqueeze(1)).mean())
         t2 = time.perf_counter_ns()
 
         for p in planned:
@@ -221,7 +228,8 @@ class DrafterEngine:
             if top_n > 0:
                 vals, idx = torch.topk(state.next_probs, min(top_n, state.next_probs.shape[-1]))
                 ids, probs = tuple(idx.tolist()), tuple(vals.tolist())
-            results[p.index] = DraftResult(p.item.request_id, ids, probs, cache_len=state.cache.length)
+            results[p.index] = DraftResult(p.item.request_id, ids, probs, cache_len=state.cache.length,
+                                           append_logprob=scores.get(p.index))
         t3 = time.perf_counter_ns()
         batch_tokens = sum(len(s.token_ids) for s in seqs)
         return results, errors, (t1 - t0, t2 - t1, t3 - t2), batch_tokens  # type: ignore[return-value]

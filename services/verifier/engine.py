@@ -44,6 +44,7 @@ from common.spec_types import (
     StageTimings,
     UnknownRequest,
     Verdict,
+    error_kind,
     VerifyItem,
     VerifyOutcome,
 )
@@ -164,7 +165,7 @@ class VerifierEngine:
         seen: set[str] = set()
         for i, item in enumerate(items):
             if item.request_id in seen:
-                verdicts[i] = Verdict(item.request_id, error=f"request {item.request_id!r} appears twice in one batch")
+                verdicts[i] = Verdict(item.request_id, error=f"request {item.request_id!r} appears twice in one batch", error_kind="invalid")
                 continue
             seen.add(item.request_id)
             if item.release:
@@ -174,7 +175,7 @@ class VerifierEngine:
             try:
                 planned.append(self._plan(i, item))
             except SpecError as exc:
-                verdicts[i] = Verdict(item.request_id, error=str(exc))
+                verdicts[i] = Verdict(item.request_id, error=str(exc), error_kind=error_kind(exc))
 
         t1 = time.perf_counter_ns()
         seqs = [self._seq_input(p) for p in planned]
@@ -186,7 +187,7 @@ class VerifierEngine:
                 p.state.cache.discard_pending()
                 if p.new:
                     self._drop(p.state)
-                verdicts[p.index] = Verdict(p.item.request_id, error=f"verify forward failed: {exc}")
+                verdicts[p.index] = Verdict(p.item.request_id, error=f"verify forward failed: {exc}", error_kind="internal")
             planned, logits = [], []
         t2 = time.perf_counter_ns()
 

@@ -1,0 +1,60 @@
+"""In-process drafter pool and verifier for the router core: the real engines, called directly.
+
+Used by tests (lossless checks of routing + fusion + pipelining without sockets) and by the
+benchmark's single-process baselines. Engines are called on the event loop's thread, one call at
+a time, as the services do in their worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
+from services.drafter.engine import DrafterEngine
+from services.drafter.server import run_chain_step
+from services.verifier.engine import VerifierEngine
+
+
+class LocalDrafterPool:
+    def __init__(self, engines: Mapping[str, DrafterEngine], fail_after: Mapping[str, int] | None = None):
+        self.engines = dict(engines)
+        self.failed: dict[str, str] = {}
+        self.calls: dict[str, int] = {d: 0 for d in engines}
+        self.fail_after = dict(fail_after or {})  # drafter -> calls after which it "crashes" (tests)
+
+    def live(self) -> list[str]:
+        return sorted(d for d in self.engines if d not in self.failed)
+
+    def domains(self, drafter_id: str) -> list[str]:
+        return list(self.engines[drafter_id].domains) or [drafter_id]
+
+    async def draft(self, drafter_id: str, items: Sequence[DraftItem]) -> list[DraftResult]:
+        self.calls[drafter_id] += 1
+        if drafter_id in self.fail_after and self.calls[drafter_id] > self.fail_after[drafter_id]:
+            raise ConnectionError(f"drafter {drafter_id} is gone")
+        results, _ = run_chain_step(self.engines[drafter_id], items)
+        return results
+
+    def release(self, drafter_id: str, request_ids: Sequence[str]) -> None:
+        if drafter_id in self.failed:
+            return
+        for rid in request_ids:
+            self.engines[drafter_id].release(rid)
+
+    def mark_failed(self, drafter_id: str, reason: str) -> None:
+        self.failed[drafter_id] = reason
+
+
+class LocalVerifier:
+    def __init__(self, engine: VerifierEngine):
+        self.engine = engine
+        self.batches: list[int] = []
+
+    async def verify(self, items: Sequence[VerifyItem]) -> tuple[list[Verdict], int]:
+        outcome = self.engine.verify(items)
+        self.batches.append(len(items))
+        return list(outcome.verdicts), outcome.timings.total_ns
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.engine.release(rid)

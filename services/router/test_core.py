@@ -1,0 +1,149 @@
+"""The router core end to end in one process, with the real engines: greedy output through
+routing, token fusion, chunk fusion, trees and pipelined rounds equals the target's own greedy
+decode; a drafter that dies mid-request does not fail it; caches are freed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from common.spec_types import GREEDY
+from services.drafter.engine import DrafterEngine
+from services.router.core import RouterConfig, RouterCore, common_prefix, sync_item
+from services.router.inprocess import LocalDrafterPool, LocalVerifier
+from services.verifier.engine import VerifierEngine
+from services.verifier.test_greedy_equality import hf_greedy, make_prompts
+
+MAX_NEW = 24
+
+
+async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
+    core.start()
+    try:
+        reqs = {rid: core.submit(rid, p, max_new, GREEDY) for rid, p in prompts.items()}
+        out: dict[str, list[int]] = {}
+        for rid, req in reqs.items():
+            tokens: list[int] = []
+            while True:
+                ev = await asyncio.wait_for(req.events.get(), 120)
+                assert ev.error is None, ev.error
+                tokens += ev.tokens
+                if ev.finished:
+                    assert ev.finish_reason == "length"
+                    break
+            out[rid] = tokens
+        return out
+    finally:
+        await core.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(llama_target: Path, llama_near: Path, llama_small: Path):
+    verifier = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa")
+    drafters = {
+        "near": DrafterEngine.from_checkpoint(llama_near, domains=("near-domain",)),
+        "small": DrafterEngine.from_checkpoint(llama_small, domains=("small-domain",)),
+        "self": DrafterEngine.from_checkpoint(llama_target, domains=("self-domain",)),
+    }
+    return verifier, drafters
+
+
+@pytest.fixture(scope="module")
+def reference(llama_target: Path, engines) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    prompts = make_prompts(6, engines[0].runner.vocab_size, seed=21)
+    return prompts, hf_greedy(llama_target, prompts, MAX_NEW)
+
+
+CONFIGS = {
+    "token-fusion-2-drafters": RouterConfig(drafters_per_request=2, tree_width=3, rounds_in_flight=2),
+    "token-fusion-width-1": RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, max_batch_requests=2),
+    "chunk-fusion": RouterConfig(drafters_per_request=2, fusion="chunk", rounds_in_flight=2),
+    "all-drafters-no-routing": RouterConfig(all_drafters=True, routing=False, adaptive_k=False, initial_k=3),
+    "tight-budget": RouterConfig(drafters_per_request=3, verify_token_budget=8, max_k=8, initial_k=6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_router_output_equals_target_greedy(name, engines, reference):
+    verifier, drafters = engines
+    prompts, expected = reference
+    pool = LocalDrafterPool(drafters)
+    core = RouterCore(CONFIGS[name], pool, LocalVerifier(verifier))
+    got = asyncio.run(generate_all(core, prompts, MAX_NEW))
+    assert got == expected
+    assert core.counters.rounds > 0 and core.counters.accepted_tokens > 0
+    # every cache was freed
+    assert verifier.active_requests == 0
+    assert all(e.active_requests == 0 for e in drafters.values())
+
+
+def test_dead_drafter_does_not_fail_its_requests(engines, reference):
+    verifier, drafters = engines
+    prompts, expected = reference
+    pool = LocalDrafterPool(drafters, fail_after={"near": 3, "self": 5})
+    core = RouterCore(RouterConfig(drafters_per_request=2), pool, LocalVerifier(verifier))
+    got = asyncio.run(generate_all(core, prompts, MAX_NEW))
+    assert got == expected
+    assert set(pool.failed) == {"near", "self"}
+    assert verifier.active_requests == 0 and drafters["small"].active_requests == 0
+    for d in pool.failed:  # a dead drafter process takes its caches with it; here the engines live on
+        for rid in prompts:
+            drafters[d].release(rid)
+
+
+def test_no_drafter_falls_back_to_plain_decoding(engines, reference):
+    verifier, _ = engines
+    prompts, expected = reference
+    core = RouterCore(RouterConfig(), LocalDrafterPool({}), LocalVerifier(verifier))
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+
+
+def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference):
+    """A prompt written by the target is most likely under the target-like drafters."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    text = {rid: prompts[rid] + expected[rid] for rid in prompts}
+
+    async def body():
+        core = RouterCore(RouterConfig(), LocalDrafterPool({"near": drafters["near"], "small": drafters["small"]}), LocalVerifier(verifier))
+        reqs = [core.submit(rid, t, 4, GREEDY) for rid, t in text.items()]
+        await core._score_prompts(reqs, ["near", "small"])
+        for r in reqs:
+            core._finish(r, "cancelled")
+        return [r.domain for r in reqs]
+
+    assert asyncio.run(body()) == ["near-domain"] * len(text)
+
+
+def test_cancel_frees_caches(engines, reference):
+    verifier, drafters = engines
+    prompts, _ = reference
+
+    async def body():
+        core = RouterCore(RouterConfig(), LocalDrafterPool(drafters), LocalVerifier(verifier))
+        core.start()
+        req = core.submit("c1", prompts["r1"], 200, GREEDY)
+        await asyncio.wait_for(req.events.get(), 60)  # first round done
+        core.cancel("c1")
+        while True:
+            ev = await asyncio.wait_for(req.events.get(), 60)
+            if ev.finished:
+                break
+        await core.stop()
+        return ev
+
+    ev = asyncio.run(body())
+    assert ev.finish_reason == "cancelled"
+    assert verifier.active_requests == 0 and all(e.active_requests == 0 for e in drafters.values())
+
+
+def test_sync_item_rolls_back_to_common_prefix():
+    item, after = sync_item([1, 2, 3, 9, 9], [1, 2, 3, 4], top_n=2)
+    assert (item.truncate_to, item.append_ids, after) == (3, (4,), [1, 2, 3, 4])
+    item, _ = sync_item([1, 2], [1, 2, 3, 4], top_n=2)
+    assert (item.truncate_to, item.append_ids) == (-1, (3, 4))
+    item, _ = sync_item([1, 2, 3], [1, 2, 3], top_n=2)  # nothing new: re-feed the last token
+    assert (item.truncate_to, item.append_ids) == (2, (3,))
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
