@@ -1,0 +1,222 @@
+"""The whole system as separate processes on loopback: real redis-server, the four services over
+real gRPC, the tiny model zoo from disk. Greedy output through the gateway must equal the target's
+own greedy decode."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import grpc
+import pytest
+
+from common.checkpoints import load_causal_lm, load_tokenizer
+from common.store import Store
+from cosine.v1 import gateway_pb2, gateway_pb2_grpc
+from cosine_cli.cluster import ClusterSpec, LocalCluster
+from cosine_cli.commands import seed_profiles
+from cosine_client import AsyncClient, Client, InvalidArgument
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 24
+
+
+def spec_for(zoo, tmp_path, **kw) -> ClusterSpec:
+    return ClusterSpec(
+        target=str(zoo.target.path), drafters={n: str(d.path) for n, d in zoo.drafters.items()},
+        log_dir=str(tmp_path / "logs"), cores=2, **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_zoo, tmp_path_factory):
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path_factory.mktemp("cluster")))
+    c.start(progress=False)
+    asyncio.run(seed_profiles(c.redis_url, c.spec.prefix, tiny_zoo.acceptance, 20.0))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_zoo):
+    return [(d, p) for d in sorted(tiny_zoo.prompts) for p in tiny_zoo.prompts[d][:3]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_zoo, workload):
+    tok = load_tokenizer(tiny_zoo.target.path)
+    model = load_causal_lm(tiny_zoo.target.path)
+    import torch
+
+    out = {}
+    for _, prompt in workload:
+        ids = torch.tensor([tok(prompt).input_ids])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        out[prompt] = gen[0, ids.shape[1]:].tolist()
+    return out
+
+
+async def run_all(address, workload, **kw):
+    async with AsyncClient(address, timeout=120) as client:
+        return await asyncio.gather(*(client.generate(p, max_new_tokens=MAX_NEW, **kw) for _, p in workload))
+
+
+def test_concurrent_greedy_equals_target_across_domains(cluster, workload, reference, tiny_zoo):
+    results = asyncio.run(run_all(cluster.gateway_address, workload))
+    for (domain, prompt), res in zip(workload, results):
+        assert list(res.token_ids) == reference[prompt], f"{domain}: {prompt!r}"
+        assert res.usage.completion_tokens == len(res.token_ids)
+        assert res.stats.rounds >= 1
+    # speculation really happened: more than one token per round on average
+    rounds = sum(r.stats.rounds for r in results)
+    assert sum(len(r.token_ids) for r in results) / rounds > 1.2
+    # routing: a request's own domain specialist is among its drafters most of the time
+    specialist = {d: n for n, e in tiny_zoo.drafters.items() for d in e.domains if len(e.domains) == 1}
+    hits = [specialist[d] in r.stats.drafters_used for (d, _), r in zip(workload, results) if d in specialist]
+    assert sum(hits) / len(hits) >= 0.7, hits
+
+
+def test_stream_yields_the_same_tokens_as_unary(cluster, workload, reference):
+    _, prompt = workload[0]
+    with Client(cluster.gateway_address, timeout=60) as client:
+        chunks = list(client.stream(prompt, max_new_tokens=MAX_NEW))
+        unary = client.generate(prompt, max_new_tokens=MAX_NEW)
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids) == reference[prompt]
+    assert "".join(c.text for c in chunks) == unary.text
+    assert chunks[-1].finished and chunks[-1].stats.rounds == unary.stats.rounds
+    assert sum(1 for c in chunks if c.token_ids) > 1  # really streamed, round by round
+
+
+def test_stop_strings_cut_the_text(cluster, workload):
+    _, prompt = workload[0]
+    with Client(cluster.gateway_address, timeout=60) as client:
+        full = client.generate(prompt, max_new_tokens=MAX_NEW)
+        if len(full.text) < 4:
+            pytest.skip("generation too short to cut")
+        stop = full.text[2:4]
+        cut = client.generate(prompt, max_new_tokens=MAX_NEW, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x", max_new_tokens=100000), "max_new_tokens"),
+        (dict(prompt="x", temperature=-1.0), "temperature"),
+        (dict(prompt="x", top_p=2.0), "top_p"),
+        (dict(prompt_ids=[10**9]), "prompt_ids"),
+        (dict(prompt="x" * 200000), "prompt"),
+    ],
+)
+def test_invalid_input_gets_invalid_argument_naming_the_field(cluster, kwargs, field):
+    with Client(cluster.gateway_address, timeout=30) as client:
+        with pytest.raises(InvalidArgument) as info:
+            prompt = kwargs.pop("prompt", None)
+            client.generate(prompt, **kwargs)
+    assert info.value.message.startswith(field + ":")
+
+
+def test_unknown_field_is_rejected(cluster):
+    req = gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=4)
+    raw = req.SerializeToString() + bytes([0xF8, 0x06, 0x01])  # field 111, varint 1
+    with grpc.insecure_channel(cluster.gateway_address) as channel:
+        call = channel.unary_unary("/cosine.v1.Gateway/Generate", request_serializer=lambda b: b,
+                                   response_deserializer=gateway_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            call(raw, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "111" in info.value.details()
+
+
+def request_keys(cluster) -> list[str]:
+    async def body():
+        store = Store.from_url(cluster.redis_url, prefix=cluster.spec.prefix)
+        try:
+            return await store.request_ids()
+        finally:
+            await store.close()
+
+    return asyncio.run(body())
+
+
+def router_active(cluster) -> int:
+    from cosine.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        return router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5).active_requests
+
+
+def test_deadline_and_cancel_free_request_state(cluster, workload):
+    _, prompt = workload[0]
+    with Client(cluster.gateway_address) as client:
+        with pytest.raises(Exception) as info:
+            client.generate(prompt, max_new_tokens=400, timeout=0.3)
+        assert getattr(info.value, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+        stream = client.stream(prompt, max_new_tokens=400)
+        next(stream)
+        stream.close()  # the client walks away mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (request_keys(cluster) or router_active(cluster)):
+        time.sleep(0.2)
+    assert request_keys(cluster) == []
+    assert router_active(cluster) == 0
+
+
+def test_200_concurrent_streams_complete(cluster, workload):
+    async def body():
+        async with AsyncClient(cluster.gateway_address, timeout=300) as client:
+            async def one(i):
+                _, prompt = workload[i % len(workload)]
+                tokens = []
+                async for chunk in client.stream(prompt, max_new_tokens=6):
+                    tokens += chunk.token_ids
+                    if chunk.finished:
+                        return chunk.finish_reason, len(tokens)
+                return "lost", len(tokens)
+
+            return await asyncio.gather(*(one(i) for i in range(200)), return_exceptions=True)
+
+    outcomes = asyncio.run(body())
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert errors == []
+    reasons = Counter(r for r, _ in outcomes)
+    assert set(reasons) <= {"length", "eos"} and sum(reasons.values()) == 200
+
+
+def test_killed_drafter_does_not_fail_its_requests(tiny_zoo, tmp_path, workload, reference):
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path, drafter_processes=2))
+    c.start(progress=False)
+    try:
+        async def body():
+            async with AsyncClient(c.gateway_address, timeout=120) as client:
+                tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in workload]
+                await asyncio.sleep(0.3)
+                c.kill("drafter-0")
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(body())
+        for (_, prompt), res in zip(workload, results):
+            assert list(res.token_ids) == reference[prompt]
+    finally:
+        c.stop()
+
+
+def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
+    from common.settings import load_settings
+    from common.testing import start_service
+    from services.gateway.server import build_app
+    from services.gateway.settings import GatewaySettings
+
+    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
+                                               "--redis-prefix", redis_prefix], {})
+    server, port = start_service(settings, build_app, prog="gateway")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
