@@ -2,12 +2,14 @@
 
 - ``redis_server``: a real redis-server on a free loopback port for the whole session.
 - ``redis_url``: its URL; ``store``: a fresh :class:`common.store.Store` on a unique prefix.
+- ``tiny_zoo``: the ``tiny`` model zoo (:class:`cosine_zoo.manifest.Zoo`), built once per session.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -31,3 +33,12 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture()
 def redis_prefix() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real zoo (tokenizer, target, drafters, zoo.json) of the ``tiny`` profile, built in seconds."""
+    from cosine_zoo.build import BuildOptions, build_zoo
+    from cosine_zoo.profiles import tiny
+
+    return build_zoo(BuildOptions(out=tmp_path_factory.mktemp("tiny-zoo"), profile=tiny(), seed=0, progress=False))
