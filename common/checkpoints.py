@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,20 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return json.loads((p / "config.json").read_text())
 
 
+def check_tokenizer_dir(path: str | Path) -> Path:
+    """A directory holding a tokenizer (a model checkpoint or a tokenizer alone; no config.json needed)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: no such tokenizer directory")
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{p}: no tokenizer found (expected one of {', '.join(TOKENIZER_FILES)})")
+    return p
+
+
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
-    p = check_checkpoint_dir(path, need_weights=False, need_tokenizer=True)
+    p = check_tokenizer_dir(path)
     try:
         return AutoTokenizer.from_pretrained(str(p))
     except Exception as exc:  # transformers raises many types here
@@ -84,3 +95,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
     h.update(json.dumps(specials, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def check_same_tokenizer(reference: str | Path, others: Iterable[str | Path]) -> str:
+    """Raise CheckpointError naming the first checkpoint whose tokenizer differs from ``reference``'s.
+
+    Drafters must share the target's tokenizer (token ids are exchanged, never text). Returns the
+    shared fingerprint.
+    """
+    expected = tokenizer_fingerprint(load_tokenizer(reference))
+    for other in others:
+        got = tokenizer_fingerprint(load_tokenizer(other))
+        if got != expected:
+            raise CheckpointError(
+                f"{Path(other)}: tokenizer does not match {Path(reference)} (fingerprint {got} != {expected}); "
+                "drafters must share the target's tokenizer"
+            )
+    return expected

@@ -2,12 +2,14 @@
 
 - ``redis_server``: a real redis-server on a free loopback port for the whole session.
 - ``redis_url``: its URL; ``store``: a fresh :class:`common.store.Store` on a unique prefix.
+- ``tiny_zoo``: the ``tiny`` model zoo (:class:`cosine_zoo.manifest.Zoo`), built once per session.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -108,3 +110,11 @@ def start_service(settings, factory, prog: str = "test-service") -> tuple[InProc
     """Start a service in-process on the port its settings give (use port=0): returns (server, port)."""
     server = InProcessService(settings, factory, prog).start()
     return server, server.port
+
+@pytest.fixture(scope="session")
+def tiny_zoo(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real zoo (tokenizer, target, drafters, zoo.json) of the ``tiny`` profile, built in seconds."""
+    from cosine_zoo.build import BuildOptions, build_zoo
+    from cosine_zoo.profiles import tiny
+
+    return build_zoo(BuildOptions(out=tmp_path_factory.mktemp("tiny-zoo"), profile=tiny(), seed=0, progress=False))
