@@ -68,8 +68,9 @@ def draft_items_from_pb(step: drafter_pb2.DraftStep) -> list[DraftItem]:
 
 def draft_result_to_pb(r: DraftResult) -> drafter_pb2.Candidates:
     pb = drafter_pb2.Candidates(request_id=r.request_id, cache_len=r.cache_len, error=r.error)
-    for ids, probs in r.positions:
-        pb.positions.add(token_ids=ids, probs=probs)
+    for ids, probs in r.positions or ((r.token_ids, r.probs),):
+        if ids:
+            pb.positions.add(token_ids=ids, probs=probs)
     if r.append_logprob is not None:
         pb.append_logprob = r.append_logprob
     return pb

@@ -400,15 +400,11 @@ class RouterCore:
 
         scored = await asyncio.gather(*(one(d) for d in live))
         for i, r in enumerate(reqs):
-            best, best_lp = None, float("-inf")
-            for d, results in scored:
-                if i < len(results) and results[i].ok and getattr(results[i], "append_logprob", None) is not None:
-                    lp = results[i].append_logprob
-                    if lp > best_lp:
-                        best, best_lp = d, lp
-            if best is not None:
-                domains = list(self.drafters.domains(best))
-                r.domain = domains[0] if domains else best
+            r.domain = infer_domain(
+                {d: results[i].append_logprob for d, results in scored
+                 if i < len(results) and results[i].ok and results[i].append_logprob is not None},
+                {d: list(self.drafters.domains(d)) for d in live},
+            )
 
     def _select(self, r: Request, live: list[str]) -> list[str]:
         if not live:
@@ -590,6 +586,22 @@ class RouterCore:
 
     def drafter_acceptance(self) -> dict[str, tuple[float, float]]:
         return {d: (v[0], v[1] / v[0] if v[0] else 0.0) for d, v in self.counters.by_drafter.items()}
+
+
+def infer_domain(logprobs: Mapping[str, float], domains: Mapping[str, Sequence[str]]) -> str:
+    """The request's domain signal from the drafters' mean log-probabilities of its prompt.
+
+    Specialists (drafters of exactly one domain) vote for their domain; the prompt's domain is the
+    one whose specialist finds it most likely. Without specialists, the best drafter's first
+    domain (or its id) stands in.
+    """
+    specialists = {d: lp for d, lp in logprobs.items() if len(domains.get(d, ())) == 1}
+    pool = specialists or logprobs
+    if not pool:
+        return ""
+    best = max(sorted(pool), key=lambda d: pool[d])
+    listed = domains.get(best) or ()
+    return listed[0] if listed else best
 
 
 def _mean_confidence(tree: DraftTree, drafter: str) -> float:

@@ -31,7 +31,7 @@ class RoutingVector:
 
     @classmethod
     def seeded(cls, drafters: Iterable[str], prior: Mapping[str, float], alpha: float = 0.3) -> RoutingVector:
-        scores = {d: (prior[d] if prior.get(d, 0.0) > 0 else DEFAULT_SCORE) for d in drafters}
+        scores = {d: float(prior[d]) if d in prior else DEFAULT_SCORE for d in drafters}
         return cls(scores=scores, uses={d: 0 for d in scores}, alpha=alpha)
 
     def sync(self, live: Iterable[str], prior: Mapping[str, float]) -> None:
@@ -42,7 +42,7 @@ class RoutingVector:
                 del self.scores[d]
                 self.uses.pop(d, None)
         for d in live - set(self.scores):
-            self.scores[d] = prior.get(d, 0.0) or DEFAULT_SCORE
+            self.scores[d] = float(prior[d]) if d in prior else DEFAULT_SCORE
             self.uses[d] = 0
 
     def recent_acceptance(self) -> float | None:

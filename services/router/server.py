@@ -146,7 +146,7 @@ class RouterApp:
 
         async def profiles(drafters: Sequence[str], domain: str) -> dict[str, float]:
             loaded = await self.store.load_profiles(drafters)
-            return {d: p.score(domain) for d, p in loaded.items()}
+            return {d: p.score(domain) for d, p in loaded.items() if domain in p.domains}
 
         self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier,
                                profiles=profiles, record=self.store.record_acceptance)

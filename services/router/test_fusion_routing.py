@@ -112,3 +112,18 @@ def test_load_control_speculates_more_when_verifier_idles():
     for _ in range(200):
         lc.observe(1.0)
     assert lc.scale < 1.0 and lc.apply(4, 1, 8) <= 3
+
+
+def test_domain_signal_prefers_specialists():
+    from services.router.core import infer_domain
+
+    domains = {"code": ["code"], "prose": ["prose"], "generalist": ["code", "prose"]}
+    assert infer_domain({"code": -3.0, "prose": -1.0, "generalist": -0.5}, domains) == "prose"
+    assert infer_domain({"generalist": -0.5}, domains) == "code"
+    assert infer_domain({"x": -1.0}, {"x": []}) == "x"
+    assert infer_domain({}, domains) == ""
+
+
+def test_measured_zero_is_not_mistaken_for_unknown():
+    rv = RoutingVector.seeded(["a", "b"], {"a": 0.0})
+    assert rv.scores == {"a": 0.0, "b": 1.0}

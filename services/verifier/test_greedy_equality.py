@@ -96,12 +96,9 @@ def test_backends_equal_hf_greedy(backend: str, qwen2_target: Path, qwen2_near: 
 
 
 @pytest.mark.slow
-def test_tiny_zoo_equals_hf_greedy(request: pytest.FixtureRequest) -> None:
+def test_tiny_zoo_equals_hf_greedy(tiny_zoo) -> None:
     """The project's tiny zoo: every drafter against the target, in one mixed batch."""
-    try:
-        zoo = request.getfixturevalue("tiny_zoo")
-    except pytest.FixtureLookupError:
-        pytest.skip("tiny_zoo fixture not available yet")
+    zoo = tiny_zoo
     target = Path(zoo.target.path)
     verifier = VerifierEngine.from_checkpoint(target, attention_backend="sdpa")
     vocab = verifier.runner.vocab_size

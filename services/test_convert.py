@@ -1,0 +1,42 @@
+from common.spec_types import DraftItem, DraftResult, SamplingParams, TokenTree, Verdict, VerifyItem
+from cosine.v1 import drafter_pb2, verifier_pb2
+from services.convert import (
+    draft_items_from_pb,
+    draft_result_from_pb,
+    draft_result_to_pb,
+    draft_step_to_pb,
+    verdict_from_pb,
+    verdict_to_pb,
+    verify_batch_to_pb,
+    verify_items_from_pb,
+)
+
+
+def roundtrip(msg, cls):
+    return cls.FromString(msg.SerializeToString())
+
+
+def test_draft_items_and_results_survive_the_wire():
+    items = [DraftItem("a", truncate_to=3, append_ids=(1, 2), top_n=4, chain_len=5, score_append=True), DraftItem("b", release=True)]
+    assert draft_items_from_pb(roundtrip(draft_step_to_pb(7, "code", items), drafter_pb2.DraftStep)) == items
+    single = DraftResult("a", (5, 6), (0.5, 0.25), cache_len=9, append_logprob=-1.5)
+    back = draft_result_from_pb(roundtrip(draft_result_to_pb(single), drafter_pb2.Candidates))
+    assert (back.token_ids, back.probs, back.cache_len, back.append_logprob) == ((5, 6), (0.5, 0.25), 9, -1.5)
+    chain = DraftResult("a", (5,), (0.5,), positions=(((5,), (0.5,)), ((7, 8), (0.75, 0.125))))
+    back = draft_result_from_pb(roundtrip(draft_result_to_pb(chain), drafter_pb2.Candidates))
+    assert back.positions == chain.positions and back.token_ids == (5,)
+    failed = draft_result_from_pb(roundtrip(draft_result_to_pb(DraftResult("x", error="boom")), drafter_pb2.Candidates))
+    assert not failed.ok and failed.token_ids == ()
+
+
+def test_verify_items_and_verdicts_survive_the_wire():
+    items = [
+        VerifyItem("a", (1, 2, 3), TokenTree((4, 5, 6), (-1, 0, -1), (0.5, 0.25, 0.125), (1, 3, 2), ("x", "y")), SamplingParams(0.7, 0.9, 5, 42)),
+        VerifyItem("b", tree=TokenTree.chain([9]), sampling=SamplingParams()),
+        VerifyItem("c", release=True),
+    ]
+    assert verify_items_from_pb(roundtrip(verify_batch_to_pb(1, items), verifier_pb2.VerifyBatch)) == items
+    v = Verdict("a", (0, 1), (4, 5), 7, (True, True, False), 6, "", "")
+    assert verdict_from_pb(roundtrip(verdict_to_pb(v), verifier_pb2.Verdict)) == v
+    bad = Verdict("b", error="too long", error_kind="context")
+    assert verdict_from_pb(roundtrip(verdict_to_pb(bad), verifier_pb2.Verdict)) == bad
