@@ -20,7 +20,7 @@ from common.grpc_server import ServerHandle
 from common.logs import get_logger
 from common.runtime import configure_torch_threads
 from common.service import StartupError
-from common.spec_types import VerifyItem, VerifyOutcome
+from common.spec_types import StageTimings, VerifyItem, VerifyOutcome
 from common.store import Store
 from cosine.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.convert import model_info_to_pb, verdict_to_pb, verify_items_from_pb
@@ -30,6 +30,32 @@ from services.verifier.settings import VerifierSettings
 SERVICE_NAME = "cosine.v1.Verifier"
 VERSION = "0.1.0"
 log = get_logger("verifier")
+
+
+def item_tokens(item: VerifyItem) -> int:
+    return len(item.append_ids) + len(item.tree) + 1
+
+
+def split_by_tokens(items: Sequence[VerifyItem], budget: int) -> list[list[VerifyItem]]:
+    """Consecutive slices whose tokens stay within ``budget`` (an item larger than the budget
+    goes alone: the engine's KV budget decides whether it fits at all)."""
+    parts: list[list[VerifyItem]] = []
+    used = 0
+    for item in items:
+        cost = item_tokens(item)
+        if not parts or used + cost > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(item)
+        used += cost
+    return parts or [[]]
+
+
+def merge_outcomes(outcomes: Sequence[VerifyOutcome]) -> VerifyOutcome:
+    if len(outcomes) == 1:
+        return outcomes[0]
+    timings = StageTimings(*(sum(getattr(o.timings, f) for o in outcomes) for f in ("prefill_ns", "forward_ns", "decode_ns", "total_ns")))
+    return VerifyOutcome(tuple(v for o in outcomes for v in o.verdicts), sum(o.batch_tokens for o in outcomes), timings)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -81,8 +107,12 @@ class VerifierApp:
         self.busy_ns = 0
 
     async def verify(self, items: Sequence[VerifyItem]) -> VerifyOutcome:
+        """Verify a batch; one forward pass per slice of at most --max-batch-tokens tokens."""
         assert self.engine is not None
-        outcome = await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.verify, items)
+        loop = asyncio.get_running_loop()
+        outcomes = [await loop.run_in_executor(self.executor, self.engine.verify, part)
+                    for part in split_by_tokens(items, self.settings.max_batch_tokens)]
+        outcome = merge_outcomes(outcomes)
         self.busy_ns += outcome.timings.total_ns
         return outcome
 
