@@ -42,8 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
-    pr = sub.add_parser("profile", help="write drafter expertise profiles into Redis (from a zoo's acceptance matrix)")
+    pr = sub.add_parser("profile", help="write drafter expertise profiles into Redis (a zoo's acceptance matrix, or measured)",
+                        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix. With --measure: "
+                        "for real checkpoints, measure each drafter's mean accepted tokens per round (greedy, chain of --k) on "
+                        "prompts of each domain, then write them.")
     pr.add_argument("--zoo", default=DEFAULT_ZOO, help="model zoo directory whose zoo.json holds the acceptance matrix")
+    pr.add_argument("--measure", action="store_true", help="measure instead of reading a zoo (needs --target, --drafter, --prompts)")
+    pr.add_argument("--target", help="target checkpoint directory (with --measure)")
+    pr.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH", help="drafter checkpoint (with --measure; repeatable)")
+    pr.add_argument("--prompts", help='JSON lines of {"domain": ..., "text": ...} (with --measure)')
+    pr.add_argument("--k", type=int, default=4, help="speculation length of the measurement")
+    pr.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt in the measurement")
     pr.add_argument("--redis-url", help="Redis URL (default: the cluster started by `cosine up`)")
     pr.add_argument("--redis-prefix", default="cosine")
     pr.add_argument("--prior-weight", type=float, default=20.0, help="how many rounds the offline figures count for")
@@ -223,14 +232,57 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def measure_matrix(target: str, drafters: dict[str, str], prompts: dict[str, list[str]], k: int, new_tokens: int) -> dict[str, dict[str, float]]:
+    """Drafter x domain mean accepted draft tokens per round (greedy, chains of k) on real checkpoints."""
+    from common.checkpoints import load_causal_lm, load_tokenizer
+    from cosine_zoo import evaluate
+
+    tok = load_tokenizer(target)
+    model = load_causal_lm(target)
+    models = {name: load_causal_lm(path) for name, path in drafters.items()}
+    matrix: dict[str, dict[str, float]] = {name: {} for name in drafters}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    for domain, texts in sorted(prompts.items()):
+        ids = evaluate.encode_prompts(tok, texts)
+        conts = evaluate.greedy_continuations(model, ids, new_tokens, tok.eos_token_id, pad)
+        for name, drafter in models.items():
+            stats = evaluate.acceptance(evaluate.draft_matches(drafter, ids, conts, pad), k)
+            matrix[name][domain] = round(stats.mean_accepted, 4)
+    return matrix
+
+
+def _read_prompts(path: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            out.setdefault(str(row["domain"]), []).append(str(row["text"]))
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f'cosine profile: error: {path}:{n}: expected {{"domain": ..., "text": ...}}') from None
+    return out
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
-    zoo = _load_zoo(args.zoo)
     url = args.redis_url or _state().get("redis_url")
     if not url:
         print("cosine profile: error: no --redis-url and no running `cosine up` cluster", file=sys.stderr)
         return 2
-    n = asyncio.run(seed_profiles(url, args.redis_prefix, zoo.acceptance, args.prior_weight, args.reset))
-    print(f"seeded {n} drafter profile(s) from {args.zoo}/zoo.json into {url}")
+    if args.measure:
+        if not (args.target and args.drafter and args.prompts):
+            print("cosine profile: error: --measure needs --target, --drafter NAME=PATH and --prompts FILE", file=sys.stderr)
+            return 2
+        drafters = dict(spec.partition("=")[::2] for spec in args.drafter)
+        matrix = measure_matrix(args.target, drafters, _read_prompts(args.prompts), args.k, args.new_tokens)
+        source = "measurement"
+    else:
+        matrix = {d: dict(row) for d, row in _load_zoo(args.zoo).acceptance.items()}
+        source = f"{args.zoo}/zoo.json"
+    for name, row in sorted(matrix.items()):
+        print(f"{name:<16}" + "  ".join(f"{d}={v:.2f}" for d, v in sorted(row.items())))
+    n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset))
+    print(f"seeded {n} drafter profile(s) from {source} into {url}")
     return 0
 
 
