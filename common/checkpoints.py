@@ -75,6 +75,9 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise CheckpointError(f"{p}: unsupported dtype {dtype!r} (float32, float16, bfloat16)")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per checkpoint is noise in service logs
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch_dtype)
     except Exception as exc:
