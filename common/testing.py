@@ -117,4 +117,6 @@ def tiny_zoo(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from cosine_zoo.build import BuildOptions, build_zoo
     from cosine_zoo.profiles import tiny
 
-    return build_zoo(BuildOptions(out=tmp_path_factory.mktemp("tiny-zoo"), profile=tiny(), seed=0, progress=False))
+    # one thread: as fast for models this small, and immune to a busy machine's oversubscription
+    out = tmp_path_factory.mktemp("tiny-zoo")
+    return build_zoo(BuildOptions(out=out, profile=tiny(), seed=0, progress=False, threads=1))

@@ -57,9 +57,10 @@ def default() -> Profile:
         corpus=CorpusSpec(chars_per_domain=1_200_000),
         vocab_size=2048,
         target=ModelSpec(hidden=192, layers=4, heads=4, intermediate=512),
-        target_train=TrainSpec(steps=300, batch_size=32, seq_len=128, lr=2e-3, warmup_steps=20),
+        # batches of 16 x 128 keep every activation buffer under glibc's 32 MiB mmap threshold
+        target_train=TrainSpec(steps=400, batch_size=16, seq_len=128, lr=2e-3, warmup_steps=20),
         drafter=ModelSpec(hidden=96, layers=2, heads=2, intermediate=256),
-        drafter_train=TrainSpec(steps=150, batch_size=32, seq_len=128, lr=3e-3, warmup_steps=10, distill_alpha=0.7),
+        drafter_train=TrainSpec(steps=150, batch_size=16, seq_len=128, lr=3e-3, warmup_steps=10, distill_alpha=0.7),
         evaluation=EvalSpec(prompts_per_domain=32, new_tokens=64),
     )
 
