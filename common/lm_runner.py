@@ -32,6 +32,7 @@ from common.attention import AttentionBackend, BatchLayout, select_backend
 from common.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
 from common.kv_cache import KVCache, KVPool
 from common.logs import get_logger
+from common.spec_types import ModelInfo
 
 log = get_logger(__name__)
 
@@ -151,6 +152,14 @@ class LMRunner:
     # ---- forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model_name=self.name, architecture=self.architecture, vocab_size=self.vocab_size,
+            tokenizer_fingerprint=self.tokenizer_fingerprint, num_parameters=self.num_parameters,
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            attention_backend=self.backend.name, max_context=self.max_context,
+        )
+
     def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
         """One forward pass for the batch.
 

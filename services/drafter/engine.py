@@ -90,13 +90,7 @@ class DrafterEngine:
     # ---- introspection -----------------------------------------------------------------------
 
     def model_info(self) -> ModelInfo:
-        r = self.runner
-        return ModelInfo(
-            model_name=r.name, architecture=r.architecture, vocab_size=r.vocab_size,
-            tokenizer_fingerprint=r.tokenizer_fingerprint, num_parameters=r.num_parameters,
-            dtype=str(r.dtype).removeprefix("torch."), device=str(r.device),
-            attention_backend=r.backend.name, max_context=r.max_context,
-        )
+        return self.runner.model_info()
 
     def tokens(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._state(request_id).tokens)
