@@ -149,9 +149,6 @@ class LMRunner:
             dtype=self.dtype, device=self.device, token_budget=token_budget,
         )
 
-    # ---- forward -----------------------------------------------------------------------------
-
-    @torch.inference_mode()
     def model_info(self) -> ModelInfo:
         return ModelInfo(
             model_name=self.name, architecture=self.architecture, vocab_size=self.vocab_size,
@@ -160,6 +157,9 @@ class LMRunner:
             attention_backend=self.backend.name, max_context=self.max_context,
         )
 
+    # ---- forward -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
         """One forward pass for the batch.
 

@@ -154,3 +154,16 @@ def test_facts(checkpoints: dict[str, Path]) -> None:
     assert runner.num_kv_heads == 2 and runner.head_dim == 16
     assert runner.num_parameters == sum(p.numel() for p in runner.model.parameters())
     assert len(runner.tokenizer_fingerprint) == 16
+
+
+def test_forward_builds_no_autograd_graph(tmp_path):
+    """Serving never trains: logits must come out of inference mode (no graph, no grad memory)."""
+    from common.lm_runner import LMRunner, SeqInput
+    from common.random_checkpoints import make_checkpoint
+
+    runner = LMRunner.from_checkpoint(make_checkpoint(tmp_path / "m", "llama", seed=0), backend="sdpa")
+    pool = runner.new_pool(None)
+    cache = pool.new_cache()
+    cache.reserve(3)
+    (logits,) = runner.forward([SeqInput(cache, (1, 2, 3))])
+    assert not logits.requires_grad and logits.is_inference()
