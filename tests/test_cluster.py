@@ -225,3 +225,11 @@ def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
+
+
+def test_sampling_request_completes(cluster, workload):
+    _, prompt = workload[1]
+    with Client(cluster.gateway_address, timeout=60) as client:
+        res = client.generate(prompt, max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    assert res.finish_reason in ("length", "eos")
+    assert 1 <= len(res.token_ids) <= MAX_NEW and res.stats.rounds >= 1
