@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -47,13 +48,13 @@ class Scenario:
 
 def _default() -> Scenario:
     w = (
-        WorkloadSpec("closed_c1", "closed", 8, concurrency=1, label="closed loop, 1 client"),
-        WorkloadSpec("closed_c4", "closed", 16, concurrency=4, label="closed loop, 4 clients"),
-        WorkloadSpec("closed_c16", "closed", 32, concurrency=16, label="closed loop, 16 clients"),
-        WorkloadSpec("open_low", "open", 12, load=0.15, label="Poisson, 0.15x vanilla_sd capacity"),
-        WorkloadSpec("open_high", "open", 32, load=2.0, label="Poisson, 2x vanilla_sd capacity"),
-        WorkloadSpec("open_fluct", "open", 24, phases=(0.15, 1.5), label="Poisson, alternating 0.15x / 1.5x vanilla_sd capacity"),
-        WorkloadSpec("closed_c4_sampling", "closed", 12, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
+        WorkloadSpec("closed_c1", "closed", 12, concurrency=1, label="closed loop, 1 client"),
+        WorkloadSpec("closed_c4", "closed", 24, concurrency=4, label="closed loop, 4 clients"),
+        WorkloadSpec("closed_c16", "closed", 48, concurrency=16, label="closed loop, 16 clients"),
+        WorkloadSpec("open_low", "open", 20, load=0.15, label="Poisson, 0.15x vanilla_sd capacity"),
+        WorkloadSpec("open_high", "open", 48, load=2.0, label="Poisson, 2x vanilla_sd capacity"),
+        WorkloadSpec("open_fluct", "open", 36, phases=(0.15, 1.5), label="Poisson, alternating 0.15x / 1.5x vanilla_sd capacity"),
+        WorkloadSpec("closed_c4_sampling", "closed", 16, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
     )
     return Scenario("default", 48, w, {"high": "open_high", "low": "open_low"})
 
@@ -353,6 +354,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         workloads=_split(args.workloads), max_new_tokens=args.max_new_tokens, requests=args.requests,
                         cores=args.cores, threads=args.threads, plots=not args.no_plots)
     t0 = time.perf_counter()
+    # SIGTERM unwinds like Ctrl-C, so the service processes the run started are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         report = run_bench(opts)
     except GreedyMismatch as exc:

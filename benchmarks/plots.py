@@ -124,7 +124,7 @@ def _latency_cdf(report: Mapping[str, Any], path: Path) -> Path:
     panels = [w for w in (roles.get("low"), roles.get("high")) if w]
     if not panels:
         panels = list(_workloads(report))[:2]
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6.5 * max(1, len(panels)), 5.2), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6.5 * max(1, len(panels)), 6.2), squeeze=False)
     for ax, w in zip(axes[0], panels):
         for name, per in systems.items():
             lat = (per.get(w) or {}).get("latencies_s") or []
@@ -139,7 +139,7 @@ def _latency_cdf(report: Mapping[str, Any], path: Path) -> Path:
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{w}: latency CDF")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     fig.suptitle(f"Latency  ({_subtitle(report)})", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
@@ -190,7 +190,8 @@ def _acceptance(report: Mapping[str, Any], path: Path) -> Path:
     n = max(1, len(panels))
     cols = min(3, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.9 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 4.4 * rows), squeeze=False,
+                             gridspec_kw={"hspace": 0.45, "wspace": 0.35})
     vmax = max([v for _, mat in panels for row in mat.values() for v in row.values()] + [1.0])
     im = None
     for i, (title, mat) in enumerate(panels):
@@ -215,7 +216,8 @@ def _acceptance(report: Mapping[str, Any], path: Path) -> Path:
         axes[j // cols][j % cols].axis("off")
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accepted draft tokens per round")
-    fig.suptitle("Acceptance: drafter x domain (measured: greedy workloads; '-' = drafter never served that domain)", fontsize=10)
+    fig.suptitle("Acceptance: draft tokens credited per round, drafter x domain\n(measured over the greedy workloads; "
+                 "'-' = the drafter never served that domain; agreeing drafters share the credit)", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -262,3 +264,20 @@ def _time_split(report: Mapping[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Re-render the plots of a report: ``python -m benchmarks.plots REPORT.json [OUT_DIR]``."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        raise SystemExit("usage: python -m benchmarks.plots REPORT.json [OUT_DIR]")
+    report = json.loads(Path(args[0]).read_text())
+    for p in write_plots(report, args[1] if len(args) > 1 else Path(args[0]).parent):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

@@ -188,7 +188,7 @@ def machine_info(threads: int) -> dict[str, Any]:
     except (ValueError, OSError, AttributeError):
         pass
     return {
-        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "platform": f"{platform.system()} {platform.machine()}", "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem,
         "torch_threads": threads, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

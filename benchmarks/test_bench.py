@@ -25,6 +25,9 @@ def test_poisson_arrivals_follow_the_rate_of_each_phase():
     low = sum(1 for t in times if int(t) % 2 == 0)
     high = len(times) - low
     assert 7 < high / low < 11
+    # phase lengths that are not exact in binary floating point (0.1 s) must not stall the clock
+    odd = poisson_arrivals([3.0, 30.0], 0.1, 2000, random.Random(2))
+    assert odd == sorted(odd) and 10 < len(odd) / odd[-1] < 23
 
 
 def test_workloads_share_prompts_and_scale_rates_with_the_reference():

@@ -82,10 +82,10 @@ def poisson_arrivals(rates: Sequence[float], phase_s: float, count: int, rng: ra
     intensity, mapped back to time phase by phase."""
     out: list[float] = []
     t = 0.0
+    phase = 0  # index of the phase t lies in (tracked, not recomputed from t: float division drifts)
     for _ in range(count):
         need = rng.expovariate(1.0)
         while True:
-            phase = int(t // phase_s) if phase_s > 0 else 0
             rate = rates[phase % len(rates)]
             end = (phase + 1) * phase_s if phase_s > 0 else float("inf")
             room = rate * (end - t)
@@ -94,6 +94,7 @@ def poisson_arrivals(rates: Sequence[float], phase_s: float, count: int, rng: ra
                 break
             need -= room
             t = end
+            phase += 1
         out.append(t)
     return out
 
