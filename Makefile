@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.cosine-installed
 PROTOS := $(wildcard protos/cosine/v1/*.proto)
 PB_STAMP := pb/.generated
 
-.PHONY: setup proto redis-server test run clean help
+.PHONY: setup proto redis-server test run bench clean help
 
 help:
 	@echo "make run    - set up, start the local cluster and serve a demo workload"
 	@echo "make test   - set up and run the test suite"
+	@echo "make bench  - set up, build the default zoo if absent, run every system and write bench-out/report.json + plots"
 	@echo "make proto  - regenerate the gRPC/protobuf code (pb/) from protos/"
 	@echo "make clean  - remove the virtual environment and generated code"
 
@@ -33,7 +34,7 @@ proto: $(PB_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt $(PB_STAMP)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,bench]'
 	touch $@
 
 # Debian's redis-server, installed when missing (tests and `cosine up` start private ones).
@@ -49,6 +50,13 @@ test: setup
 
 run: setup
 	$(BIN)/cosine demo $(RUN_ARGS)
+
+# The full benchmark (at most 10 minutes on 2 cores once the zoo exists): every baseline, CoSine
+# and its ablations on the same workloads; report and plots in bench-out/.
+BENCH_ZOO ?= .cosine/zoo-default
+bench: setup
+	@test -f $(BENCH_ZOO)/zoo.json || $(BIN)/cosine models build --profile default --out $(BENCH_ZOO)
+	$(BIN)/cosine bench --zoo $(BENCH_ZOO) --out bench-out/report.json $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) pb

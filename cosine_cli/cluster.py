@@ -80,6 +80,7 @@ class LocalCluster:
         self.procs: list[Proc] = []
         self.gateway_address = ""
         self.router_address = ""
+        self.verifier_address = ""
 
     # ---- processes ---------------------------------------------------------------------------
 
@@ -133,20 +134,47 @@ class LocalCluster:
                 drafters.append(self._spawn(f"drafter-{i}", "services.drafter", free_port(spec.host), [*args, *spec.drafter_args], d_threads))
             say(f"starting   verifier ({spec.target}) and {len(spec.drafters)} drafter(s): {', '.join(sorted(spec.drafters))}")
             await self._wait([verifier, *drafters], "models")
-            router = self._spawn("router", "services.router", free_port(spec.host), ["--verifier-address", verifier.address, *spec.router_args])
-            await self._wait([router], "router")
-            self.router_address = router.address
-            gw_port = spec.gateway_port or free_port(spec.host)
-            gateway = self._spawn("gateway", "services.gateway", gw_port,
-                                  ["--router-address", router.address, "--tokenizer", spec.target, *spec.gateway_args])
-            await self._wait([gateway], "gateway")
-            self.gateway_address = gateway.address
-            await self._wait_router_ready(len(spec.drafters))
+            self.verifier_address = verifier.address
+            await self._start_control_plane(spec.router_args, len(spec.drafters), spec.gateway_port)
         except BaseException:
             self.stop()
             raise
         say(f"ready      gateway at {self.gateway_address} (logs in {spec.log_dir}/)")
         return self.gateway_address
+
+    async def _start_control_plane(self, router_args: Sequence[str], drafters: int, gateway_port: int = 0) -> None:
+        spec = self.spec
+        router = self._spawn("router", "services.router", free_port(spec.host), ["--verifier-address", self.verifier_address, *router_args])
+        await self._wait([router], "router")
+        self.router_address = router.address
+        gateway = self._spawn("gateway", "services.gateway", gateway_port or free_port(spec.host),
+                              ["--router-address", router.address, "--tokenizer", spec.target, *spec.gateway_args])
+        await self._wait([gateway], "gateway")
+        self.gateway_address = gateway.address
+        await self._wait_router_ready(drafters)
+
+    async def restart_router_async(self, router_args: Sequence[str], drafters: int | None = None) -> str:
+        """Replace the router and the gateway (new router flags) while Redis, the verifier and the
+        drafters keep running with their models loaded. ``drafters``: how many the new router must
+        see before this returns (default: all; fewer when ``--use-drafters`` restricts it).
+        Returns the new gateway address."""
+        for name in ("gateway", "router"):
+            proc = next((p for p in self.procs if p.name == name), None)
+            if proc is None:
+                continue
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+                try:
+                    proc.popen.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+                    proc.popen.wait(5)
+            self.procs.remove(proc)
+        await self._start_control_plane(router_args, len(self.spec.drafters) if drafters is None else drafters)
+        return self.gateway_address
+
+    def restart_router(self, router_args: Sequence[str], drafters: int | None = None) -> str:
+        return asyncio.run(self.restart_router_async(router_args, drafters))
 
     async def _wait_router_ready(self, drafters: int, timeout_s: float = 60.0) -> None:
         """Until the router sees the verifier and every drafter."""

@@ -39,14 +39,17 @@ class GrpcDrafterPool:
     tokenizer fingerprint. A drafter whose stream breaks leaves the pool until its process is seen
     again (new membership entry or a successful reconnect)."""
 
-    def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0):
+    def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0, allow: Sequence[str] = ()):
         self.store = store
+        self.allow = frozenset(allow)  # empty: every drafter the membership lists
         self.fingerprint = fingerprint
         self.interval_s = interval_s
         self.endpoints: dict[str, DrafterEndpoint] = {}  # address -> endpoint
         self.by_drafter: dict[str, DrafterEndpoint] = {}
         self.refused: dict[str, str] = {}  # address -> reason
         self._step = 0
+        self.calls = 0  # draft steps answered
+        self.busy_ns = 0  # drafter model time of those steps (from the drafters' own timings)
         self._task: asyncio.Task[None] | None = None
 
     def live(self) -> list[str]:
@@ -60,6 +63,8 @@ class GrpcDrafterPool:
         ep = self.by_drafter[drafter_id]
         self._step += 1
         reply = await ep.stream.call(draft_step_to_pb(self._step, drafter_id, items), timeout_s=60)
+        self.calls += 1
+        self.busy_ns += max(0, reply.timings.total_ns - reply.timings.queue_ns)
         return [draft_result_from_pb(c) for c in reply.results]
 
     def release(self, drafter_id: str, request_ids: Sequence[str]) -> None:
@@ -100,7 +105,12 @@ class GrpcDrafterPool:
             log.warning("drafter not reachable yet", address=address, error=exc.details())
             return
         drafters: dict[str, list[str]] = {}
-        for model in info.models:
+        hosted = [m for m in info.models if not self.allow or m.model_id in self.allow]
+        if info.models and not hosted:
+            self.refused[address] = f"hosts none of the drafters this router uses ({', '.join(sorted(self.allow))})"
+            await channel.close()
+            return
+        for model in hosted:
             if self.fingerprint and model.tokenizer_fingerprint != self.fingerprint:
                 reason = (f"drafter {model.model_id} at {address} has tokenizer {model.tokenizer_fingerprint}, "
                           f"the target has {self.fingerprint}: refused (token ids would not match)")

@@ -86,6 +86,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             out.rounds_in_flight = core.rounds_in_flight
             for key, value in core.counters.as_dict().items():
                 out.counters[key] = float(value)
+            out.counters["drafter_calls"] = float(app.pool.calls)
+            out.counters["drafter_busy_s"] = app.pool.busy_ns / 1e9
             acceptance = core.drafter_acceptance()
             for d in sorted(set(app.pool.by_drafter) | set(acceptance)):
                 ep = app.pool.by_drafter.get(d)
@@ -104,7 +106,7 @@ class RouterApp:
         self.store = store
         self.servicer = RouterServicer(self)
         self.verifier: GrpcVerifier | None = None
-        self.pool: GrpcDrafterPool = GrpcDrafterPool(store, "", settings.discovery_interval_s)
+        self.pool: GrpcDrafterPool = GrpcDrafterPool(store, "", settings.discovery_interval_s, settings.use_drafters)
         self.core: RouterCore | None = None
         self.verifier_ready = False
         self._connect_task: asyncio.Task[None] | None = None

@@ -21,6 +21,7 @@ class RouterSettings(ServiceSettings):
     drafters_per_request: int = setting(2, help="drafters that cooperate on one request", check=positive)
     fusion: str = setting("token", help="token: fuse drafter proposals at every draft step; chunk: each drafter drafts a whole chunk, then fuse", choices=("token", "chunk"))
     routing: bool = setting(True, help="route by expertise (off: every request uses the first drafters in a fixed order)")
+    use_drafters: tuple[str, ...] = setting((), help="only these drafter ids serve requests (repeatable or comma-separated; default: every live drafter)", metavar="DRAFTER_ID")
     all_drafters: bool = setting(False, help="every live drafter drafts every request (SpecInfer-style trees; overrides routing)")
     adaptive_k: bool = setting(True, help="adapt each request's speculation length to its acceptance and the verifier's load")
     explore_threshold: float = setting(0.5, help="when a request's recent acceptance rate falls under this, try a less-used drafter", check=in_range(0.0, 1.0))

@@ -1,0 +1,136 @@
+"""The benchmark harness: workloads, metrics, ratios, the greedy token check, and a quick run on
+the tiny zoo that writes a report following the schema, plus its plots. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from benchmarks.bench import BenchOptions, GreedyMismatch, check_greedy, run_bench
+from benchmarks.plots import PLOTS
+from benchmarks.report import HEADLINE, SCHEMA, compute_ratios, percentile, validate_report
+from benchmarks.systems import AutoregressiveSystem, RequestRecord, make_systems
+from benchmarks.workloads import WorkloadSpec, build_workload, poisson_arrivals
+
+
+def test_poisson_arrivals_follow_the_rate_of_each_phase():
+    rng = random.Random(0)
+    steady = poisson_arrivals([50.0], 0.0, 5000, rng)
+    assert steady == sorted(steady)
+    assert 45 < len(steady) / steady[-1] < 55
+    # two phases of 1 s: 10/s then 90/s; count arrivals per phase over many cycles
+    times = poisson_arrivals([10.0, 90.0], 1.0, 20000, random.Random(1))
+    low = sum(1 for t in times if int(t) % 2 == 0)
+    high = len(times) - low
+    assert 7 < high / low < 11
+    # phase lengths that are not exact in binary floating point (0.1 s) must not stall the clock
+    odd = poisson_arrivals([3.0, 30.0], 0.1, 2000, random.Random(2))
+    assert odd == sorted(odd) and 10 < len(odd) / odd[-1] < 23
+
+
+def test_workloads_share_prompts_and_scale_rates_with_the_reference():
+    items = [("code", f"p{i}", (1, 2, i)) for i in range(5)]
+    closed = build_workload(WorkloadSpec("c", "closed", 7, concurrency=2), items, 16)
+    opened = build_workload(WorkloadSpec("o", "open", 7, load=2.0), items, 16, reference_rps=3.0)
+    assert [r.prompt_ids for r in closed.requests] == [r.prompt_ids for r in opened.requests]
+    assert all(r.arrival_s == 0 for r in closed.requests)
+    assert opened.offered_rps == pytest.approx(6.0)
+    assert [r.arrival_s for r in opened.requests] == sorted(r.arrival_s for r in opened.requests)
+    sampled = build_workload(WorkloadSpec("s", "closed", 3, temperature=0.8), items, 16)
+    assert all(r.seed is not None and r.temperature == 0.8 for r in sampled.requests)
+    with pytest.raises(ValueError):
+        build_workload(WorkloadSpec("o", "open", 3, load=1.0), items, 16)
+
+
+def test_percentile_and_ratios():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    systems = {
+        "cosine": {"hi": {"tokens_per_s": 300.0, "latency_mean_s": 1.0}, "lo": {"tokens_per_s": 50.0, "latency_mean_s": 0.5}},
+        "vanilla_sd": {"hi": {"tokens_per_s": 200.0, "latency_mean_s": 2.0}, "lo": {"tokens_per_s": 50.0, "latency_mean_s": 1.0}},
+    }
+    r = compute_ratios(systems, {"high": "hi", "low": "lo"})
+    assert r["cosine_vs_vanilla_sd_throughput"] == pytest.approx(1.5)
+    assert r["cosine_vs_vanilla_sd_latency"] == pytest.approx(0.5)
+    assert r["cosine_vs_hf_assisted_throughput"] is None  # not measured in this run: no ratio
+    assert r["by_workload"]["hi"]["cosine_vs_vanilla_sd_throughput"] == pytest.approx(1.5)
+
+
+def test_greedy_check_names_the_first_divergence():
+    expected = {(1, 2): (5, 6, 7, 8)}
+    good = RequestRecord(0, "code", token_ids=(5, 6, 7, 8))
+    bad = RequestRecord(1, "prose", token_ids=(5, 6, 9, 8))
+    short = RequestRecord(2, "code", token_ids=(5, 6))
+    out = check_greedy("x", "w", [good, bad, short], expected, {0: (1, 2), 1: (1, 2), 2: (1, 2)})
+    assert [(m["request"], m["position"]) for m in out] == [(1, 2), (2, 2)]
+
+
+class _Corrupting(AutoregressiveSystem):
+    """The autoregressive system with one output token changed: a lossless system gone wrong."""
+
+    def run(self, workload):
+        result = super().run(workload)
+        rec = result.records[-1]
+        if rec.token_ids:
+            rec.token_ids = (*rec.token_ids[:-1], rec.token_ids[-1] + 1)
+        return result
+
+
+def test_a_greedy_mismatch_fails_the_benchmark_loudly(tiny_zoo, tmp_path):
+    def factory(names, zoo, eos_id, pad_id, cores, log_dir, threads):
+        return [_Corrupting(str(zoo.target.path), eos_id, 1, name="broken")], None
+
+    out = tmp_path / "report.json"
+    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick", workloads=["closed_c4"], cores=1,
+                        plots=False, progress=False)
+    with pytest.raises(GreedyMismatch, match="GREEDY OUTPUT MISMATCH.*broken.*closed_c4"):
+        run_bench(opts, system_factory=factory)
+    report = json.loads(out.read_text())  # what was measured is still written, with the mismatch
+    assert report["scenario"]["complete"] is False
+    (m,) = report["scenario"]["greedy_check"]["mismatches"]
+    assert m["system"] == "broken" and m["workload"] == "closed_c4" and m["request"] == 3
+    assert m["position"] == m["got_len"] - 1 and m["got"][-1] == m["expected"][-1] + 1
+
+
+@pytest.mark.slow
+def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo, tmp_path):
+    out = tmp_path / "bench" / "report.json"
+    # cosine first: the service plane starts with its flags, so no router restart is needed
+    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick",
+                        systems=["cosine", "autoregressive", "hf_assisted"], workloads=["closed_c4", "open_low", "open_high"],
+                        cores=2, progress=False)
+    report = run_bench(opts, system_factory=make_systems)
+    on_disk = json.loads(out.read_text())
+    assert on_disk["schema"] == SCHEMA and validate_report(on_disk) == []
+    assert on_disk["scenario"]["complete"] is True
+    assert set(on_disk["systems"]) == {"cosine", "autoregressive", "hf_assisted"}
+    for per in on_disk["systems"].values():
+        assert set(per) == {"closed_c4", "open_low", "open_high"}
+        for m in per.values():
+            assert m["failed"] == 0 and m["output_tokens"] > 0
+    checked = on_disk["scenario"]["greedy_check"]
+    assert checked["mismatches"] == [] and checked["checked_requests"] == 3 * (4 + 3 + 4)
+    # every headline ratio is the quotient of two figures of this same report (or null when a side is absent)
+    s, r = on_disk["systems"], on_disk["ratios"]
+    for key, a, b, metric, role in HEADLINE:
+        w = r["workloads"][role]
+        if a in s and b in s:
+            assert r[key] == pytest.approx(s[a][w][metric] / s[b][w][metric]), key
+        else:
+            assert r[key] is None, key
+    assert r["cosine_vs_autoregressive_throughput"] is not None and r["cosine_vs_hf_assisted_throughput"] is not None
+    assert s["cosine"]["open_high"]["mean_accepted_len"] > 0
+    for name in PLOTS:
+        png = out.parent / name
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["ratios"] == on_disk["ratios"]
+
+
+def test_cli_registers_bench():
+    from cosine_cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "--scenario", "quick", "--systems", "cosine,vanilla_sd"])
+    assert args.func.__name__ == "cmd_bench" and args.systems == "cosine,vanilla_sd"
