@@ -24,7 +24,7 @@ import torch
 from common.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from common.logs import get_logger
 from cosine_zoo import evaluate
-from cosine_zoo.corpus import Corpus, build_corpus, make_prompts
+from cosine_zoo.corpus import Corpus, build_corpus, make_prompts, take_chars
 from cosine_zoo.manifest import FORMAT, MANIFEST, PROMPTS, Zoo, load_zoo, write_manifest, write_prompts
 from cosine_zoo.profiles import Profile
 from cosine_zoo.tokenizer import check_conventions, encode_documents, save_tokenizer, train_tokenizer
@@ -214,7 +214,7 @@ def tokenizer_stage(path: Path, corpus: Corpus, opts: BuildOptions) -> Any:
             log.warning("rebuilding tokenizer", reason=str(exc))
     # every domain contributes the same number of characters to the merges
     budget = min(t.train_chars for t in corpus.domains.values())
-    texts = [doc for t in corpus.domains.values() for doc in take_budget(t.train, budget)]
+    texts = [doc for t in corpus.domains.values() for doc in take_chars(list(t.train), budget)]
     tokenizer = train_tokenizer(texts, opts.profile.vocab_size, max_length=opts.profile.target.max_positions)
     check_conventions(tokenizer)
     shutil.rmtree(path, ignore_errors=True)
@@ -223,16 +223,6 @@ def tokenizer_stage(path: Path, corpus: Corpus, opts: BuildOptions) -> Any:
     tokenizer = load_tokenizer(path)  # what every consumer will see
     check_conventions(tokenizer)
     return tokenizer
-
-
-def take_budget(docs: tuple[str, ...], budget: int) -> list[str]:
-    out, total = [], 0
-    for doc in docs:
-        if total >= budget:
-            break
-        out.append(doc)
-        total += len(doc)
-    return out
 
 
 def model_stage(job: ModelJob, out: Path, tokenizer: Any, streams: dict[str, torch.Tensor], opts: BuildOptions,

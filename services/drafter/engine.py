@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from common.engine_base import RequestEngine
 from common.kv_cache import KVCache
 from common.lm_runner import LMRunner, SeqInput
 from common.logs import get_logger
@@ -34,7 +35,6 @@ from common.spec_types import (
     DraftOutcome,
     DraftResult,
     InvalidInput,
-    ModelInfo,
     SpecError,
     StageTimings,
     UnknownRequest,
@@ -62,14 +62,12 @@ class _Planned:
     new: bool
 
 
-class DrafterEngine:
+class DrafterEngine(RequestEngine[DraftState]):
     """A drafter model plus per-request caches. Not thread-safe: call from one worker."""
 
     def __init__(self, runner: LMRunner, *, kv_token_budget: int | None = None, domains: Sequence[str] = ()) -> None:
-        self.runner = runner
-        self.pool = runner.new_pool(kv_token_budget)
+        super().__init__(runner, kv_token_budget)
         self.domains = tuple(domains)
-        self._requests: dict[str, DraftState] = {}
         log.info("drafter_engine_ready", model=runner.name, attention_backend=runner.backend.name,
                  kv_token_budget=kv_token_budget, max_context=runner.max_context)
 
@@ -89,28 +87,8 @@ class DrafterEngine:
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def model_info(self) -> ModelInfo:
-        return self.runner.model_info()
-
     def tokens(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._state(request_id).tokens)
-
-    def cache_len(self, request_id: str) -> int:
-        return self._state(request_id).cache.length
-
-    @property
-    def active_requests(self) -> int:
-        return len(self._requests)
-
-    @property
-    def kv_reserved_tokens(self) -> int:
-        return self.pool.reserved_tokens
-
-    def _state(self, request_id: str) -> DraftState:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise UnknownRequest(f"unknown request {request_id!r} (never seen or released)") from None
 
     # ---- issue-level operations (raise on failure) ---------------------------------------------
 
@@ -129,14 +107,6 @@ class DrafterEngine:
     def rollback(self, request_id: str, committed_len: int) -> int:
         """Truncate the cache to its first ``committed_len`` tokens (no recomputation)."""
         return self._one(DraftItem(request_id, truncate_to=committed_len)).cache_len
-
-    def release(self, request_id: str) -> bool:
-        """Free a request's cache; False when it was not known."""
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return False
-        state.cache.release()
-        return True
 
     def _one(self, item: DraftItem) -> DraftResult:
         return self._many([item])[0]
@@ -283,8 +253,3 @@ class DrafterEngine:
         if new:
             self._requests[item.request_id] = state
         return _Planned(index, item, state, feed, new)
-
-    def _drop(self, state: DraftState) -> None:
-        if self._requests.get(state.request_id) is state:
-            del self._requests[state.request_id]
-        state.cache.release()

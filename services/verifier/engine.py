@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
+from common.engine_base import RequestEngine
 from common.lm_runner import LMRunner, SeqInput
 from common.logs import get_logger
 from common.kv_cache import KVCache
 from common.spec_types import (
     ContextTooLong,
     InvalidInput,
-    ModelInfo,
     SpecError,
     StageTimings,
     UnknownRequest,
@@ -73,7 +73,7 @@ class _Planned:
     new: bool
 
 
-class VerifierEngine:
+class VerifierEngine(RequestEngine[RequestState]):
     """The target model plus per-request state. Not thread-safe: call from one worker."""
 
     def __init__(
@@ -84,10 +84,8 @@ class VerifierEngine:
         rule_factory: RuleFactory = default_rule_factory,
         seed: int | None = None,
     ) -> None:
-        self.runner = runner
-        self.pool = runner.new_pool(kv_token_budget)
+        super().__init__(runner, kv_token_budget)
         self.rule_factory = rule_factory
-        self._requests: dict[str, RequestState] = {}
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -113,37 +111,9 @@ class VerifierEngine:
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def model_info(self) -> ModelInfo:
-        return self.runner.model_info()
-
     def committed(self, request_id: str) -> tuple[int, ...]:
         """The request's committed sequence (prompt + generated)."""
         return tuple(self._state(request_id).tokens)
-
-    def cache_len(self, request_id: str) -> int:
-        return self._state(request_id).cache.length
-
-    @property
-    def active_requests(self) -> int:
-        return len(self._requests)
-
-    @property
-    def kv_reserved_tokens(self) -> int:
-        return self.pool.reserved_tokens
-
-    def release(self, request_id: str) -> bool:
-        """Free a request's cache and state; False when it was not known."""
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return False
-        state.cache.release()
-        return True
-
-    def _state(self, request_id: str) -> RequestState:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise UnknownRequest(f"unknown request {request_id!r} (never seen or released)") from None
 
     # ---- verification ------------------------------------------------------------------------
 
@@ -260,8 +230,3 @@ class VerifierEngine:
             node_accepted=tuple(flags),
             committed_len=len(state.tokens),
         )
-
-    def _drop(self, state: RequestState) -> None:
-        if self._requests.get(state.request_id) is state:
-            del self._requests[state.request_id]
-        state.cache.release()
