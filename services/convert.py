@@ -3,7 +3,7 @@ past them sees a protobuf message."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from common.spec_types import DraftItem, DraftResult, ModelInfo, SamplingParams, TokenTree, Verdict, VerifyItem
 from cosine.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -43,20 +43,35 @@ def model_info_to_pb(info: ModelInfo, model_id: str, domains: Sequence[str] = ()
 # ---- drafter -----------------------------------------------------------------------------------
 
 
+def draft_items_to_pb(items: Sequence[DraftItem]) -> list[drafter_pb2.DraftItem]:
+    return [
+        drafter_pb2.DraftItem(
+            request_id=i.request_id, truncate_to=i.truncate_to, append_ids=i.append_ids, top_n=i.top_n,
+            release=i.release, chain_len=i.chain_len, score_append=i.score_append,
+        )
+        for i in items
+    ]
+
+
 def draft_step_to_pb(step_id: int, drafter_id: str, items: Sequence[DraftItem]) -> drafter_pb2.DraftStep:
+    return drafter_pb2.DraftStep(step_id=step_id, drafter_id=drafter_id, items=draft_items_to_pb(items))
+
+
+def draft_groups_to_pb(step_id: int, groups: Mapping[str, Sequence[DraftItem]]) -> drafter_pb2.DraftStep:
+    """One message for several drafters hosted by the same process."""
     return drafter_pb2.DraftStep(
-        step_id=step_id, drafter_id=drafter_id,
-        items=[
-            drafter_pb2.DraftItem(
-                request_id=i.request_id, truncate_to=i.truncate_to, append_ids=i.append_ids, top_n=i.top_n,
-                release=i.release, chain_len=i.chain_len, score_append=i.score_append,
-            )
-            for i in items
-        ],
+        step_id=step_id,
+        groups=[drafter_pb2.DraftGroup(drafter_id=d, items=draft_items_to_pb(items)) for d, items in groups.items()],
     )
 
 
-def draft_items_from_pb(step: drafter_pb2.DraftStep) -> list[DraftItem]:
+def draft_group_results_from_pb(reply: drafter_pb2.DraftStepResult) -> dict[str, list[DraftResult]]:
+    if not reply.groups:
+        return {reply.drafter_id: [draft_result_from_pb(c) for c in reply.results]}
+    return {g.drafter_id: [draft_result_from_pb(c) for c in g.results] for g in reply.groups}
+
+
+def draft_items_from_pb(step: drafter_pb2.DraftStep | drafter_pb2.DraftGroup) -> list[DraftItem]:
     return [
         DraftItem(
             request_id=i.request_id, truncate_to=i.truncate_to, append_ids=tuple(i.append_ids), top_n=i.top_n,

@@ -40,3 +40,16 @@ def test_verify_items_and_verdicts_survive_the_wire():
     assert verdict_from_pb(roundtrip(verdict_to_pb(v), verifier_pb2.Verdict)) == v
     bad = Verdict("b", error="too long", error_kind="context")
     assert verdict_from_pb(roundtrip(verdict_to_pb(bad), verifier_pb2.Verdict)) == bad
+
+
+def test_grouped_draft_steps_survive_the_wire():
+    from services.convert import draft_group_results_from_pb, draft_groups_to_pb
+
+    groups = {"code": [DraftItem("a", append_ids=(1,), top_n=2)], "prose": [DraftItem("a", top_n=1), DraftItem("b", release=True)]}
+    step = roundtrip(draft_groups_to_pb(3, groups), drafter_pb2.DraftStep)
+    assert {g.drafter_id: draft_items_from_pb(g) for g in step.groups} == groups
+    reply = drafter_pb2.DraftStepResult(step_id=3)
+    reply.groups.add(drafter_id="code", results=[draft_result_to_pb(DraftResult("a", (4, 5), (0.5, 0.25)))])
+    reply.groups.add(drafter_id="prose", results=[draft_result_to_pb(DraftResult("a", error="x")), draft_result_to_pb(DraftResult("b"))])
+    back = draft_group_results_from_pb(roundtrip(reply, drafter_pb2.DraftStepResult))
+    assert back["code"][0].token_ids == (4, 5) and not back["prose"][0].ok and back["prose"][1].request_id == "b"

@@ -80,16 +80,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             async for step in request_iterator:
                 received = time.perf_counter_ns()
-                engine = self.app.engines.get(step.drafter_id)
-                if engine is None:
-                    await context.abort(grpc.StatusCode.NOT_FOUND, f"this process hosts no drafter {step.drafter_id!r} "
+                groups = [(g.drafter_id, draft_items_from_pb(g)) for g in step.groups] or [(step.drafter_id, draft_items_from_pb(step))]
+                unknown = sorted({d for d, _ in groups if d not in self.app.engines})
+                if unknown:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"this process hosts no drafter {', '.join(map(repr, unknown))} "
                                         f"(it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
-                items = draft_items_from_pb(step)
-                for item in items:
-                    (released.add if item.release else owned.setdefault(step.drafter_id, set()).add)(item.request_id)
-                results, timings = await self.app.run(engine, items)
-                reply = drafter_pb2.DraftStepResult(step_id=step.step_id, drafter_id=step.drafter_id,
-                                                    results=[draft_result_to_pb(r) for r in results])
+                for d, items in groups:
+                    for item in items:
+                        (released.add if item.release else owned.setdefault(d, set()).add)(item.request_id)
+                answers, timings = await self.app.run_groups(groups)
+                reply = drafter_pb2.DraftStepResult(step_id=step.step_id, drafter_id=step.drafter_id)
+                if step.groups:
+                    for (d, _), results in zip(groups, answers):
+                        reply.groups.add(drafter_id=d, results=[draft_result_to_pb(r) for r in results])
+                else:
+                    reply.results.extend(draft_result_to_pb(r) for r in answers[0])
                 reply.timings.prefill_ns = timings.prefill_ns
                 reply.timings.forward_ns = timings.forward_ns
                 reply.timings.decode_ns = timings.decode_ns
@@ -114,8 +119,18 @@ class DrafterApp:
         self.servicer = DrafterServicer(self)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
 
-    async def run(self, engine: DrafterEngine, items: Sequence[DraftItem]) -> tuple[list[DraftResult], StageTimings]:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, run_chain_step, engine, items)
+    async def run_groups(self, groups: Sequence[tuple[str, Sequence[DraftItem]]]) -> tuple[list[list[DraftResult]], StageTimings]:
+        """Every group's step on the model thread, in one hop; timings summed."""
+        def work() -> tuple[list[list[DraftResult]], StageTimings]:
+            answers, stages = [], []
+            for d, items in groups:
+                results, timings = run_chain_step(self.engines[d], items)
+                answers.append(results)
+                stages.append(timings)
+            total = StageTimings(*(sum(getattr(t, f) for t in stages) for f in ("prefill_ns", "forward_ns", "decode_ns", "total_ns")))
+            return answers, total
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
 
     async def release(self, leftovers: dict[str, set[str]]) -> None:
         def work() -> int:

@@ -8,7 +8,7 @@ stream (:class:`common.streams.StreamClient`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,7 +19,13 @@ from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
 from common.store import Store
 from common.streams import StreamClient
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from services.convert import draft_result_from_pb, draft_step_to_pb, verdict_from_pb, verify_batch_to_pb
+from services.convert import (
+    draft_group_results_from_pb,
+    draft_groups_to_pb,
+    draft_step_to_pb,
+    verdict_from_pb,
+    verify_batch_to_pb,
+)
 
 log = get_logger("router.clients")
 
@@ -59,13 +65,31 @@ class GrpcDrafterPool:
         ep = self.by_drafter.get(drafter_id)
         return list(ep.drafters.get(drafter_id, [])) if ep else []
 
-    async def draft(self, drafter_id: str, items: Sequence[DraftItem]) -> list[DraftResult]:
-        ep = self.by_drafter[drafter_id]
-        self._step += 1
-        reply = await ep.stream.call(draft_step_to_pb(self._step, drafter_id, items), timeout_s=60)
-        self.calls += 1
-        self.busy_ns += max(0, reply.timings.total_ns - reply.timings.queue_ns)
-        return [draft_result_from_pb(c) for c in reply.results]
+    async def draft_many(self, calls: Mapping[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
+        """One draft step for several drafters: one message per drafter process, all processes
+        concurrently. A process that fails leaves the pool; its drafters answer None."""
+        by_endpoint: dict[str, dict[str, Sequence[DraftItem]]] = {}
+        for d, items in calls.items():
+            by_endpoint.setdefault(self.by_drafter[d].address, {})[d] = items
+
+        async def one(address: str, groups: dict[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
+            ep = self.endpoints[address]
+            self._step += 1
+            try:
+                reply = await ep.stream.call(draft_groups_to_pb(self._step, groups), timeout_s=60)
+            except Exception as exc:
+                for d in groups:
+                    self.mark_failed(d, str(exc))
+                return {d: None for d in groups}
+            self.calls += 1
+            self.busy_ns += max(0, reply.timings.total_ns - reply.timings.queue_ns)
+            answers = draft_group_results_from_pb(reply)
+            return {d: answers.get(d) for d in groups}
+
+        out: dict[str, list[DraftResult] | None] = {}
+        for part in await asyncio.gather(*(one(a, g) for a, g in by_endpoint.items())):
+            out.update(part)
+        return out
 
     def release(self, drafter_id: str, request_ids: Sequence[str]) -> None:
         ep = self.by_drafter.get(drafter_id)

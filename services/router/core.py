@@ -54,7 +54,9 @@ class DrafterPool(Protocol):
 
     def domains(self, drafter_id: str) -> Sequence[str]: ...
 
-    async def draft(self, drafter_id: str, items: Sequence[DraftItem]) -> list[DraftResult]: ...
+    async def draft_many(self, calls: Mapping[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
+        """One step for several drafters at once; None for a drafter that failed (and left)."""
+        ...
 
     def release(self, drafter_id: str, request_ids: Sequence[str]) -> None: ...
 
@@ -276,6 +278,7 @@ class RouterCore:
 
     async def _worker(self, index: int) -> None:
         while True:
+            await asyncio.sleep(0)  # let submissions and cancellations in between rounds
             batch = self._pick()
             if not batch:
                 self._wakeup.clear()
@@ -381,24 +384,20 @@ class RouterCore:
         """Domain signal: every live drafter scores each new prompt (mean log-prob); the request's
         domain is the first listed domain of the best-scoring drafter. The drafters keep the
         prompt in cache, so this is also their prefill."""
-        async def one(d: str) -> tuple[str, list[DraftResult]]:
-            items = []
+        calls: dict[str, list[tuple[str, DraftItem]]] = {}
+        for d in live:
             for r in reqs:
-                item, after = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=0, score=True)
-                items.append(_with(item, request_id=r.request_id))
-            try:
-                results = await self.drafters.draft(d, items)
-            except Exception as exc:
-                self.drafters.mark_failed(d, str(exc))
-                return d, []
-            for r, res in zip(reqs, results):
-                if res.ok:
+                item, _ = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=0, score=True)
+                calls.setdefault(d, []).append((r.request_id, _with(item, request_id=r.request_id)))
+        answers = await self._call_drafters(calls)
+        scored = []
+        for d, results in answers.items():
+            for r, res in zip(reqs, results or [None] * len(reqs)):
+                if res is not None and res.ok:
                     r.drafter_cache[d] = list(r.sequence)
                 else:
                     r.drafter_cache.pop(d, None)
-            return d, results
-
-        scored = await asyncio.gather(*(one(d) for d in live))
+            scored.append((d, results or []))
         for i, r in enumerate(reqs):
             r.domain = infer_domain(
                 {d: results[i].append_logprob for d, results in scored
@@ -493,15 +492,13 @@ class RouterCore:
         return trees, {rid: sorted(c) for rid, c in chains.items()}
 
     async def _call_drafters(self, per_drafter: Mapping[str, list[tuple[str, DraftItem]]]) -> dict[str, list[DraftResult] | None]:
-        async def one(d: str, pairs: list[tuple[str, DraftItem]]) -> tuple[str, list[DraftResult] | None]:
-            try:
-                return d, await self.drafters.draft(d, [item for _, item in pairs])
-            except Exception as exc:
-                self.drafters.mark_failed(d, str(exc))
-                log.warning("drafter failed; its requests go on without it", drafter=d, error=str(exc))
-                return d, None
-
-        return dict(await asyncio.gather(*(one(d, p) for d, p in per_drafter.items())))
+        """One draft step for every drafter involved (one message per drafter process). A failed
+        drafter answers None and has left the pool; its requests go on without it."""
+        answers = await self.drafters.draft_many({d: [item for _, item in pairs] for d, pairs in per_drafter.items()})
+        for d, results in answers.items():
+            if results is None:
+                log.warning("drafter failed; its requests go on without it", drafter=d)
+        return answers
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
                updates: list[tuple[str, str, float, float]], round_ns: int) -> None:
