@@ -381,9 +381,9 @@ class RouterCore:
                 r.routing.sync(live, {})
 
     async def _score_prompts(self, reqs: list[Request], live: list[str]) -> None:
-        """Domain signal: every live drafter scores each new prompt (mean log-prob); the request's
-        domain is the first listed domain of the best-scoring drafter. The drafters keep the
-        prompt in cache, so this is also their prefill."""
+        """Domain signal: every live drafter scores each new prompt (mean log-prob) and
+        :func:`infer_domain` picks the domain whose specialist finds it most likely. The drafters
+        keep the prompt in cache, so this is also their prefill."""
         calls: dict[str, list[tuple[str, DraftItem]]] = {}
         for d in live:
             for r in reqs:
