@@ -6,16 +6,20 @@ from __future__ import annotations
 from typing import Any, Generic, TypeVar
 
 from common.lm_runner import LMRunner
+from common.logs import get_logger
 from common.spec_types import ModelInfo, UnknownRequest
 
 S = TypeVar("S")
+log = get_logger("engine")
 
 
 class RequestEngine(Generic[S]):
-    def __init__(self, runner: LMRunner, kv_token_budget: int | None) -> None:
+    def __init__(self, runner: LMRunner, kv_token_budget: int | None, kind: str) -> None:
         self.runner = runner
         self.pool = runner.new_pool(kv_token_budget)
         self._requests: dict[str, S] = {}
+        log.info(f"{kind}_engine_ready", model=runner.name, attention_backend=runner.backend.name,
+                 kv_token_budget=kv_token_budget, max_context=runner.max_context)
 
     def model_info(self) -> ModelInfo:
         return self.runner.model_info()

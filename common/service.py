@@ -148,11 +148,8 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
 
 
 def _reachable_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return socket.gethostname()
-    if host in ("::", "[::]"):
-        return socket.gethostname()
-    return host
+    """A wildcard listen address is not something peers can dial: advertise the host name."""
+    return socket.gethostname() if host in ("0.0.0.0", "", "::", "[::]") else host
 
 
 async def _heartbeat(store: Store, member: Member, period_s: float, ttl_s: float, log: Any) -> None:

@@ -17,7 +17,8 @@ Glossary (used the same way in every module):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -269,6 +270,12 @@ class StageTimings:
     forward_ns: int = 0  # the model forward pass proper
     decode_ns: int = 0  # top-n extraction / acceptance and sampling, cache commits
     total_ns: int = 0
+
+    @classmethod
+    def sum(cls, parts: Iterable[StageTimings]) -> StageTimings:
+        """Stage by stage sum (a batch served in several passes)."""
+        parts = list(parts)
+        return cls(*(sum(getattr(t, f.name) for t in parts) for f in fields(cls)))
 
 
 @dataclass(frozen=True)

@@ -302,6 +302,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     zoo = _load_zoo(args.zoo)
     cluster = LocalCluster(spec)
+    results = []
     try:
         cluster.start()
         asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0))
@@ -313,5 +314,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 1
     finally:
         cluster.stop()
-    failed = [r for r in results if r.error] if "results" in locals() else []
-    return 1 if failed else 0
+    return 1 if any(r.error for r in results) else 0

@@ -66,10 +66,8 @@ class DrafterEngine(RequestEngine[DraftState]):
     """A drafter model plus per-request caches. Not thread-safe: call from one worker."""
 
     def __init__(self, runner: LMRunner, *, kv_token_budget: int | None = None, domains: Sequence[str] = ()) -> None:
-        super().__init__(runner, kv_token_budget)
+        super().__init__(runner, kv_token_budget, "drafter")
         self.domains = tuple(domains)
-        log.info("drafter_engine_ready", model=runner.name, attention_backend=runner.backend.name,
-                 kv_token_budget=kv_token_budget, max_context=runner.max_context)
 
     @classmethod
     def from_checkpoint(

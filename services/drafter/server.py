@@ -127,8 +127,7 @@ class DrafterApp:
                 results, timings = run_chain_step(self.engines[d], items)
                 answers.append(results)
                 stages.append(timings)
-            total = StageTimings(*(sum(getattr(t, f) for t in stages) for f in ("prefill_ns", "forward_ns", "decode_ns", "total_ns")))
-            return answers, total
+            return answers, StageTimings.sum(stages)
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, work)
 

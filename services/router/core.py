@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from common.logs import get_logger
@@ -99,7 +99,7 @@ class RouterConfig:
             drafters_per_request=s.drafters_per_request, fusion=s.fusion, routing=s.routing,
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
-            adaptive_k=getattr(s, "adaptive_k", True), all_drafters=getattr(s, "all_drafters", False),
+            adaptive_k=s.adaptive_k, all_drafters=s.all_drafters,
         )
 
 
@@ -191,14 +191,8 @@ def sync_item(cache: Sequence[int], sequence: Sequence[int], top_n: int, chain_l
     truncate_to = keep if keep < len(cache) else -1
     item = DraftItem(request_id="", truncate_to=truncate_to, append_ids=tuple(sequence[keep:]), top_n=top_n)
     if chain_len or score:
-        item = _with(item, chain_len=chain_len, score_append=score)
+        item = replace(item, chain_len=chain_len, score_append=score)
     return item, list(sequence)
-
-
-def _with(item: DraftItem, **changes: Any) -> DraftItem:
-    from dataclasses import replace
-
-    return replace(item, **changes)
 
 
 class RouterCore:
@@ -388,7 +382,7 @@ class RouterCore:
         for d in live:
             for r in reqs:
                 item, _ = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=0, score=True)
-                calls.setdefault(d, []).append((r.request_id, _with(item, request_id=r.request_id)))
+                calls.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
         answers = await self._call_drafters(calls)
         scored = []
         for d, results in answers.items():
@@ -436,7 +430,7 @@ class RouterCore:
                     else:
                         item = DraftItem(request_id="", append_ids=(fused[rid][-1],), top_n=width)
                         r.drafter_cache[d].append(fused[rid][-1])
-                    per_drafter.setdefault(d, []).append((rid, _with(item, request_id=rid)))
+                    per_drafter.setdefault(d, []).append((rid, replace(item, request_id=rid)))
             answers = await self._call_drafters(per_drafter)
             proposals: dict[str, list[Proposal]] = {rid: [] for rid in active}
             for d, pairs in per_drafter.items():
@@ -468,7 +462,7 @@ class RouterCore:
             for d in selected[r.request_id]:
                 item, after = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=1, chain_len=ks[r.request_id])
                 r.drafter_cache[d] = after
-                per_drafter.setdefault(d, []).append((r.request_id, _with(item, request_id=r.request_id)))
+                per_drafter.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
         answers = await self._call_drafters(per_drafter)
         chains: dict[str, dict[str, tuple[list[int], list[float]]]] = {r.request_id: {} for r in batch}
         for d, pairs in per_drafter.items():

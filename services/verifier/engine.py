@@ -84,15 +84,13 @@ class VerifierEngine(RequestEngine[RequestState]):
         rule_factory: RuleFactory = default_rule_factory,
         seed: int | None = None,
     ) -> None:
-        super().__init__(runner, kv_token_budget)
+        super().__init__(runner, kv_token_budget, "verifier")
         self.rule_factory = rule_factory
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
-        log.info("verifier_engine_ready", model=runner.name, attention_backend=runner.backend.name,
-                 kv_token_budget=kv_token_budget, max_context=runner.max_context)
 
     @classmethod
     def from_checkpoint(

@@ -54,7 +54,7 @@ def split_by_tokens(items: Sequence[VerifyItem], budget: int) -> list[list[Verif
 def merge_outcomes(outcomes: Sequence[VerifyOutcome]) -> VerifyOutcome:
     if len(outcomes) == 1:
         return outcomes[0]
-    timings = StageTimings(*(sum(getattr(o.timings, f) for o in outcomes) for f in ("prefill_ns", "forward_ns", "decode_ns", "total_ns")))
+    timings = StageTimings.sum(o.timings for o in outcomes)
     return VerifyOutcome(tuple(v for o in outcomes for v in o.verdicts), sum(o.batch_tokens for o in outcomes), timings)
 
 
