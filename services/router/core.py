@@ -365,9 +365,11 @@ class RouterCore:
         if new and live and self.config.routing:
             if any(not r.domain for r in new):
                 await self._score_prompts([r for r in new if not r.domain], live)
+            priors: dict[str, dict[str, float]] = {}
+            for domain in sorted({r.domain for r in new}):  # one profile read per domain, not per request
+                priors[domain] = await self.profiles(live, domain) if self.profiles else {}
             for r in new:
-                prior = await self.profiles(live, r.domain) if self.profiles else {}
-                r.routing = RoutingVector.seeded(live, prior)
+                r.routing = RoutingVector.seeded(live, priors[r.domain])
         for r in batch:
             if not r.routing.scores:
                 r.routing = RoutingVector.seeded(live, {})
