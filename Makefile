@@ -53,9 +53,9 @@ run: setup
 
 # The full benchmark (at most 10 minutes on 2 cores once the zoo exists): every baseline, CoSine
 # and its ablations on the same workloads; report and plots in bench-out/.
-BENCH_ZOO ?= .cosine/zoo-default
+BENCH_ZOO ?= .cosine/zoo-smol
 bench: setup
-	@test -f $(BENCH_ZOO)/zoo.json || $(BIN)/cosine models build --profile default --out $(BENCH_ZOO)
+	@test -f $(BENCH_ZOO)/zoo.json || $(BIN)/cosine models build --profile smol --out $(BENCH_ZOO)
 	$(BIN)/cosine bench --zoo $(BENCH_ZOO) --out bench-out/report.json $(BENCH_ARGS)
 
 clean:

@@ -1,6 +1,6 @@
 """`cosine bench`: every system on the same workloads, one after the other, in one invocation.
 
-    cosine bench --zoo .cosine/zoo-default --out bench-out/report.json
+    cosine bench --zoo .cosine/zoo-smol --out bench-out/report.json
 
 Flow: load the zoo; decode every prompt of the run with the target alone (the *reference pass*:
 our verifier engine, greedy, batched) - its outputs are what every greedy run must reproduce
@@ -329,7 +329,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Run every system on the same workloads, one after the other, on this machine with the same "
                        "thread budget; write a JSON report and PNG plots beside it. Greedy outputs are checked token by token "
                        "against the target's own decode.")
-    p.add_argument("--zoo", default=".cosine/zoo-default", help="model zoo directory")
+    p.add_argument("--zoo", default=".cosine/zoo-smol", help="model zoo directory")
     p.add_argument("--out", default="bench-out/report.json", help="report path; the plots go beside it")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="default", help="default: the full run; quick: seconds (tests)")
     p.add_argument("--systems", default="", help="comma-separated subset of systems (default: all)")

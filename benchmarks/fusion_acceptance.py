@@ -1,7 +1,7 @@
 """Does collaboration pay? Mean accepted draft tokens per round on a mixed-domain workload:
 token fusion of several drafters vs every single drafter alone (all in one run, same prompts).
 
-    python -m benchmarks.fusion_acceptance --zoo .cosine/zoo-default
+    python -m benchmarks.fusion_acceptance --zoo .cosine/zoo-smol
 
 Runs the router core in-process with the real engines (no sockets), greedy, so acceptance is the
 only thing measured; output is checked against plain decoding of the target for every setting.
@@ -67,7 +67,7 @@ async def run(core: RouterCore, prompts: dict[str, list[int]], max_new: int, eos
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--zoo", default=".cosine/zoo-default")
+    ap.add_argument("--zoo", default=".cosine/zoo-smol")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--json", action="store_true")

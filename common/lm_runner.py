@@ -30,6 +30,7 @@ import torch
 
 from common.attention import AttentionBackend, BatchLayout, select_backend
 from common.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
+from common.draft_vocab import DraftVocab, load_draft_vocab
 from common.kv_cache import KVCache, KVPool
 from common.logs import get_logger
 from common.spec_types import ModelInfo
@@ -79,7 +80,8 @@ class SeqInput:
 class LMRunner:
     """Batched forward of a Llama/Qwen2 ``*ForCausalLM`` over per-request caches."""
 
-    def __init__(self, model: Any, backend: AttentionBackend, *, name: str = "", tokenizer_fp: str = "") -> None:
+    def __init__(self, model: Any, backend: AttentionBackend, *, name: str = "", tokenizer_fp: str = "",
+                 draft_vocab: DraftVocab | None = None) -> None:
         cfg = model.config
         check_architecture(cfg.to_dict(), name or cfg.model_type)
         self.model = model
@@ -100,6 +102,8 @@ class LMRunner:
         self.scale = attn.scaling
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # a reduced draft vocabulary: ids in and logits out stay in the target's id space
+        self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
 
     @classmethod
     def from_checkpoint(
@@ -112,11 +116,14 @@ class LMRunner:
         """
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r} (choose {', '.join(DTYPES)})")
-        arch = check_architecture(read_config(path), path)
+        config = read_config(path)
+        arch = check_architecture(config, path)
+        draft_vocab = load_draft_vocab(path, config)
         attention = select_backend(backend, device, DTYPES[dtype])
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
-        runner = cls(model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer))
+        runner = cls(model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer),
+                     draft_vocab=draft_vocab)
         log.info("model_loaded", path=str(path), architecture=arch, dtype=dtype, device=device,
                  attention_backend=attention.name, requested_backend=backend)
         return runner
@@ -129,7 +136,8 @@ class LMRunner:
 
     @property
     def vocab_size(self) -> int:
-        return self.config.vocab_size
+        """Size of the id space the runner speaks (the target's, for a reduced draft vocabulary)."""
+        return self.draft_vocab.target_vocab_size if self.draft_vocab is not None else self.config.vocab_size
 
     @property
     def max_context(self) -> int:
@@ -180,6 +188,8 @@ class LMRunner:
         layout = BatchLayout(past_lens=tuple(s.cache.length for s in seqs), parents=tuple(parents))
         dev = self.device
         ids = torch.tensor([tok for s in seqs for tok in s.token_ids], dtype=torch.long, device=dev)
+        if self.draft_vocab is not None:
+            ids = self.draft_vocab.to_draft[ids]
         pos = torch.tensor([p for b in range(layout.batch) for p in layout.positions(b)], dtype=torch.long, device=dev)
         N, H, Hkv, D = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
 
@@ -209,6 +219,8 @@ class LMRunner:
             rows += [off + r for r in want]
             counts.append(len(want))
         logits = self.lm_head(self.norm(h[torch.tensor(rows, dtype=torch.long, device=dev)])).float()
+        if self.draft_vocab is not None:
+            logits = self.draft_vocab.full_logits(logits)
         return list(torch.split(logits, counts))
 
 

@@ -120,3 +120,15 @@ def tiny_zoo(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # one thread: as fast for models this small, and immune to a busy machine's oversubscription
     out = tmp_path_factory.mktemp("tiny-zoo")
     return build_zoo(BuildOptions(out=out, profile=tiny(), seed=0, progress=False, threads=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_distilled_zoo(tiny_zoo: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A zoo of the ``tiny-distill`` profile: drafters with a reduced draft vocabulary, distilled
+    from the tiny zoo's target by the same pipeline that builds ``smol``."""
+    from cosine_zoo.build import BuildOptions, build_zoo
+    from cosine_zoo.profiles import tiny_distill
+
+    out = tmp_path_factory.mktemp("tiny-distilled-zoo")
+    return build_zoo(BuildOptions(out=out, profile=tiny_distill(), seed=0, progress=False, threads=1,
+                                  target=tiny_zoo.target.path))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 STATE_FILE = Path(".cosine/cluster.json")
-DEFAULT_ZOO = ".cosine/zoo-default"
+DEFAULT_ZOO = ".cosine/zoo-smol"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     demo = sub.add_parser("demo", help="build the default zoo if absent, start the cluster, serve a mixed-domain workload, report, stop")
     _cluster_args(demo)
-    demo.add_argument("--profile", default="default", help="zoo profile to build when the zoo is absent")
+    demo.add_argument("--profile", default="smol", help="zoo profile to build when the zoo is absent (default: smol)")
     demo.add_argument("--requests", type=int, default=48, help="requests in the workload")
     demo.add_argument("--concurrency", type=int, default=8)
     demo.add_argument("--max-new-tokens", type=int, default=64)
@@ -113,7 +113,7 @@ def _load_zoo(path: str):
     try:
         return load_zoo(path)
     except CheckpointError as exc:
-        raise SystemExit(f"cosine: error: {exc}\n  (build one with: cosine models build --profile default --out {path})") from None
+        raise SystemExit(f"cosine: error: {exc}\n  (build one with: cosine models build --profile smol --out {path})") from None
 
 
 async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str, float]], prior_weight: float, reset: bool = False) -> int:

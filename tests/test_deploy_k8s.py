@@ -270,7 +270,7 @@ def test_models_volume_and_zoo_job():
     objects = render_objects(CHART)
     (job,) = by_kind(objects, "Job").values()
     script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
-    assert "[ -f /models/zoo/zoo.json ]" in script and "cosine models build --profile default --out /models/zoo" in script
+    assert "[ -f /models/zoo/zoo.json ]" in script and "cosine models build --profile smol --out /models/zoo" in script
     assert "cosine-models" in by_kind(objects, "PersistentVolumeClaim")
     for _, template, c, spec in cosine_containers(objects):
         if spec.name in ("verifier", "drafter", "gateway"):

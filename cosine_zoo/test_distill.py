@@ -1,0 +1,125 @@
+"""The distillation pipeline (what builds the ``smol`` zoo) at toy size, on the tiny zoo's target."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from common.spec_types import GREEDY
+from cosine_zoo.build import BuildOptions, build_zoo
+from cosine_zoo.build_distilled import DISTILL_DOMAINS
+from cosine_zoo.distill import Example, choose_draft_vocab, make_batch, resolve_layers
+from cosine_zoo.instructions import instructions, render, subjects
+from cosine_zoo.profiles import tiny_distill
+
+
+def test_distilled_zoo_has_every_drafter_and_figure(tiny_distilled_zoo, tiny_zoo):
+    zoo = tiny_distilled_zoo
+    assert zoo.profile == "tiny-distill" and zoo.domains == DISTILL_DOMAINS and "chat" in zoo.domains
+    assert set(zoo.drafters) == {*DISTILL_DOMAINS, "generalist"}
+    assert zoo.target.path == tiny_zoo.target.path.resolve()  # a named target is used in place
+    for name in zoo.drafters:
+        assert set(zoo.acceptance[name]) == set(zoo.domains)
+        assert all(0.0 <= v <= zoo.k for v in zoo.acceptance[name].values())
+    cost = zoo.manifest["evaluation"]["step_cost"]
+    assert cost["target_ms"] > 0 and set(cost["drafter_ms"]) == set(zoo.drafters)
+    assert zoo.manifest["draft_vocab"]["size"] == tiny_distill().draft_vocab
+    assert {d: len(p) for d, p in zoo.prompts.items()} == {d: tiny_distill().evaluation.prompts_per_domain for d in zoo.domains}
+
+
+def test_rebuild_skips_finished_stages_and_reproduces_figures(tiny_distilled_zoo, tiny_zoo, tmp_path):
+    opts = BuildOptions(out=tmp_path / "zoo", profile=tiny_distill(), seed=0, progress=False, threads=1,
+                        target=tiny_zoo.target.path)
+    first = build_zoo(opts)
+    assert first.acceptance == tiny_distilled_zoo.acceptance  # same seed, same figures
+    stamp = (tmp_path / "zoo" / "drafters" / "code" / "model.safetensors").stat().st_mtime_ns
+    again = build_zoo(opts)
+    assert (tmp_path / "zoo" / "drafters" / "code" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert again.acceptance == first.acceptance
+
+
+def test_distilled_drafters_serve_losslessly(tiny_distilled_zoo):
+    """Router core with the distilled (reduced-vocabulary) drafters: output equals the target's greedy decode."""
+    from services.drafter.engine import DrafterEngine
+    from services.router.core import RouterConfig, RouterCore
+    from services.router.inprocess import LocalDrafterPool, LocalVerifier
+    from services.router.test_core import generate_all
+    from services.verifier.engine import VerifierEngine
+    from services.verifier.test_greedy_equality import hf_greedy
+
+    zoo = tiny_distilled_zoo
+    verifier = VerifierEngine.from_checkpoint(zoo.target.path, attention_backend="sdpa")
+    drafters = {n: DrafterEngine.from_checkpoint(e.path, domains=e.domains) for n, e in zoo.drafters.items()}
+    from common.checkpoints import load_tokenizer
+
+    tok = load_tokenizer(zoo.tokenizer_path)
+    prompts = {f"{d}-{i}": tok(text)["input_ids"] for d, texts in zoo.prompts.items() for i, text in enumerate(texts[:1])}
+    expected = hf_greedy(zoo.target.path, prompts, 16)
+    for config in (RouterConfig(drafters_per_request=2, tree_width=3), RouterConfig(fusion="chunk")):
+        core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
+        assert asyncio.run(generate_all(core, prompts, 16)) == expected
+        assert core.counters.rounds > 0
+    assert verifier.active_requests == 0 and all(e.active_requests == 0 for e in drafters.values())
+
+
+def test_draft_vocab_keeps_frequent_tokens_and_specials():
+    examples = [Example((5, 5, 5, 9), (9, 2)), Example((5, 7), (9,))]
+    vocab = choose_draft_vocab(examples, size=3, target_vocab_size=20, always=[1])
+    assert vocab.to_target.tolist()[:2] == [5, 9]  # by frequency, most frequent first
+    assert 1 in vocab.to_target.tolist() and vocab.size == 3
+
+
+def test_batches_supervise_only_the_continuation_inside_the_vocabulary():
+    vocab = choose_draft_vocab([Example((4, 5), (6, 7))], size=4, target_vocab_size=10)
+    ids, labels = make_batch([Example((4, 5), (6, 8))], vocab)  # 8 is off the map
+    assert ids.shape == labels.shape == (1, 3)
+    assert labels[0].tolist() == [-100, int(vocab.to_draft[6]), -100]
+
+
+def test_layers_and_chat_prompts():
+    assert resolve_layers((0, -1), 30) == [0, 29]
+    with pytest.raises(ValueError):
+        resolve_layers((0, 30), 30)
+    assert not set(subjects(heldout=True)) & set(subjects(heldout=False))
+    train, held = instructions(40, 0, heldout=False), instructions(10, 0, heldout=True)
+    assert len(train) == 40 and not set(train) & set(held)
+
+    class Templated:
+        chat_template = "x"
+
+        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
+            assert add_generation_prompt and not tokenize
+            return "<user>" + msgs[0]["content"] + "<assistant>"
+
+    assert render(Templated(), "Hi") == "<user>Hi<assistant>"
+    assert render(object(), "Hi") == "Question: Hi\nAnswer:"
+
+
+def test_missing_target_is_one_clear_error(tmp_path):
+    from common.checkpoints import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        build_zoo(BuildOptions(out=tmp_path / "z", profile=tiny_distill(), progress=False, target=tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="pass --target"):
+        build_zoo(BuildOptions(out=tmp_path / "z", profile=tiny_distill(), progress=False))
+    assert not (tmp_path / "z" / "zoo.json").exists()
+
+
+def test_cli_reports_bad_target_in_one_line(tmp_path, capsys):
+    from cosine_cli.main import main
+
+    rc = main(["models", "build", "--profile", "tiny-distill", "--target", str(tmp_path / "nope"),
+               "--out", str(tmp_path / "z"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: ") and "nope" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_manifest_records_teacher_and_vocab(tiny_distilled_zoo):
+    m = json.loads((tiny_distilled_zoo.root / "zoo.json").read_text())
+    assert set(m["teacher"]) == set(DISTILL_DOMAINS)
+    assert all(v["train_prompts"] == tiny_distill().teacher.prompts_per_domain for v in m["teacher"].values())
+    assert m["drafters"]["chat"]["domains"] == ["chat"]
+    assert set(m["timings"]) >= {"target", "teacher", "drafters", "evaluation", "total"}
