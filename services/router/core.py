@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from common.logs import get_logger
 from common.spec_types import DraftItem, DraftResult, SamplingParams, TokenTree, Verdict, VerifyItem
+from services.router.control import SpeculationControl
 from services.router.fusion import DraftTree, Proposal, credit, fuse, fuse_chains
 from services.router.routing import RoutingVector
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
@@ -91,6 +92,7 @@ class RouterConfig:
     max_queue: int = 1024
     adaptive_k: bool = True
     all_drafters: bool = False  # every live drafter drafts every request (SpecInfer-style)
+    cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
 
     @classmethod
     def from_settings(cls, s: Any) -> RouterConfig:
@@ -99,7 +101,7 @@ class RouterConfig:
             drafters_per_request=s.drafters_per_request, fusion=s.fusion, routing=s.routing,
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
-            adaptive_k=s.adaptive_k, all_drafters=s.all_drafters,
+            adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control,
         )
 
 
@@ -146,6 +148,7 @@ class Request:
     in_round: bool = False
     done: bool = False
     cancelled: bool = False
+    first_accept: float = 0.7  # EWMA: how often this request's first draft node is accepted
 
     @property
     def sequence(self) -> list[int]:
@@ -214,6 +217,7 @@ class RouterCore:
         self.requests: dict[str, Request] = {}
         self.counters = Counters()
         self.load = LoadControl()
+        self.control = SpeculationControl(max_width=config.tree_width, enabled=config.cost_control)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
@@ -324,7 +328,8 @@ class RouterCore:
         t0 = self.clock()
         live = list(self.drafters.live())
         await self._route(batch, live)
-        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) for r in batch}
+        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if self._drafts_pay(r) else 0
+              for r in batch}
         if self.config.fusion == "chunk":
             trees, selected = await self._draft_chunks(batch, ks)
         else:
@@ -347,8 +352,12 @@ class RouterCore:
             return
         t2 = self.clock()
         updates: list[tuple[str, str, float, float]] = []
+        committed_before = self.counters.tokens_committed
         for r, verdict in zip(batch, verdicts):
             self._apply(r, trees[r.request_id], selected.get(r.request_id, []), verdict, updates, int((t2 - t0) * 1e9))
+        rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
+        self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before)
+        self.control.observe_round(t1 - t0, t2 - t1)
         self.counters.rounds += 1
         self.counters.draft_s += t1 - t0
         self.counters.verify_s += t2 - t1
@@ -401,14 +410,23 @@ class RouterCore:
                 {d: list(self.drafters.domains(d)) for d in live},
             )
 
+    def _drafts_pay(self, r: Request) -> bool:
+        """Whether drafting for ``r`` this round is expected to pay: its first node's acceptance
+        rate against the control threshold; a request turned down to plain decoding is probed
+        with a draft every eighth round, so a change of load or of text turns it back on."""
+        if not self.config.cost_control:
+            return True
+        return r.first_accept >= self.control.threshold() or r.stats.rounds % 8 == 0
+
     def _select(self, r: Request, live: list[str]) -> list[str]:
         if not live:
             return []
         if self.config.all_drafters:
             return sorted(live)
+        count = self.control.drafters_per_request(self.config.drafters_per_request)
         if not self.config.routing:
-            return sorted(live)[: self.config.drafters_per_request]
-        chosen = r.routing.select(self.config.drafters_per_request, self.config.explore_threshold)
+            return sorted(live)[:count]
+        chosen = r.routing.select(count, self.config.explore_threshold)
         return [d for d in chosen if d in live]
 
     async def _draft_tokens(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
@@ -420,6 +438,9 @@ class RouterCore:
         fused: dict[str, list[int]] = {r.request_id: [] for r in batch}
         by_id = {r.request_id: r for r in batch}
         active = {rid for rid, sel in selected.items() if sel}
+        values = {rid: 1.0 for rid in active}  # expected acceptance of each request's fused tip
+        theta = self.control.threshold() if self.config.cost_control else 0.0
+        pipelined = self.config.rounds_in_flight > 1
         step = 0
         while active:
             per_drafter: dict[str, list[tuple[str, DraftItem]]] = {}
@@ -433,7 +454,9 @@ class RouterCore:
                         item = DraftItem(request_id="", append_ids=(fused[rid][-1],), top_n=width)
                         r.drafter_cache[d].append(fused[rid][-1])
                     per_drafter.setdefault(d, []).append((rid, replace(item, request_id=rid)))
+            t_step = self.clock()
             answers = await self._call_drafters(per_drafter)
+            self.control.observe_draft_step(self.clock() - t_step)
             proposals: dict[str, list[Proposal]] = {rid: [] for rid in active}
             for d, pairs in per_drafter.items():
                 results = answers.get(d) or [None] * len(pairs)
@@ -444,15 +467,26 @@ class RouterCore:
                         by_id[rid].drafter_cache.pop(d, None)
                         selected[rid] = [x for x in selected[rid] if x != d]
             step += 1
+            next_values = []
             for rid in list(active):
                 ranked = fuse(proposals[rid], by_id[rid].routing.weights(selected[rid]))
-                if not ranked:
+                # a node is verified only when its expected tokens repay its verify row
+                kept = [c for c in ranked[:width] if self.control.node_value(values[rid], c.score) >= theta]
+                if not kept or kept[0] is not ranked[0]:
                     active.discard(rid)
+                    if kept:  # the fused token does not pay but a runner-up does: keep the runners-up as leaves
+                        for c in kept:
+                            trees[rid].add(tips[rid], c.token, c.score, c.sources, c.top1)
                     continue
-                tips[rid] = trees[rid].add_fused_step(tips[rid], ranked, width)
+                tips[rid] = trees[rid].add_fused_step(tips[rid], kept, len(kept))
+                values[rid] = self.control.node_value(values[rid], ranked[0].score)
                 fused[rid].append(ranked[0].token)
                 if step >= ks[rid] or not selected[rid]:
                     active.discard(rid)
+                else:
+                    next_values.append(values[rid])
+            if active and self.config.cost_control and not self.control.worth_a_step(next_values, pipelined):
+                active.clear()
         return trees, selected
 
     async def _draft_chunks(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
@@ -485,6 +519,8 @@ class RouterCore:
             r.request_id: fuse_chains(chains[r.request_id], r.routing.weights(chains[r.request_id]), max(1, len(chains[r.request_id])))
             for r in batch
         }
+        if self.config.cost_control:
+            trees = {rid: self.control.prune(tree) for rid, tree in trees.items()}
         return trees, {rid: sorted(c) for rid, c in chains.items()}
 
     async def _call_drafters(self, per_drafter: Mapping[str, list[tuple[str, DraftItem]]]) -> dict[str, list[DraftResult] | None]:
@@ -506,6 +542,9 @@ class RouterCore:
             return
         r.verifier_synced = True
         accepted = len(verdict.accepted_nodes)
+        if len(tree):
+            self.control.observe_verdict(tree, verdict.accepted_nodes)
+            r.first_accept = 0.7 * r.first_accept + 0.3 * (1.0 if accepted else 0.0)
         r.stats.rounds += 1
         r.stats.draft_tokens += len(tree)
         r.stats.accepted_tokens += accepted

@@ -118,22 +118,23 @@ class DraftTree:
             self.add(parent, cand.token, cand.score, cand.sources, cand.top1)
         return node
 
-    def add_chain(self, chain: Sequence[int], probs: Sequence[float], drafter_id: str, weight: float, width: int) -> int:
-        """Merge one drafter's greedy chain into the tree (prefix sharing). Returns how many of its
-        tokens made it into the tree (a chain is cut where a node already has ``width`` children)."""
+    def add_chain(self, chain: Sequence[int], probs: Sequence[float], drafter_id: str, width: int) -> int:
+        """Merge one drafter's greedy chain into the tree (prefix sharing). A shared node keeps the
+        highest confidence any drafter gave it. Returns how many of the chain's tokens made it into
+        the tree (a chain is cut where a node already has ``width`` children)."""
         parent = -1
         merged = 0
         for tok, prob in zip(chain, probs):
             existing = next((c for c in self.children(parent) if self.tokens[c] == tok), None)
             if existing is not None:
-                self.probs[existing] = max(self.probs[existing], weight * float(prob))
+                self.probs[existing] = max(self.probs[existing], float(prob))
                 self.source_masks[existing] |= self.mask_of({drafter_id})
                 self.top1[existing] = self.top1[existing] | {drafter_id}
                 parent = existing
             else:
                 if len(self.children(parent)) >= width:
                     break
-                parent = self.add(parent, tok, weight * float(prob), frozenset({drafter_id}), frozenset({drafter_id}))
+                parent = self.add(parent, tok, float(prob), frozenset({drafter_id}), frozenset({drafter_id}))
             merged += 1
         return merged
 
@@ -164,7 +165,7 @@ def fuse_chains(
 
     tree = DraftTree(drafter_ids=sorted(chains))
     for drafter_id, (chain, probs) in sorted(chains.items(), key=lambda it: (-confidence(it), it[0])):
-        tree.add_chain(chain, probs, drafter_id, max(weights.get(drafter_id, 0.0), 1e-3), width)
+        tree.add_chain(chain, probs, drafter_id, width)
     return tree
 
 

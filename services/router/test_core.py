@@ -62,6 +62,8 @@ CONFIGS = {
     "chunk-fusion": RouterConfig(drafters_per_request=2, fusion="chunk", rounds_in_flight=2),
     "all-drafters-no-routing": RouterConfig(all_drafters=True, routing=False, adaptive_k=False, initial_k=3),
     "tight-budget": RouterConfig(drafters_per_request=3, verify_token_budget=8, max_k=8, initial_k=6),
+    "no-cost-control": RouterConfig(drafters_per_request=2, tree_width=3, cost_control=False),
+    "chunk-no-cost-control": RouterConfig(drafters_per_request=2, fusion="chunk", cost_control=False),
 }
 
 

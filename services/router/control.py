@@ -1,0 +1,199 @@
+"""Cost-aware speculation control: draft and verify a token only where it pays (no gRPC here).
+
+Speculation trades verifier work for tokens. A drafted node that the target ends up rejecting
+still costs a row of the verify pass, and on a target whose passes cost a few milliseconds per
+token (a CPU, or a GPU at large batch) a tree that is too long or too wide makes the system
+*slower* than plain decoding. So every node is priced:
+
+    value(node)  = P(target accepts it)  ~= prod over its path of cal(p)     (expected tokens)
+    cost(node)   = per_token_s                                               (verifier seconds)
+    keep it iff    value(node) >= throughput * per_token_s                   (= threshold)
+
+``cal(p)`` maps a drafter's (fused) confidence to the acceptance rate measured so far for that
+confidence (:class:`Calibration`, binned, learned online from every verdict). ``per_token_s`` is
+the slope of the verifier's pass time against the tokens in the pass (:class:`CostModel`, fitted
+online by recursive least squares from the verifier's own busy times). ``throughput`` is what the
+verifier currently commits per busy second: a node is worth a verify row only when its expected
+tokens beat what that row's time earns on average. The threshold therefore moves with load:
+at batch 1 a pass costs mostly its fixed part, the threshold is low and trees grow long; under
+load the fixed part is amortised, throughput per second rises, the threshold rises and
+speculation shrinks, down to plain decoding (no node at all) when no node pays. This is the
+two-sided negative feedback of the design: verification the bottleneck -> verify less.
+
+Drafting is priced the same way: one more fused draft step for the batch costs the drafters'
+step time; it is taken only while the expected tokens it can add repay that time. When drafting
+takes longer than verifying (drafters the bottleneck), requests are drafted by one drafter
+instead of several: draft less.
+
+Lossless by construction: control only decides which proposals are verified; acceptance is
+decided by the verifier from the target alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.router.fusion import DraftTree
+
+
+@dataclass
+class Calibration:
+    """P(accept | confidence p), in ``bins`` equal bins of p, each with a Beta prior at its midpoint."""
+
+    bins: int = 10
+    prior_weight: float = 4.0
+    accepted: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.seen:
+            mids = [(i + 0.5) / self.bins for i in range(self.bins)]
+            self.accepted = [m * self.prior_weight for m in mids]
+            self.seen = [self.prior_weight] * self.bins
+
+    def _bin(self, p: float) -> int:
+        return min(self.bins - 1, max(0, int(min(1.0, max(0.0, p)) * self.bins)))
+
+    def __call__(self, p: float) -> float:
+        b = self._bin(p)
+        return self.accepted[b] / self.seen[b]
+
+    def observe(self, p: float, accepted: bool) -> None:
+        b = self._bin(p)
+        self.seen[b] += 1.0
+        self.accepted[b] += 1.0 if accepted else 0.0
+
+
+@dataclass
+class CostModel:
+    """Verify pass seconds ~= ``fixed_s + per_token_s * tokens``, by recursive least squares with forgetting.
+
+    Starts from a prior (``per_token_s`` = ``prior_share`` of a pass's time per token at the first
+    observation) so that the first rounds already have a slope; the fit takes over as passes of
+    different sizes (prefills, trees) arrive.
+    """
+
+    forget: float = 0.98
+    fixed_s: float = 0.0
+    per_token_s: float = 0.0
+    _p: list[list[float]] = field(default_factory=lambda: [[1e3, 0.0], [0.0, 1e3]])
+    observed: int = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self.observed == 0:  # prior: half the pass is fixed cost, half is per token
+            self.fixed_s, self.per_token_s = seconds / 2, seconds / 2 / tokens
+        x = (1.0, float(tokens))
+        p = self._p
+        px = [p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1]]
+        denom = self.forget + x[0] * px[0] + x[1] * px[1]
+        gain = [px[0] / denom, px[1] / denom]
+        err = seconds - (self.fixed_s + self.per_token_s * tokens)
+        self.fixed_s += gain[0] * err
+        self.per_token_s += gain[1] * err
+        self._p = [[(p[i][j] - gain[i] * px[j]) / self.forget for j in range(2)] for i in range(2)]
+        self.observed += 1
+
+    def slope(self) -> float:
+        """Marginal seconds per verified token (never negative)."""
+        return max(self.per_token_s, 0.0)
+
+    def predict(self, tokens: int) -> float:
+        return max(0.0, self.fixed_s) + self.slope() * tokens
+
+
+@dataclass
+class SpeculationControl:
+    """Prices draft nodes and draft steps (see the module docstring); fed by every round."""
+
+    max_width: int = 3
+    enabled: bool = True
+    smoothing: float = 0.2  # EWMA weight of the newest round
+    min_threshold: float = 0.02  # below this a node is never worth a row, however cheap
+    calibration: Calibration = field(default_factory=Calibration)
+    cost: CostModel = field(default_factory=CostModel)
+    throughput: float = 0.0  # tokens committed per verifier-busy second (EWMA)
+    draft_step_s: float = 0.0  # one fused draft step for a batch (EWMA)
+    draft_round_s: float = 0.0
+    verify_round_s: float = 0.0
+
+    # ---- decisions -------------------------------------------------------------------------------
+
+    def threshold(self) -> float:
+        """Expected tokens a node must bring to earn its verify row."""
+        if not self.enabled or self.cost.observed == 0 or self.throughput <= 0:
+            return self.min_threshold
+        return max(self.min_threshold, self.throughput * self.cost.slope())
+
+    def node_value(self, parent_value: float, confidence: float) -> float:
+        return parent_value * self.calibration(confidence)
+
+    def worth_a_step(self, next_values: Sequence[float], pipelined: bool) -> bool:
+        """Whether one more fused draft step (for the requests whose next nodes are ``next_values``)
+        repays the drafters' time. Pipelined, the step overlaps another batch's verification and
+        only half of its time is counted."""
+        if not self.enabled or self.throughput <= 0 or self.draft_step_s <= 0:
+            return True
+        share = 0.5 if pipelined else 1.0
+        verify_rows = self.cost.slope() * len(next_values)
+        return sum(next_values) >= self.throughput * (share * self.draft_step_s + verify_rows)
+
+    def drafters_per_request(self, configured: int) -> int:
+        """Draft less when drafting is the bottleneck: one drafter per request while a round's
+        drafting takes longer than its verification."""
+        if self.enabled and configured > 1 and self.draft_round_s > self.verify_round_s > 0:
+            return 1
+        return configured
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        """The tree without the nodes (and their descendants) whose value is under the threshold."""
+        theta = self.threshold()
+        values: list[float] = []
+        keep: list[bool] = []
+        for parent, prob in zip(tree.parents, tree.probs):
+            base = 1.0 if parent < 0 else values[parent]
+            v = self.node_value(base, prob)
+            values.append(v)
+            keep.append(v >= theta and (parent < 0 or keep[parent]))
+        if all(keep):
+            return tree
+        out = DraftTree(drafter_ids=list(tree.drafter_ids))
+        index: dict[int, int] = {}
+        for i, ok in enumerate(keep):
+            if ok:
+                parent = tree.parents[i]
+                index[i] = len(out.tokens)
+                out.tokens.append(tree.tokens[i])
+                out.parents.append(-1 if parent < 0 else index[parent])
+                out.probs.append(tree.probs[i])
+                out.source_masks.append(tree.source_masks[i])
+                out.top1.append(tree.top1[i])
+        return out
+
+    # ---- feedback --------------------------------------------------------------------------------
+
+    def _ewma(self, old: float, new: float) -> float:
+        return new if old <= 0 else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_pass(self, tokens: int, busy_s: float, committed: int) -> None:
+        """One verify pass: ``tokens`` rows took ``busy_s`` of verifier time and committed ``committed``."""
+        self.cost.observe(tokens, busy_s)
+        if busy_s > 0:
+            self.throughput = self._ewma(self.throughput, committed / busy_s)
+
+    def observe_draft_step(self, seconds: float) -> None:
+        self.draft_step_s = self._ewma(self.draft_step_s, seconds)
+
+    def observe_round(self, draft_s: float, verify_s: float) -> None:
+        self.draft_round_s = self._ewma(self.draft_round_s, draft_s)
+        self.verify_round_s = self._ewma(self.verify_round_s, verify_s)
+
+    def observe_verdict(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
+        """Calibration from one verdict: every node whose parent was accepted (or that hangs off the
+        committed sequence) was tried; it either was accepted or not."""
+        accepted = set(accepted_nodes)
+        for i, parent in enumerate(tree.parents):
+            if parent < 0 or parent in accepted:
+                self.calibration.observe(tree.probs[i], i in accepted)

@@ -1,0 +1,103 @@
+"""Cost-aware speculation control: calibration, the verify cost fit, pricing of nodes and steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.router.control import Calibration, CostModel, SpeculationControl
+from services.router.fusion import DraftTree
+
+
+def test_calibration_learns_the_acceptance_rate_per_confidence():
+    cal = Calibration()
+    assert cal(0.95) == pytest.approx(0.95) and cal(0.05) == pytest.approx(0.05)  # priors at the midpoints
+    rng = random.Random(0)
+    for _ in range(2000):  # an overconfident drafter: says 0.9, is right 40% of the time
+        cal.observe(0.9, rng.random() < 0.4)
+    assert cal(0.91) == pytest.approx(0.4, abs=0.05)
+    assert cal(0.35) == pytest.approx(0.35)  # other bins untouched
+
+
+def test_cost_model_recovers_fixed_and_per_token_cost():
+    model = CostModel()
+    rng = random.Random(1)
+    for _ in range(200):
+        n = rng.randint(1, 80)
+        model.observe(n, 0.060 + 0.004 * n + rng.uniform(-0.001, 0.001))
+    assert model.fixed_s == pytest.approx(0.060, abs=0.003)
+    assert model.slope() == pytest.approx(0.004, rel=0.05)
+    assert model.predict(10) == pytest.approx(0.1, rel=0.05)
+
+
+def fed(control: SpeculationControl, batch: int, accepted_per_request: float) -> SpeculationControl:
+    """Feed passes of a verifier costing 60 ms + 4 ms/token at the given batch (k = 4 chains)."""
+    for n in (batch * 5, batch * 2, batch * 9, batch * 5):
+        busy = 0.060 + 0.004 * n
+        control.observe_pass(n, busy, round(batch * (1 + accepted_per_request)))
+    return control
+
+
+def test_threshold_rises_with_load_so_speculation_shrinks():
+    idle = fed(SpeculationControl(), batch=1, accepted_per_request=1.5)
+    loaded = fed(SpeculationControl(), batch=16, accepted_per_request=1.5)
+    assert 0.02 < idle.threshold() < loaded.threshold()
+    # at batch 1 a 35%-likely node pays; under load it does not
+    assert idle.node_value(1.0, 0.35) >= idle.threshold()
+    assert loaded.node_value(1.0, 0.35) < loaded.threshold()
+
+
+def test_disabled_control_keeps_every_node():
+    control = fed(SpeculationControl(enabled=False), batch=16, accepted_per_request=0.1)
+    tree = DraftTree(drafter_ids=["a"])
+    tree.add(-1, 5, 0.01, frozenset({"a"}), frozenset({"a"}))
+    assert control.threshold() == control.min_threshold
+    assert len(control.prune(tree)) == 1
+    assert control.worth_a_step([0.0], pipelined=False)
+
+
+def test_prune_drops_cheap_nodes_with_their_descendants():
+    control = fed(SpeculationControl(), batch=8, accepted_per_request=1.0)
+    theta = control.threshold()
+    tree = DraftTree(drafter_ids=["a", "b"])
+    n0 = tree.add(-1, 10, 0.95, frozenset({"a"}), frozenset({"a"}))
+    n1 = tree.add(n0, 11, 0.95, frozenset({"a"}), frozenset({"a"}))
+    low = tree.add(-1, 12, 0.01, frozenset({"b"}), frozenset({"b"}))  # sibling not worth a row
+    tree.add(low, 13, 0.99, frozenset({"b"}), frozenset({"b"}))  # its child goes with it
+    tree.add(n1, 14, 0.95, frozenset({"a"}), frozenset({"a"}))
+    out = control.prune(tree)
+    values = []
+    for parent, p in zip(out.parents, out.probs):
+        values.append(control.node_value(1.0 if parent < 0 else values[parent], p))
+    assert all(v >= theta for v in values)
+    assert 12 not in out.tokens and 13 not in out.tokens
+    assert out.tokens[:2] == [10, 11]
+    assert all(p < i for i, p in enumerate(out.parents))  # parents before children, indices remapped
+    assert out.source_masks[0] == tree.source_masks[0] and out.drafter_ids == tree.drafter_ids
+
+
+def test_draft_steps_and_drafters_follow_the_bottleneck():
+    control = fed(SpeculationControl(), batch=4, accepted_per_request=2.0)
+    control.observe_draft_step(0.010)
+    assert control.worth_a_step([0.9, 0.9, 0.8], pipelined=True)
+    control.observe_draft_step(5.0)  # drafting got very slow: a step no longer pays
+    control.observe_draft_step(5.0)
+    assert not control.worth_a_step([0.2], pipelined=True)
+    control.observe_round(draft_s=0.05, verify_s=0.20)
+    assert control.drafters_per_request(2) == 2
+    for _ in range(20):
+        control.observe_round(draft_s=0.5, verify_s=0.20)  # drafters are the bottleneck: draft less
+    assert control.drafters_per_request(2) == 1
+
+
+def test_calibration_is_fed_by_the_nodes_the_verifier_tried():
+    control = SpeculationControl()
+    tree = DraftTree(drafter_ids=["a"])
+    n0 = tree.add(-1, 1, 0.85, frozenset({"a"}), frozenset({"a"}))
+    tree.add(-1, 2, 0.85, frozenset({"a"}), frozenset({"a"}))
+    n2 = tree.add(n0, 3, 0.85, frozenset({"a"}), frozenset({"a"}))
+    tree.add(n2, 4, 0.85, frozenset({"a"}), frozenset({"a"}))  # never tried: its parent was rejected
+    before = control.calibration.seen[8]
+    control.observe_verdict(tree, [n0])
+    assert control.calibration.seen[8] == before + 3  # n0 (accepted), its sibling and n2 (rejected)
