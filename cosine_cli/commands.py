@@ -65,6 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--requests", type=int, default=48, help="requests in the workload")
     demo.add_argument("--concurrency", type=int, default=8)
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--no-baseline", dest="baseline", action="store_false",
+                      help="skip the second pass that serves the same requests with drafting off (the target alone)")
     demo.set_defaults(func=cmd_demo)
 
 
@@ -295,7 +297,7 @@ def ensure_zoo(path: str, profile: str) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from cosine_cli.cluster import ClusterError, LocalCluster
-    from cosine_cli.workload import mixed_workload, print_summary, run_workload
+    from cosine_cli.workload import mixed_workload, print_speedup, print_summary, run_workload
 
     if not args.target:
         ensure_zoo(args.zoo, args.profile)
@@ -308,7 +310,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0))
         work = mixed_workload(zoo.prompts, args.requests)
         results = asyncio.run(run_workload(cluster.gateway_address, work, args.concurrency, args.max_new_tokens, progress=True))
-        print_summary(results, cluster.router_address)
+        summary = print_summary(results, cluster.router_address)
+        if args.baseline and not any(r.error for r in results):
+            # the same requests through the same verifier and gateway, with drafting switched off
+            address = cluster.restart_router([*spec.router_args, "--no-speculate"])
+            plain = asyncio.run(run_workload(address, work, args.concurrency, args.max_new_tokens, progress=True,
+                                             desc="target alone"))
+            print_speedup(summary, plain, results)
+            results = results + plain
     except ClusterError as exc:
         print(f"cosine demo: error: {exc}", file=sys.stderr)
         return 1

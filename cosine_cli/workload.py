@@ -34,13 +34,13 @@ def mixed_workload(prompts: Mapping[str, Sequence[str]], count: int) -> list[tup
 
 
 async def run_workload(address: str, work: Sequence[tuple[str, str]], concurrency: int, max_new_tokens: int,
-                       progress: bool = False, **params) -> list[WorkResult]:
+                       progress: bool = False, desc: str = "demo requests", **params) -> list[WorkResult]:
     sem = asyncio.Semaphore(max(1, concurrency))
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(work), desc="demo requests", unit="req", dynamic_ncols=True)
+        bar = tqdm(total=len(work), desc=desc, unit="req", dynamic_ncols=True)
     results: list[WorkResult] = []
 
     async with AsyncClient(address, timeout=600) as client:
@@ -119,3 +119,20 @@ def print_summary(results: Sequence[WorkResult], router_address: str = "") -> di
         if r.error:
             print(f"failed: [{r.domain}] {r.error}")
     return s
+
+
+def print_speedup(cosine: dict, plain_results: Sequence[WorkResult], cosine_results: Sequence[WorkResult]) -> dict:
+    """CoSine against the target alone on the same requests (same run, same verifier): throughput,
+    latency, and whether every output is the same token for token."""
+    plain = summarize(plain_results)
+    alone = {r.prompt: r.generation.token_ids for r in plain_results if r.generation}  # results come in finishing order
+    pairs = [(r.generation.token_ids, alone[r.prompt]) for r in cosine_results if r.generation and r.prompt in alone]
+    same = sum(a == b for a, b in pairs)
+    speedup = cosine["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+    latency = cosine["latency_mean_s"] / plain["latency_mean_s"] if plain["latency_mean_s"] else 0.0
+    print()
+    print(f"target alone    {plain['tokens_per_s']:.1f} tokens/s, mean latency {plain['latency_mean_s']:.2f} s "
+          f"(same requests, drafting off)")
+    print(f"speed-up        {speedup:.2f}x throughput, {latency:.2f}x latency; "
+          f"{same}/{len(pairs)} outputs identical to the target's own")
+    return {"target_alone": plain, "speedup": speedup, "latency_ratio": latency, "identical": same, "compared": len(pairs)}

@@ -93,6 +93,7 @@ class RouterConfig:
     adaptive_k: bool = True
     all_drafters: bool = False  # every live drafter drafts every request (SpecInfer-style)
     cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
+    speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
 
     @classmethod
     def from_settings(cls, s: Any) -> RouterConfig:
@@ -102,6 +103,7 @@ class RouterConfig:
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control,
+            speculate=s.speculate,
         )
 
 
@@ -326,7 +328,7 @@ class RouterCore:
 
     async def _round(self, batch: list[Request]) -> None:
         t0 = self.clock()
-        live = list(self.drafters.live())
+        live = list(self.drafters.live()) if self.config.speculate else []
         await self._route(batch, live)
         ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if self._drafts_pay(r) else 0
               for r in batch}
@@ -414,6 +416,8 @@ class RouterCore:
         """Whether drafting for ``r`` this round is expected to pay: its first node's acceptance
         rate against the control threshold; a request turned down to plain decoding is probed
         with a draft every eighth round, so a change of load or of text turns it back on."""
+        if not self.config.speculate:
+            return False
         if not self.config.cost_control:
             return True
         return r.first_accept >= self.control.threshold() or r.stats.rounds % 8 == 0
