@@ -105,8 +105,9 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
         "target": {"path": "target" if target_path == out / "target" else str(target_path), "params": count_params(target),
                    "domains": list(DISTILL_DOMAINS), "architecture": target.config.architectures[0]
                    if target.config.architectures else "LlamaForCausalLM", "source": target_source},
-        "teacher": {d: {"train_prompts": len(teacher["train"][d]),
-                        "train_tokens": sum(len(ex.continuation) for ex in teacher["train"][d])} for d in DISTILL_DOMAINS},
+        "teacher": {d: {"generated": sum(ex.targets is None for ex in teacher["train"][d]),
+                        "teacher_forced": sum(ex.targets is not None for ex in teacher["train"][d]),
+                        "labelled_tokens": sum(len(ex.labels) for ex in teacher["train"][d])} for d in DISTILL_DOMAINS},
         "draft_vocab": {"size": vocab.size, "target_vocab_size": vocab.target_vocab_size},
         "drafters": {name: drafter_entry(name, info[name], profile) for name in drafters},
         "prompts": {"path": "prompts.jsonl", "per_domain": profile.evaluation.prompts_per_domain},
@@ -187,9 +188,14 @@ def teacher_stage(out: Path, opts: BuildOptions, profile: DistillProfile, target
     spec = profile.teacher
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data: dict[str, dict[str, list[distill.Example]]] = {"train": {}, "heldout": {}}
+    corpus = build_corpus(profile.corpus, opts.seed) if spec.text_windows_per_domain else None
     for d in DISTILL_DOMAINS:
         data["train"][d] = distill.teacher_examples(target, encode(tokenizer, train[d]), spec.new_tokens, eos, pad,
                                                     spec.batch_size, f"teacher {d}", opts.progress)
+        if corpus is not None and d in corpus.domains:
+            windows = distill.text_windows(tokenizer, corpus.domains[d].train, spec.text_windows_per_domain, spec.window)
+            data["train"][d] += distill.teacher_forced_examples(target, windows, spec.window_context, 8,
+                                                                f"teacher-forced {d}", opts.progress)
         data["heldout"][d] = distill.teacher_examples(target, encode(tokenizer, heldout[d]), profile.evaluation.new_tokens,
                                                       eos, pad, spec.batch_size, f"held-out {d}", opts.progress)
     shutil.rmtree(path, ignore_errors=True)

@@ -43,10 +43,21 @@ class DistillTrain:
 
 @dataclass(frozen=True)
 class Example:
-    """One teacher example: a prompt (real text) and the target's greedy continuation of it."""
+    """One teacher example: a context and what the drafter must predict after it.
+
+    Generated: ``prompt`` is real text, ``continuation`` the target's greedy continuation, and
+    each continuation token is its own label (it is the target's argmax there). Teacher-forced:
+    ``prompt + continuation`` is real text and ``targets[j]`` is the target's argmax after
+    ``prompt + continuation[:j]`` (one prefill pass labels every position).
+    """
 
     prompt: tuple[int, ...]
     continuation: tuple[int, ...]
+    targets: tuple[int, ...] | None = None
+
+    @property
+    def labels(self) -> tuple[int, ...]:
+        return self.continuation if self.targets is None else self.targets
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,37 @@ def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: 
     return out
 
 
+@torch.no_grad()
+def teacher_forced_examples(target: Any, windows: Sequence[Sequence[int]], context: int, batch_size: int,
+                            desc: str, progress: bool, device: str = "cpu") -> list[Example]:
+    """Real-text windows labelled with the target's argmax at every position after the first ``context``
+    tokens: five times cheaper per labelled token than generation, and the labels are still the target's."""
+    out: list[Example] = []
+    bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress, leave=False)
+    for i in range(0, len(windows), batch_size):
+        chunk = [list(w) for w in windows[i : i + batch_size]]
+        width = min(len(w) for w in chunk)
+        ids = torch.tensor([w[:width] for w in chunk], dtype=torch.long, device=device)
+        pred = target(input_ids=ids).logits[:, context - 1 : width - 1].argmax(-1).cpu().tolist()
+        for w, labels in zip(chunk, pred):
+            out.append(Example(tuple(w[:context]), tuple(w[context:width]), tuple(labels)))
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+def text_windows(tokenizer: Any, docs: Sequence[str], count: int, length: int) -> list[list[int]]:
+    """Up to ``count`` windows of ``length`` tokens cut from the documents in order (documents
+    joined by a newline)."""
+    stream: list[int] = []
+    sep = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    for doc in docs:
+        if len(stream) >= count * length:
+            break
+        stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + sep
+    return [stream[i : i + length] for i in range(0, len(stream) - length + 1, length)][:count]
+
+
 def choose_draft_vocab(examples: Sequence[Example], size: int, target_vocab_size: int,
                        always: Sequence[int] = ()) -> DraftVocab:
     """The ``size`` most frequent target tokens of the teacher data (ties by id), ``always`` included.
@@ -84,6 +126,8 @@ def choose_draft_vocab(examples: Sequence[Example], size: int, target_vocab_size
     for ex in examples:
         counts.update(ex.prompt)
         counts.update(ex.continuation)
+        if ex.targets is not None:
+            counts.update(ex.targets)
     ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     must = [t for t in dict.fromkeys(always) if 0 <= t < target_vocab_size]
     chosen = list(dict.fromkeys(ranked[: max(0, size - len(must))] + must))
@@ -142,7 +186,7 @@ def make_batch(batch: Sequence[Example], vocab: DraftVocab) -> tuple[torch.Tenso
     for r, (ex, seq) in enumerate(zip(batch, seqs)):
         full = torch.tensor(seq, dtype=torch.long)
         ids[r, : len(seq) - 1] = vocab.to_draft[full[:-1]]
-        cont = full[len(ex.prompt) :]
+        cont = torch.tensor(ex.labels, dtype=torch.long)
         lab = vocab.to_draft[cont]
         lab[vocab.to_target[lab] != cont] = -100
         labels[r, len(ex.prompt) - 1 : len(seq) - 1] = lab

@@ -94,6 +94,10 @@ class TeacherSpec:
     prompts_per_domain: int
     new_tokens: int
     batch_size: int = 32
+    # real-text windows labelled by one teacher-forced pass (code, prose, arithmetic, records)
+    text_windows_per_domain: int = 0
+    window: int = 128
+    window_context: int = 16
 
 
 @dataclass(frozen=True)
@@ -126,11 +130,11 @@ def smol() -> DistillProfile:
         name="smol",
         target="smollm2",
         corpus=CorpusSpec(chars_per_domain=400_000),
-        teacher=TeacherSpec(prompts_per_domain=160, new_tokens=64, batch_size=40),
+        teacher=TeacherSpec(prompts_per_domain=160, new_tokens=64, batch_size=80, text_windows_per_domain=96),
         draft_vocab=4096,
         drafter_layers=(0, -1),
-        generalist_train=DistillTrain(steps=260, batch_size=16, lr=1e-3, warmup_steps=10),
-        specialist_train=DistillTrain(steps=80, batch_size=16, lr=5e-4, warmup_steps=5),
+        generalist_train=DistillTrain(steps=240, batch_size=16, lr=1e-3, warmup_steps=10),
+        specialist_train=DistillTrain(steps=110, batch_size=16, lr=1e-3, warmup_steps=5),
         evaluation=EvalSpec(prompts_per_domain=24, new_tokens=64, ppl_seq_len=128, ppl_windows=8),
     )
 
@@ -140,7 +144,8 @@ def tiny_distill() -> DistillProfile:
         name="tiny-distill",
         target="path",
         corpus=CorpusSpec(chars_per_domain=20_000, heldout_fraction=0.2),
-        teacher=TeacherSpec(prompts_per_domain=6, new_tokens=12, batch_size=6),
+        teacher=TeacherSpec(prompts_per_domain=6, new_tokens=12, batch_size=6, text_windows_per_domain=4, window=24,
+                            window_context=4),
         draft_vocab=128,
         drafter_layers=(0,),
         generalist_train=DistillTrain(steps=6, batch_size=4, lr=3e-3, warmup_steps=2),

@@ -71,6 +71,21 @@ def test_draft_vocab_keeps_frequent_tokens_and_specials():
     assert 1 in vocab.to_target.tolist() and vocab.size == 3
 
 
+def test_teacher_forced_examples_carry_the_targets_argmax(tiny_zoo):
+    import torch
+
+    from common.checkpoints import load_causal_lm
+    from cosine_zoo.distill import teacher_forced_examples
+
+    target = load_causal_lm(tiny_zoo.target.path)
+    windows = [list(range(3, 23)), list(range(40, 60))]
+    examples = teacher_forced_examples(target, windows, context=5, batch_size=2, desc="t", progress=False)
+    with torch.no_grad():
+        want = target(input_ids=torch.tensor([windows[1]])).logits[0, 4:19].argmax(-1).tolist()
+    assert examples[1].prompt == tuple(windows[1][:5]) and examples[1].continuation == tuple(windows[1][5:])
+    assert list(examples[1].targets) == want and examples[1].labels == examples[1].targets
+
+
 def test_batches_supervise_only_the_continuation_inside_the_vocabulary():
     vocab = choose_draft_vocab([Example((4, 5), (6, 7))], size=4, target_vocab_size=10)
     ids, labels = make_batch([Example((4, 5), (6, 8))], vocab)  # 8 is off the map
@@ -107,19 +122,23 @@ def test_missing_target_is_one_clear_error(tmp_path):
     assert not (tmp_path / "z" / "zoo.json").exists()
 
 
-def test_cli_reports_bad_target_in_one_line(tmp_path, capsys):
-    from cosine_cli.main import main
+def test_cli_reports_bad_target_in_one_line(tmp_path):
+    import subprocess
+    import sys
 
-    rc = main(["models", "build", "--profile", "tiny-distill", "--target", str(tmp_path / "nope"),
-               "--out", str(tmp_path / "z"), "--quiet"])
-    err = capsys.readouterr().err
-    assert rc == 1 and err.startswith("error: ") and "nope" in err and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1
+    proc = subprocess.run([sys.executable, "-m", "cosine_cli.main", "models", "build", "--profile", "tiny-distill",
+                           "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "z"), "--quiet"],
+                          capture_output=True, text=True, timeout=120)
+    err = proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "nope" in lines[0] and "no such checkpoint directory" in lines[0]
 
 
 def test_manifest_records_teacher_and_vocab(tiny_distilled_zoo):
     m = json.loads((tiny_distilled_zoo.root / "zoo.json").read_text())
     assert set(m["teacher"]) == set(DISTILL_DOMAINS)
-    assert all(v["train_prompts"] == tiny_distill().teacher.prompts_per_domain for v in m["teacher"].values())
+    assert all(v["generated"] == tiny_distill().teacher.prompts_per_domain for v in m["teacher"].values())
+    assert m["teacher"]["code"]["teacher_forced"] > 0 and m["teacher"]["chat"]["teacher_forced"] == 0
     assert m["drafters"]["chat"]["domains"] == ["chat"]
     assert set(m["timings"]) >= {"target", "teacher", "drafters", "evaluation", "total"}
