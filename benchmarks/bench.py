@@ -47,16 +47,17 @@ class Scenario:
 
 
 def _default() -> Scenario:
+    # sized for the smol zoo (a 135 M target, about 15-60 tokens/s on 2 CPU cores)
     w = (
-        WorkloadSpec("closed_c1", "closed", 12, concurrency=1, label="closed loop, 1 client"),
-        WorkloadSpec("closed_c4", "closed", 24, concurrency=4, label="closed loop, 4 clients"),
-        WorkloadSpec("closed_c16", "closed", 48, concurrency=16, label="closed loop, 16 clients"),
-        WorkloadSpec("open_low", "open", 20, load=0.15, label="Poisson, 0.15x vanilla_sd capacity"),
-        WorkloadSpec("open_high", "open", 48, load=2.0, label="Poisson, 2x vanilla_sd capacity"),
-        WorkloadSpec("open_fluct", "open", 36, phases=(0.15, 1.5), label="Poisson, alternating 0.15x / 1.5x vanilla_sd capacity"),
-        WorkloadSpec("closed_c4_sampling", "closed", 16, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
+        WorkloadSpec("closed_c1", "closed", 6, concurrency=1, label="closed loop, 1 client"),
+        WorkloadSpec("closed_c4", "closed", 12, concurrency=4, label="closed loop, 4 clients"),
+        WorkloadSpec("closed_c16", "closed", 32, concurrency=16, label="closed loop, 16 clients"),
+        WorkloadSpec("open_low", "open", 6, load=0.15, label="Poisson, 0.15x vanilla_sd capacity"),
+        WorkloadSpec("open_high", "open", 24, load=2.0, label="Poisson, 2x vanilla_sd capacity"),
+        WorkloadSpec("open_fluct", "open", 12, phases=(0.15, 1.5), label="Poisson, alternating 0.15x / 1.5x vanilla_sd capacity"),
+        WorkloadSpec("closed_c4_sampling", "closed", 8, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
     )
-    return Scenario("default", 48, w, {"high": "open_high", "low": "open_low"})
+    return Scenario("default", 40, w, {"high": "open_high", "low": "open_low", "c1": "closed_c1"})
 
 
 def _quick() -> Scenario:
@@ -67,7 +68,7 @@ def _quick() -> Scenario:
         WorkloadSpec("open_high", "open", 4, load=2.0, label="Poisson, 2x reference capacity"),
         WorkloadSpec("closed_c4_sampling", "closed", 4, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
     )
-    return Scenario("quick", 8, w, {"high": "open_high", "low": "open_low"})
+    return Scenario("quick", 8, w, {"high": "open_high", "low": "open_low", "c1": "closed_c1"})
 
 
 SCENARIOS = {"default": _default, "quick": _quick}
@@ -125,7 +126,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     import torch
 
     from benchmarks.report import SCHEMA, compute_ratios, machine_info, metrics
-    from benchmarks.systems import ALL_SYSTEMS, AutoregressiveSystem, make_systems
+    from benchmarks.systems import ALL_SYSTEMS, DEFAULT_SYSTEMS, AutoregressiveSystem, make_systems
     from benchmarks.workloads import build_workload, prompt_list
     from common.checkpoints import load_tokenizer
     from cosine_zoo.manifest import load_zoo
@@ -143,7 +144,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
         specs = [w for w in specs if w.name in opts.workloads]
     if opts.requests:
         specs = [replace(w, requests=opts.requests) for w in specs]
-    system_names = list(opts.systems or ALL_SYSTEMS)
+    system_names = list(ALL_SYSTEMS if list(opts.systems) == ["all"] else opts.systems or DEFAULT_SYSTEMS)
     cores = opts.cores or os.cpu_count() or 1
     threads = max(1, min(cores, opts.threads or cores))
     torch.set_num_threads(threads)
@@ -332,7 +333,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zoo", default=".cosine/zoo-smol", help="model zoo directory")
     p.add_argument("--out", default="bench-out/report.json", help="report path; the plots go beside it")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="default", help="default: the full run; quick: seconds (tests)")
-    p.add_argument("--systems", default="", help="comma-separated subset of systems (default: all)")
+    p.add_argument("--systems", default="", help="comma-separated systems, or 'all' (default: autoregressive, hf_assisted, "
+                   "vanilla_sd, cosine, cosine_no_fusion, cosine_no_control)")
     p.add_argument("--workloads", default="", help="comma-separated subset of the scenario's workloads (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: the scenario's)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the scenario's, per workload)")
