@@ -236,19 +236,22 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def measure_matrix(target: str, drafters: dict[str, str], prompts: dict[str, list[str]], k: int, new_tokens: int) -> dict[str, dict[str, float]]:
     """Drafter x domain mean accepted draft tokens per round (greedy, chains of k) on real checkpoints."""
-    from common.checkpoints import load_causal_lm, load_tokenizer
-    from cosine_zoo import evaluate
+    from common.checkpoints import load_causal_lm, load_tokenizer, read_config
+    from common.draft_vocab import load_draft_vocab
+    from cosine_zoo import distill, evaluate
 
     tok = load_tokenizer(target)
     model = load_causal_lm(target)
-    models = {name: load_causal_lm(path) for name, path in drafters.items()}
+    # a drafter with a reduced draft vocabulary speaks its own ids: map them like the runner does
+    models = {name: (load_causal_lm(path), load_draft_vocab(path, read_config(path))) for name, path in drafters.items()}
     matrix: dict[str, dict[str, float]] = {name: {} for name in drafters}
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     for domain, texts in sorted(prompts.items()):
         ids = evaluate.encode_prompts(tok, texts)
         conts = evaluate.greedy_continuations(model, ids, new_tokens, tok.eos_token_id, pad)
-        for name, drafter in models.items():
-            stats = evaluate.acceptance(evaluate.draft_matches(drafter, ids, conts, pad), k)
+        examples = [distill.Example(tuple(p), tuple(c)) for p, c in zip(ids, conts)]
+        for name, (drafter, vocab) in models.items():
+            stats = evaluate.acceptance(distill.draft_matches(drafter, vocab, examples), k)
             matrix[name][domain] = round(stats.mean_accepted, 4)
     return matrix
 
