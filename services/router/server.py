@@ -71,10 +71,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         return
                     if event.tokens:
                         yield chunk
-            except asyncio.CancelledError:
-                core.cancel(req.request_id)  # client went away or deadline passed: free everything
-                log.info("request cancelled by client")
-                raise
+            finally:
+                # the client went away or its deadline passed: while awaiting an event that is a
+                # CancelledError, while suspended at a yield it is GeneratorExit; either way the
+                # request must stop generating and free its caches
+                if not req.done:
+                    core.cancel(req.request_id)
+                    log.info("request cancelled by client")
 
     async def Status(self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouterStatus:
         app = self.app
