@@ -8,8 +8,10 @@ stream (:class:`common.streams.StreamClient`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -38,18 +40,23 @@ class DrafterEndpoint:
     stream: StreamClient
     drafters: dict[str, list[str]] = field(default_factory=dict)  # drafter id -> domains
     failed: str = ""
+    failed_at: float = 0.0  # monotonic time of the failure mark
 
 
 class GrpcDrafterPool:
     """Live drafters, discovered through Redis membership and checked against the target's
     tokenizer fingerprint. A drafter whose stream breaks leaves the pool until its process is seen
-    again (new membership entry or a successful reconnect)."""
+    again (new membership entry) or until ``retry_after_s`` has passed while its membership is
+    still alive (then it is reconnected: a failure mark expires)."""
 
-    def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0, allow: Sequence[str] = ()):
+    def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0, allow: Sequence[str] = (),
+                 retry_after_s: float = 10.0, clock: Any = time.monotonic):
         self.store = store
         self.allow = frozenset(allow)  # empty: every drafter the membership lists
         self.fingerprint = fingerprint
         self.interval_s = interval_s
+        self.retry_after_s = retry_after_s
+        self.clock = clock
         self.endpoints: dict[str, DrafterEndpoint] = {}  # address -> endpoint
         self.by_drafter: dict[str, DrafterEndpoint] = {}
         self.refused: dict[str, str] = {}  # address -> reason
@@ -69,8 +76,13 @@ class GrpcDrafterPool:
         """One draft step for several drafters: one message per drafter process, all processes
         concurrently. A process that fails leaves the pool; its drafters answer None."""
         by_endpoint: dict[str, dict[str, Sequence[DraftItem]]] = {}
+        out: dict[str, list[DraftResult] | None] = {}
         for d, items in calls.items():
-            by_endpoint.setdefault(self.by_drafter[d].address, {})[d] = items
+            ep = self.by_drafter.get(d)
+            if ep is None or ep.failed:  # left (scale-down, failure) since the round picked it
+                out[d] = None
+                continue
+            by_endpoint.setdefault(ep.address, {})[d] = items
 
         async def one(address: str, groups: dict[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
             ep = self.endpoints[address]
@@ -86,7 +98,6 @@ class GrpcDrafterPool:
             answers = draft_group_results_from_pb(reply)
             return {d: answers.get(d) for d in groups}
 
-        out: dict[str, list[DraftResult] | None] = {}
         for part in await asyncio.gather(*(one(a, g) for a, g in by_endpoint.items())):
             out.update(part)
         return out
@@ -101,8 +112,9 @@ class GrpcDrafterPool:
     def mark_failed(self, drafter_id: str, reason: str) -> None:
         ep = self.by_drafter.get(drafter_id)
         if ep is not None and not ep.failed:
-            ep.failed = reason
-            log.warning("drafter left the pool", drafter=drafter_id, address=ep.address, reason=reason)
+            ep.failed, ep.failed_at = reason, self.clock()
+            log.warning("drafter left the pool", drafter=drafter_id, address=ep.address, reason=reason,
+                        retry_after_s=self.retry_after_s)
 
     async def refresh(self) -> None:
         members = await self.store.members("drafter")
@@ -110,8 +122,10 @@ class GrpcDrafterPool:
         for m in members:
             seen.add(m.address)
             ep = self.endpoints.get(m.address)
-            if ep is not None and ep.failed and ep.member_id != m.member_id:
-                await self._drop(m.address)  # the process was restarted at the same address
+            if ep is not None and ep.failed and (ep.member_id != m.member_id
+                                                 or self.clock() - ep.failed_at >= self.retry_after_s):
+                # restarted at the same address, or still listed alive after its mark expired: try again
+                await self._drop(m.address)
                 ep = None
             if ep is None and m.address not in self.refused:
                 await self._connect(m.address, m.member_id)
