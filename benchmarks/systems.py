@@ -252,7 +252,13 @@ class HFGenerateSystem:
         self.model = load_causal_lm(self.target)
         self.timers = [_ForwardTimer(self.model)]
         if self.assistant_path:
+            from common.checkpoints import read_config
+            from common.draft_vocab import in_target_space, load_draft_vocab
+
             self.assistant = load_causal_lm(self.assistant_path)
+            vocab = load_draft_vocab(self.assistant_path, read_config(self.assistant_path))
+            if vocab is not None:  # transformers wants the target's vocabulary on both sides
+                self.assistant = in_target_space(self.assistant, vocab)
             self.timers.append(_ForwardTimer(self.assistant))
 
     def stop(self) -> None:

@@ -86,3 +86,22 @@ def load_draft_vocab(path: str | Path, config: dict[str, Any]) -> DraftVocab | N
         raise CheckpointError(f"{f}: {vocab.size} draft tokens, but config.json declares "
                               f"{decl.get('size')} and a model vocabulary of {config.get('vocab_size')}")
     return vocab
+
+
+def in_target_space(model: Any, vocab: DraftVocab) -> Any:
+    """Make a reduced-vocabulary drafter speak target ids in place, for code that expects the
+    target's vocabulary (transformers' assisted generation): its forward maps ``input_ids`` to
+    draft ids and returns ``[batch, seq, target_vocab]`` logits (-inf outside the map)."""
+    base = type(model)
+
+    class TargetSpace(base):  # type: ignore[misc, valid-type]
+        def forward(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
+            out = super().forward(input_ids=None if input_ids is None else vocab.to_draft[input_ids], **kwargs)
+            b, t, _ = out.logits.shape
+            out.logits = vocab.full_logits(out.logits.reshape(b * t, -1)).reshape(b, t, -1)
+            return out
+
+    TargetSpace.__name__ = TargetSpace.__qualname__ = base.__name__
+    model.__class__ = TargetSpace
+    model.config.vocab_size = vocab.target_vocab_size
+    return model

@@ -76,3 +76,21 @@ def test_runner_takes_and_returns_target_ids(tiny_distilled_zoo):
         ref = hf(input_ids=vocab.to_draft[torch.tensor([prompt])]).logits[0]
     assert vocab.to_target[ref.argmax(-1)].tolist() == logits.argmax(-1).tolist()
     torch.testing.assert_close(logits[:, vocab.to_target], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_reduced_vocabulary_drafter_assists_transformers_generate(tiny_distilled_zoo):
+    """transformers' assisted generation needs one vocabulary on both sides: wrapped, the drafter
+    assists, and the output is the target's own greedy decode."""
+    from common.checkpoints import load_causal_lm
+    from common.draft_vocab import in_target_space
+
+    target = load_causal_lm(tiny_distilled_zoo.target.path)
+    path = tiny_distilled_zoo.drafters["generalist"].path
+    assistant = in_target_space(load_causal_lm(path), load_draft_vocab(path, read_config(path)))
+    ids = torch.tensor([[5, 17, 42, 9, 33]])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    plain = target.generate(ids, **kw)
+    assisted = target.generate(ids, assistant_model=assistant, **kw)
+    assert torch.equal(plain, assisted)
+    logits = assistant(input_ids=ids).logits
+    assert logits.shape[-1] == read_config(tiny_distilled_zoo.target.path)["vocab_size"]
