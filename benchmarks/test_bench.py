@@ -126,6 +126,14 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
     for name in PLOTS:
         png = out.parent / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the Markdown summary shows every system of the run and the goal ratios of this report
+    from benchmarks.summary import goals_table, systems_table
+
+    table = systems_table(on_disk)
+    assert all(f"| {name} |" in table for name in on_disk["scenario"]["order"])
+    goals = goals_table(on_disk)
+    want = r["cosine_vs_autoregressive_throughput"]
+    assert f"| cosine / autoregressive, tokens/s, high load | {want:.2f} | >= 1.3 |" in goals
     assert report["ratios"] == on_disk["ratios"]
 
 

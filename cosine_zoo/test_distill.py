@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from common.spec_types import GREEDY
 from cosine_zoo.build import BuildOptions, build_zoo
 from cosine_zoo.build_distilled import DISTILL_DOMAINS
 from cosine_zoo.distill import Example, choose_draft_vocab, make_batch, resolve_layers

@@ -12,6 +12,7 @@ import pytest
 from common.spec_types import GREEDY
 from services.drafter.engine import DrafterEngine
 from services.router.core import RouterConfig, RouterCore, common_prefix, sync_item
+from services.router.domain import detect_domains
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.verifier.engine import VerifierEngine
 from services.verifier.test_greedy_equality import hf_greedy, make_prompts
@@ -116,7 +117,7 @@ def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference)
     async def body():
         core = RouterCore(RouterConfig(), LocalDrafterPool({"near": drafters["near"], "small": drafters["small"]}), LocalVerifier(verifier))
         reqs = [core.submit(rid, t, 4, GREEDY) for rid, t in text.items()]
-        await core._score_prompts(reqs, ["near", "small"])
+        await detect_domains(core.drafting, reqs, ["near", "small"])
         for r in reqs:
             core._finish(r, "cancelled")
         return [r.domain for r in reqs]

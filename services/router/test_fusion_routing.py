@@ -115,7 +115,7 @@ def test_load_control_speculates_more_when_verifier_idles():
 
 
 def test_domain_signal_prefers_specialists():
-    from services.router.core import infer_domain
+    from services.router.domain import infer_domain
 
     domains = {"code": ["code"], "prose": ["prose"], "generalist": ["code", "prose"]}
     assert infer_domain({"code": -3.0, "prose": -1.0, "generalist": -0.5}, domains) == "prose"

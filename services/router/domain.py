@@ -1,0 +1,55 @@
+"""Domain detection for routing (no gRPC here): which domain a new request belongs to.
+
+The domain signal seeds a request's routing vector from the expertise profiles of that domain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from common.spec_types import DraftItem
+from services.router.drafting import Drafting, sync_item
+from services.router.requests import Request
+
+
+async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str]) -> None:
+    """Domain signal: every live drafter scores each new prompt (mean log-prob) and
+    :func:`infer_domain` picks the domain whose specialist finds it most likely. The drafters
+    keep the prompt in cache, so this is also their prefill."""
+    calls: dict[str, list[tuple[str, DraftItem]]] = {}
+    for d in live:
+        for r in reqs:
+            item, _ = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=0, score=True)
+            calls.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
+    answers = await drafting.call(calls)
+    scored = []
+    for d, results in answers.items():
+        for r, res in zip(reqs, results or [None] * len(reqs)):
+            if res is not None and res.ok:
+                r.drafter_cache[d] = list(r.sequence)
+            else:
+                r.drafter_cache.pop(d, None)
+        scored.append((d, results or []))
+    for i, r in enumerate(reqs):
+        r.domain = infer_domain(
+            {d: results[i].append_logprob for d, results in scored
+             if i < len(results) and results[i].ok and results[i].append_logprob is not None},
+            {d: list(drafting.drafters.domains(d)) for d in live},
+        )
+
+
+def infer_domain(logprobs: Mapping[str, float], domains: Mapping[str, Sequence[str]]) -> str:
+    """The request's domain signal from the drafters' mean log-probabilities of its prompt.
+
+    Specialists (drafters of exactly one domain) vote for their domain; the prompt's domain is the
+    one whose specialist finds it most likely. Without specialists, the best drafter's first
+    domain (or its id) stands in.
+    """
+    specialists = {d: lp for d, lp in logprobs.items() if len(domains.get(d, ())) == 1}
+    pool = specialists or logprobs
+    if not pool:
+        return ""
+    best = max(sorted(pool), key=lambda d: pool[d])
+    listed = domains.get(best) or ()
+    return listed[0] if listed else best

@@ -1,0 +1,154 @@
+"""The router's request pool: requests, their statistics and events, counters, and the contracts
+of the parts the router drives (drafter pool, verifier, profile store). No gRPC here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from common.spec_types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
+from services.router.routing import RoutingVector
+from services.router.scheduler import SpeculationLength
+
+FINISH_LENGTH, FINISH_EOS, FINISH_STOP, FINISH_CANCELLED = "length", "eos", "stop", "cancelled"
+
+
+class RequestFailed(RuntimeError):
+    """A request cannot go on. ``kind`` maps to a status code at the servicer."""
+
+    def __init__(self, message: str, kind: str = "internal"):
+        super().__init__(message)
+        self.kind = kind
+
+
+class DrafterPool(Protocol):
+    def live(self) -> Sequence[str]: ...
+
+    def domains(self, drafter_id: str) -> Sequence[str]: ...
+
+    async def draft_many(self, calls: Mapping[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
+        """One step for several drafters at once; None for a drafter that failed (and left)."""
+        ...
+
+    def release(self, drafter_id: str, request_ids: Sequence[str]) -> None: ...
+
+    def mark_failed(self, drafter_id: str, reason: str) -> None: ...
+
+
+class VerifierBackend(Protocol):
+    async def verify(self, items: Sequence[VerifyItem]) -> tuple[list[Verdict], int]:
+        """Verdicts in item order, and the verifier's own busy time for the batch in ns."""
+        ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+ProfileSource = Callable[[Sequence[str], str], Awaitable[dict[str, float]]]
+ProfileSink = Callable[[list[tuple[str, str, float, float]]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    min_k: int = 1
+    max_k: int = 8
+    initial_k: int = 4
+    tree_width: int = 3
+    drafters_per_request: int = 2
+    fusion: str = "token"  # token | chunk
+    routing: bool = True
+    explore_threshold: float = 0.5
+    rounds_in_flight: int = 2
+    max_batch_requests: int = 16
+    verify_token_budget: int = 1024
+    max_queue: int = 1024
+    adaptive_k: bool = True
+    all_drafters: bool = False  # every live drafter drafts every request (SpecInfer-style)
+    cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
+    speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
+
+    @classmethod
+    def from_settings(cls, s: Any) -> RouterConfig:
+        return cls(
+            min_k=s.min_k, max_k=s.max_k, initial_k=s.initial_k, tree_width=s.tree_width,
+            drafters_per_request=s.drafters_per_request, fusion=s.fusion, routing=s.routing,
+            explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
+            max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
+            adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control,
+            speculate=s.speculate,
+        )
+
+
+@dataclass
+class RequestStats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafters_used: set[str] = field(default_factory=set)
+    accepted_by_drafter: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Event:
+    """What a submitter receives: new tokens, and at the end the finish reason or an error."""
+
+    tokens: tuple[int, ...] = ()
+    finished: bool = False
+    finish_reason: str = ""
+    error: RequestFailed | None = None
+    round_ns: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    domain: str = ""
+    generated: list[int] = field(default_factory=list)
+    verifier_synced: bool = False
+    drafter_cache: dict[str, list[int]] = field(default_factory=dict)
+    routing: RoutingVector = field(default_factory=RoutingVector)
+    spec: SpeculationLength = field(default_factory=lambda: SpeculationLength(4, 1, 8))
+    stats: RequestStats = field(default_factory=RequestStats)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    ready_since: float = field(default_factory=time.monotonic)
+    in_round: bool = False
+    done: bool = False
+    cancelled: bool = False
+    first_accept: float = 0.7  # EWMA: how often this request's first draft node is accepted
+
+    @property
+    def sequence(self) -> list[int]:
+        return [*self.prompt, *self.generated]
+
+
+@dataclass
+class Counters:
+    rounds: int = 0
+    requests_finished: int = 0
+    tokens_committed: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    apply_s: float = 0.0
+    verifier_busy_s: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
+    by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
+
+    def as_dict(self) -> dict[str, float]:
+        wall = time.monotonic() - self.started_at
+        return {
+            "rounds": self.rounds, "requests_finished": self.requests_finished, "tokens_committed": self.tokens_committed,
+            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens, "draft_s": self.draft_s,
+            "verify_s": self.verify_s, "apply_s": self.apply_s, "verifier_busy_s": self.verifier_busy_s, "wall_s": wall,
+        }
