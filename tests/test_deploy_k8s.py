@@ -1,6 +1,7 @@
-"""The Helm chart in k8s/, rendered without Helm (deploy.helm_render) with the default values, the
-multi-drafter example and an external-Redis/CPU variant, then checked:
+"""The Helm chart in k8s/, rendered by Helm's own library (deploy.helm_chart) with the default
+values, the multi-drafter example and an external-Redis/CPU variant, then checked:
 
+- `helm lint --strict` finds no warning or error;
 - every object validates against the Kubernetes OpenAPI schemas (kubernetes-validate, strict);
 - every COSINE_* variable a container gets (env + envFrom ConfigMaps) is accepted by the service
   the container runs, and the service's settings load from it;
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from common.settings import SettingsError
-from deploy.helm_render import TemplateError, render_objects
+from deploy.helm_chart import ChartError, lint, render_objects
 from deploy.settings_index import service_specs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,14 @@ RENDERS = {
     "multi-drafter": dict(values_files=[MULTI]),
     "external-redis-cpu": dict(set_values=EXTERNAL),
 }
+
+
+@pytest.mark.parametrize("name", sorted(RENDERS))
+def test_helm_lint_strict_finds_nothing(name):
+    kwargs = RENDERS[name]
+    report = lint(CHART, kwargs.get("values_files", ()), kwargs.get("set_values", ()))
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
 @pytest.fixture(scope="module", params=sorted(RENDERS))
@@ -213,7 +222,7 @@ def test_redis_statefulset_or_external_url():
     external = render_objects(CHART, set_values=EXTERNAL)
     assert "StatefulSet" not in {o["kind"] for o in external}
     assert by_kind(external, "Secret")["cosine-redis"]["stringData"] == {"redis-url": "redis://:pw@redis.example.internal:6379/0"}
-    with pytest.raises(TemplateError, match="redis.externalUrl is required"):
+    with pytest.raises(ChartError, match="redis.externalUrl is required"):
         render_objects(CHART, set_values=["redis.enabled=false"])
 
 
@@ -295,3 +304,25 @@ def test_pods_run_as_non_root_with_read_only_root(rendered):
         for c in spec["containers"] + spec.get("initContainers", []):
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_set_values_and_files_merge_as_helm_reads_them(tmp_path):
+    from deploy.helm_chart import parse_set, user_values
+
+    assert parse_set(["a.b=3", "a.c=true", "d=x", "e="]) == {"a": {"b": 3, "c": True}, "d": "x", "e": ""}
+    f = tmp_path / "v.yaml"
+    f.write_text("a: {b: 1, keep: yes}\nlist: [1, 2]\n")
+    assert user_values([f], ["a.b=2"]) == {"a": {"b": 2, "keep": True}, "list": [1, 2]}
+    with pytest.raises(ChartError, match="KEY=VALUE"):
+        parse_set(["novalue"])
+
+
+def test_cli_prints_what_helm_template_prints(capsys):
+    from deploy.helm_chart import main
+
+    assert main([str(CHART), "-f", str(MULTI)]) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "ConfigMap"}
+    assert len(docs) == len(render_objects(CHART, [MULTI]))
+    assert main([str(CHART), "--set", "redis.enabled=false"]) == 1
+    assert "redis.externalUrl is required" in capsys.readouterr().err
