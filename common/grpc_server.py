@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -55,10 +55,11 @@ async def create_server(
     address: str,
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> ServerHandle:
     """Create an aio server bound to ``address`` ("host:port"; port 0 picks a free one) with the
     standard health service and server reflection. Returns a started handle with its port."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
     register(server)
     names = tuple(service_names)
     health_servicer = health.aio.HealthServicer()

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import grpc
 
 from common.grpc_server import PortInUse, ServerHandle, create_server, join_host_port, wait_for_shutdown_signal
+from common.metrics import ServiceMetrics
 from common.logs import LEVELS, configure_logging, get_logger
 from common.settings import SettingsError, load_settings, port_check, positive, redis_url_check, setting, settings_as_dict
 from common.store import Member, Store, StoreUnavailable
@@ -50,6 +51,8 @@ class ServiceSettings:
     member_id: str = setting("", help="identity in the membership registry (default: hostname-pid)")
     heartbeat_s: float = setting(2.0, help="membership heartbeat period in seconds", check=positive)
     member_ttl_s: float = setting(6.0, help="membership entry lifetime without heartbeat, seconds", check=positive)
+    metrics_port: int = setting(-1, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
+                                check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
     shutdown_grace_s: float = setting(3.0, help="seconds in-flight RPCs get to finish on SIGTERM", check=positive)
     log_level: str = setting("info", help="log level", choices=LEVELS)
     log_format: str = setting("auto", help="log format: json, console, or auto (console on a terminal)", choices=("auto", "json", "console"))
@@ -114,15 +117,27 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
         except StoreUnavailable as exc:
             raise StoreUnavailable(f"cannot reach Redis at {settings_as_dict(settings)['redis_url']}: {exc}") from None
         app = await factory(settings, store)
+        metrics = ServiceMetrics(app.role)
+        if hasattr(app, "bind_metrics"):
+            app.bind_metrics(metrics)
         try:
             address = join_host_port(settings.host, settings.port)
-            handle = await create_server(address, app.register, app.service_names)
+            handle = await create_server(address, app.register, app.service_names, interceptors=[metrics.interceptor()])
+            try:
+                metrics_port = metrics.serve(settings.host, settings.metrics_port)
+            except OSError as exc:
+                await handle.stop(0)
+                raise PortInUse(str(exc)) from None
             advertised = settings.advertise_address or join_host_port(_reachable_host(settings.host), handle.port)
             await app.start(handle, advertised)
-            member = Member(app.role, settings.member_id or default_member_id(), advertised, app.member_info(), time.time())
+            info = app.member_info()
+            if metrics_port is not None:
+                info["metrics_port"] = metrics_port
+            member = Member(app.role, settings.member_id or default_member_id(), advertised, info, time.time())
             await store.register(member, settings.member_ttl_s)
             heartbeat = asyncio.create_task(_heartbeat(store, member, settings.heartbeat_s, settings.member_ttl_s, log))
-            log.info("serving", address=advertised, port=handle.port, role=app.role, member_id=member.member_id)
+            log.info("serving", address=advertised, port=handle.port, role=app.role, member_id=member.member_id,
+                     metrics_port=metrics_port)
             if ready is not None:
                 ready.port = handle.port  # type: ignore[attr-defined]
                 ready.set()
@@ -142,6 +157,7 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
                     log.warning("deregister failed", error=str(exc))
         finally:
             await app.stop()
+            metrics.close()
         log.info("stopped")
     finally:
         await store.close()

@@ -70,6 +70,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     address: str
     log_path: Path
+    metrics_address: str = ""
 
 
 class LocalCluster:
@@ -92,16 +93,18 @@ class LocalCluster:
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         address = f"{self.spec.host}:{port}"
+        metrics_port = free_port(self.spec.host)  # every process of every local cluster: its own /metrics
         cmd = [
             sys.executable, "-m", module, "--host", self.spec.host, "--port", str(port),
-            "--redis-url", self.redis_url, "--redis-prefix", self.spec.prefix, "--member-id", name, *args,
+            "--redis-url", self.redis_url, "--redis-prefix", self.spec.prefix, "--member-id", name,
+            "--metrics-port", str(metrics_port), *args,
         ]
         if threads:
             cmd += ["--torch-threads", str(threads)]
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True)
-        proc = Proc(name, popen, address, log_path)
+        proc = Proc(name, popen, address, log_path, f"{self.spec.host}:{metrics_port}")
         self.procs.append(proc)
         return proc
 
@@ -227,7 +230,8 @@ class LocalCluster:
             self.redis = None
 
     def state(self) -> dict[str, str]:
-        return {"gateway": self.gateway_address, "router": self.router_address, "redis_url": self.redis_url, "prefix": self.spec.prefix}
+        return {"gateway": self.gateway_address, "router": self.router_address, "redis_url": self.redis_url, "prefix": self.spec.prefix,
+                "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address}}
 
     def __enter__(self) -> LocalCluster:
         self.start(progress=False)

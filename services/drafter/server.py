@@ -19,6 +19,7 @@ import grpc
 from common.checkpoints import CheckpointError
 from common.grpc_server import ServerHandle
 from common.logs import get_logger
+from common.metrics import ServiceMetrics, bind_engine_metrics
 from common.runtime import configure_torch_threads
 from common.service import StartupError
 from common.spec_types import DraftItem, DraftResult, StageTimings
@@ -142,6 +143,10 @@ class DrafterApp:
         n = await asyncio.get_running_loop().run_in_executor(self.executor, work)
         if n:
             log.info("released caches of a closed stream", requests=n)
+
+    def bind_metrics(self, metrics: ServiceMetrics) -> None:
+        for name, engine in self.engines.items():
+            bind_engine_metrics(metrics, lambda e=engine: e, model=name)
 
     def register(self, server: grpc.aio.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(self.servicer, server)

@@ -18,6 +18,8 @@ def drafter_spec_check(value: str) -> str | None:
 @dataclass(frozen=True)
 class DrafterSettings(ServiceSettings):
     port: int = setting(50054, help="port to listen on (0 picks a free port)", check=port_check)
+    metrics_port: int = setting(9103, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
+                                check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
     drafters: tuple[str, ...] = setting(
         (), help="drafter model to host, as NAME=PATH to a transformers checkpoint; repeat to host several "
         "(each is its own drafter identity to the router)", check=drafter_spec_check, metavar="NAME=PATH",

@@ -18,6 +18,8 @@ from common.logs import get_logger, request_context
 from common.service import StartupError
 from common.store import Store
 from cosine.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
+from common.metrics import ServiceMetrics
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.requests import (
     GenerationRequest,
     IncrementalDetokenizer,
@@ -110,6 +112,10 @@ class GatewayApp:
         self.router_stub: router_pb2_grpc.RouterStub | None = None
         self.router_address = ""
         self.member_id = ""
+        self.metrics: GatewayMetrics | None = None
+
+    def bind_metrics(self, metrics: ServiceMetrics) -> None:
+        self.metrics = GatewayMetrics(metrics)
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
@@ -188,8 +194,12 @@ class GatewayApp:
             stops = StopMatcher(gen.stop) if gen.stop else None
             log.info("request admitted", prompt_tokens=len(gen.prompt_ids), max_new_tokens=gen.max_new_tokens,
                      temperature=gen.temperature, router=self.router_address)
+            clock = self.metrics.start(len(gen.prompt_ids)) if self.metrics is not None else None
+            outcome = "cancelled"
             try:
                 async for chunk in call:
+                    if clock is not None:
+                        clock.tokens_out(len(chunk.token_ids))
                     text = detok.push(chunk.token_ids)
                     if chunk.finished:
                         text += detok.flush()
@@ -199,8 +209,11 @@ class GatewayApp:
                     if stops is not None:
                         text = stops.feed(text) + (stops.flush() if chunk.finished else "")
                         if stops.stopped:
+                            outcome = "stop"
                             yield Progress(text, list(chunk.token_ids), True, common_pb2.FINISH_REASON_STOP, chunk.stats)
                             return
+                    if chunk.finished:
+                        outcome = common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
                     yield Progress(text, list(chunk.token_ids), chunk.finished, reason, chunk.stats if chunk.finished else None)
                     if chunk.finished:
                         return
@@ -209,9 +222,12 @@ class GatewayApp:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
                     self.router_stub = None  # rediscover the router next time
+                outcome = code.name.lower()
                 log.warning("request failed at the router", code=code.name, details=exc.details())
                 await context.abort(code, exc.details() or code.name)
             finally:
+                if clock is not None:
+                    clock.end(outcome)
                 call.cancel()  # no-op when finished; stops the router's work when we stopped early
                 await self.store.delete_request(gen.request_id)
 

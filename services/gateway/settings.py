@@ -12,6 +12,8 @@ from common.settings import port_check, positive, setting
 class GatewaySettings(ServiceSettings):
     host: str = setting("0.0.0.0", help="address to listen on (the gateway is the public face)")
     port: int = setting(50051, help="port to listen on (0 picks a free port)", check=port_check)
+    metrics_port: int = setting(9100, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
+                                check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
     router_address: str = setting("", help="host:port of the router (default: discovered through Redis membership)")
     tokenizer: str = setting("", help="the target's tokenizer: a checkpoint directory (default: asked from the verifier's model path)", metavar="PATH")
     default_max_new_tokens: int = setting(128, help="max_new_tokens when a request leaves it at 0", check=positive)

@@ -79,6 +79,7 @@ class RouterCore:
         profiles: ProfileSource | None = None,
         record: ProfileSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Any = None,
     ):
         self.config = config
         self.drafters = drafters
@@ -86,6 +87,7 @@ class RouterCore:
         self.profiles = profiles
         self.record = record
         self.clock = clock
+        self.metrics = metrics  # services.router.metrics.RouterMetrics, or None
         self.requests: dict[str, Request] = {}
         self.counters = Counters()
         self.load = LoadControl()
@@ -231,6 +233,8 @@ class RouterCore:
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before)
         self.control.observe_round(t1 - t0, t2 - t1)
+        if self.metrics is not None:
+            self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)
         self.counters.rounds += 1
         self.counters.draft_s += t1 - t0
         self.counters.verify_s += t2 - t1
@@ -313,6 +317,8 @@ class RouterCore:
                 break
         r.generated.extend(new)
         self.counters.tokens_committed += len(new)
+        if self.metrics is not None:
+            self.metrics.verdict(tree, verdict.accepted_nodes, len(new))
         r.events.put_nowait(Event(tokens=tuple(new), round_ns=round_ns))
         if reason:
             self._finish(r, reason)

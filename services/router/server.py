@@ -10,12 +10,14 @@ import grpc
 
 from common.grpc_server import ServerHandle
 from common.logs import get_logger, request_context
+from common.metrics import ServiceMetrics
 from common.service import StartupError
 from common.store import Store
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.convert import sampling_from_pb
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
 from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterConfig, RouterCore
+from services.router.metrics import RouterMetrics
 from services.router.settings import RouterSettings
 
 SERVICE_NAME = "cosine.v1.Router"
@@ -110,9 +112,14 @@ class RouterApp:
         self.servicer = RouterServicer(self)
         self.verifier: GrpcVerifier | None = None
         self.pool: GrpcDrafterPool = GrpcDrafterPool(store, "", settings.discovery_interval_s, settings.use_drafters)
+        self.spec_metrics: RouterMetrics | None = None
         self.core: RouterCore | None = None
         self.verifier_ready = False
         self._connect_task: asyncio.Task[None] | None = None
+
+    def bind_metrics(self, metrics: ServiceMetrics) -> None:
+        self.spec_metrics = RouterMetrics(metrics, lambda: float(self.core.queue_depth()) if self.core else 0.0,
+                                          lambda: float(len(self.core.requests)) if self.core else 0.0)
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
@@ -153,7 +160,7 @@ class RouterApp:
             loaded = await self.store.load_profiles(drafters)
             return {d: p.score(domain) for d, p in loaded.items() if domain in p.domains}
 
-        self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier,
+        self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier, metrics=self.spec_metrics,
                                profiles=profiles, record=self.store.record_acceptance)
         self.core.start()
         self.verifier_ready = True

@@ -11,6 +11,8 @@ from common.settings import in_range, non_negative, port_check, positive, settin
 @dataclass(frozen=True)
 class RouterSettings(ServiceSettings):
     port: int = setting(50052, help="port to listen on (0 picks a free port)", check=port_check)
+    metrics_port: int = setting(9101, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
+                                check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
     verifier_address: str = setting("", help="host:port of the verifier (default: discovered through Redis membership)")
     discovery_interval_s: float = setting(1.0, help="how often live drafters are re-read from Redis, seconds", check=positive)
     # speculation

@@ -18,6 +18,7 @@ import grpc
 from common.checkpoints import CheckpointError
 from common.grpc_server import ServerHandle
 from common.logs import get_logger
+from common.metrics import ServiceMetrics, bind_engine_metrics
 from common.runtime import configure_torch_threads
 from common.service import StartupError
 from common.spec_types import StageTimings, VerifyItem, VerifyOutcome
@@ -105,6 +106,7 @@ class VerifierApp:
         self.servicer = VerifierServicer(self)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
         self.busy_ns = 0
+        self.passes: Any = None
 
     async def verify(self, items: Sequence[VerifyItem]) -> VerifyOutcome:
         """Verify a batch; one forward pass per slice of at most --max-batch-tokens tokens."""
@@ -114,6 +116,10 @@ class VerifierApp:
                     for part in split_by_tokens(items, self.settings.max_batch_tokens)]
         outcome = merge_outcomes(outcomes)
         self.busy_ns += outcome.timings.total_ns
+        if self.passes is not None:
+            self.passes.inc()
+            self.pass_requests.observe(len(items))
+            self.pass_seconds.observe(outcome.timings.total_ns / 1e9)
         return outcome
 
     async def release(self, request_ids: set[str]) -> None:
@@ -123,6 +129,13 @@ class VerifierApp:
         n = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: sum(engine.release(r) for r in request_ids))
         if n:
             log.info("released caches of a closed stream", requests=n)
+
+    def bind_metrics(self, metrics: ServiceMetrics) -> None:
+        bind_engine_metrics(metrics, lambda: self.engine)
+        self.passes = metrics.counter("cosine_verifier_batches_total", "verify batches")
+        self.pass_requests = metrics.histogram("cosine_verifier_batch_requests", "requests per verify batch",
+                                               buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64))
+        self.pass_seconds = metrics.histogram("cosine_verifier_batch_seconds", "model time of a verify batch")
 
     def register(self, server: grpc.aio.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self.servicer, server)

@@ -11,6 +11,8 @@ from common.settings import non_negative, port_check, positive, setting
 @dataclass(frozen=True)
 class VerifierSettings(ServiceSettings):
     port: int = setting(50053, help="port to listen on (0 picks a free port)", check=port_check)
+    metrics_port: int = setting(9102, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
+                                check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
     target: str = setting("", help="target model: path to a transformers checkpoint directory (Llama / Qwen2 family)", metavar="PATH")
     device: str = setting("cpu", help="torch device for the target model (cpu, cuda, cuda:1 ...)")
     dtype: str = setting("float32", help="weight dtype", choices=("float32", "float16", "bfloat16"))
