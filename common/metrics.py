@@ -14,9 +14,10 @@ interceptor that every service shares:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -93,45 +94,40 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
         method = details.method
         m = self.metrics
 
-        def done(started: float, context: Any, failed: BaseException | None) -> None:
-            code = context.code() if hasattr(context, "code") else None
-            if failed is not None and code in (None, grpc.StatusCode.OK):
-                # cancelled by the client (CancelledError, GeneratorExit) or an error the servicer did not map
-                code = grpc.StatusCode.UNKNOWN if isinstance(failed, Exception) else grpc.StatusCode.CANCELLED
-            name = (code or grpc.StatusCode.OK).name
-            m.rpc_handled.labels(method, name).inc()
-            m.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+        @contextlib.contextmanager
+        def observed(context: Any) -> Iterator[None]:
+            """Count and time one RPC, by the status it ended with."""
+            started = time.perf_counter()
+            failed: BaseException | None = None
+            try:
+                yield
+            except BaseException as exc:
+                failed = exc
+                raise
+            finally:
+                code = context.code() if hasattr(context, "code") else None
+                if failed is not None and code in (None, grpc.StatusCode.OK):
+                    # cancelled by the client (CancelledError, GeneratorExit) or an error the servicer did not map
+                    code = grpc.StatusCode.UNKNOWN if isinstance(failed, Exception) else grpc.StatusCode.CANCELLED
+                m.rpc_handled.labels(method, (code or grpc.StatusCode.OK).name).inc()
+                m.rpc_seconds.labels(method).observe(time.perf_counter() - started)
 
         def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request_or_iterator: Any, context: Any) -> Any:
-                started = time.perf_counter()
-                failed: BaseException | None = None
-                try:
+                with observed(context):
                     result = fn(request_or_iterator, context)
                     return await result if inspect.isawaitable(result) else result
-                except BaseException as exc:
-                    failed = exc
-                    raise
-                finally:
-                    done(started, context, failed)
             return wrapped
 
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
-                started = time.perf_counter()
-                failed: BaseException | None = None
-                try:
+                with observed(context):
                     result = fn(request_or_iterator, context)
                     if hasattr(result, "__aiter__"):
                         async for item in result:
                             yield item
                     elif inspect.isawaitable(result):  # a handler that writes with context.write()
                         await result
-                except BaseException as exc:
-                    failed = exc
-                    raise
-                finally:
-                    done(started, context, failed)
             return wrapped
 
         if handler.unary_unary:
