@@ -225,6 +225,13 @@ def test_only_the_gateway_publishes_a_port(doc):
     assert mapping.endswith(f":{SPECS['gateway'].default_port}")
 
 
+def test_metrics_ports_are_exposed_on_the_compose_network(doc):
+    for name, service in doc["services"].items():
+        role = name.split("-")[0]
+        if role in SPECS:
+            assert service["expose"] == [str(SPECS[role].load({}).metrics_port)], name
+
+
 @pytest.mark.parametrize("dockerfile", ["docker/Dockerfile", "docker/Dockerfile.cuda"])
 def test_dockerfile_targets_match_the_services(dockerfile):
     stages = dockerfile_targets(ROOT / dockerfile)

@@ -109,6 +109,11 @@ def problems(objects) -> list[str]:
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         if ports.get("grpc") != settings.port:
             out.append(f"{where}: containerPort {ports.get('grpc')} but the service listens on {settings.port}")
+        if ports.get("metrics", -1) != settings.metrics_port:
+            out.append(f"{where}: metrics containerPort {ports.get('metrics')} but /metrics is on {settings.metrics_port}")
+        scrape = (template["metadata"].get("annotations") or {}).get("prometheus.io/port")
+        if scrape is not None and int(scrape) != settings.metrics_port:
+            out.append(f"{where}: scrape annotation on port {scrape}, /metrics is on {settings.metrics_port}")
         if settings.advertise_address != f"10.1.2.3:{settings.port}":
             out.append(f"{where}: advertises {settings.advertise_address}, not the pod's own address")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -326,3 +331,22 @@ def test_cli_prints_what_helm_template_prints(capsys):
     assert len(docs) == len(render_objects(CHART, [MULTI]))
     assert main([str(CHART), "--set", "redis.enabled=false"]) == 1
     assert "redis.externalUrl is required" in capsys.readouterr().err
+
+
+def test_metrics_ports_annotations_and_pod_monitor():
+    objects = render_objects(CHART)
+    services = 0
+    for workload, _, _, spec in cosine_containers(objects):
+        ann = workload["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics", spec.name
+        services += 1
+    assert services >= 5  # gateway, router, verifier and two drafters
+    assert "PodMonitor" not in {o["kind"] for o in objects}
+    monitored = render_objects(CHART, set_values=["metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=prom"])
+    (pm,) = [o for o in monitored if o["kind"] == "PodMonitor"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and pm["metadata"]["labels"]["release"] == "prom"
+    off = render_objects(CHART, set_values=["metrics.enabled=false"])
+    assert problems(off) == []  # off: no metrics port, and the services are told -1
+    for _, _, c, spec in cosine_containers(off):
+        assert "metrics" not in {p["name"] for p in c["ports"]}
+        assert container_env(off, c)["COSINE_METRICS_PORT"] == "-1"

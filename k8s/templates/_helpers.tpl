@@ -80,6 +80,31 @@ Secret.
       key: redis-url
 - name: HOME
   value: /tmp
+- name: COSINE_METRICS_PORT
+  value: {{ include "cosine.metricsPort" (dict "root" .root "component" .component) | quote }}
+{{- end }}
+
+{{/* The Prometheus /metrics port of a component, or -1 when metrics are off; (dict "root" . "component" NAME). */}}
+{{- define "cosine.metricsPort" -}}
+{{- if .root.Values.metrics.enabled -}}{{ index .root.Values.metrics.ports .component }}{{- else -}}-1{{- end -}}
+{{- end }}
+
+{{/* The metrics containerPort (nothing when metrics are off). */}}
+{{- define "cosine.metricsContainerPort" -}}
+{{- if .root.Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ index .root.Values.metrics.ports .component }}
+{{- end }}
+{{- end }}
+
+{{/* Pod annotations for Prometheus' kubernetes_sd scrape convention (nothing when off). */}}
+{{- define "cosine.metricsAnnotations" -}}
+{{- if and .root.Values.metrics.enabled .root.Values.metrics.scrapeAnnotations }}
+annotations:
+  prometheus.io/scrape: "true"
+  prometheus.io/port: {{ index .root.Values.metrics.ports .component | quote }}
+  prometheus.io/path: /metrics
+{{- end }}
 {{- end }}
 
 {{/* Probes on the gRPC health protocol; (dict "port" PORT "service" NAME "startupSeconds" N). */}}
