@@ -82,7 +82,7 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
     stages.update(1)
 
     t0 = time.perf_counter()
-    evaluation = evaluate_distilled(target, drafters, vocab, teacher["heldout"], heldout_prompts, tokenizer, profile, opts.seed)
+    evaluation = evaluate_distilled(target, drafters, vocab, teacher["heldout"], profile)
     evaluation["step_cost"] = step_costs(target_path, {n: out / "drafters" / n for n in drafters}, profile)
     timings["evaluation"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - started
@@ -249,7 +249,7 @@ def drafter_entry(name: str, info: dict[str, Any], profile: DistillProfile) -> d
 
 
 def evaluate_distilled(target: Any, drafters: dict[str, Any], vocab: Any, heldout: dict[str, list[distill.Example]],
-                       prompts: dict[str, list[str]], tokenizer: Any, profile: DistillProfile, seed: int) -> dict[str, Any]:
+                       profile: DistillProfile) -> dict[str, Any]:
     spec = profile.evaluation
     matrix = {name: {} for name in drafters}
     rounds = {name: {} for name in drafters}

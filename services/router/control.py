@@ -108,7 +108,6 @@ class CostModel:
 class SpeculationControl:
     """Prices draft nodes and draft steps (see the module docstring); fed by every round."""
 
-    max_width: int = 3
     enabled: bool = True
     smoothing: float = 0.2  # EWMA weight of the newest round
     min_threshold: float = 0.02  # below this a node is never worth a row, however cheap

@@ -91,7 +91,7 @@ class RouterCore:
         self.requests: dict[str, Request] = {}
         self.counters = Counters()
         self.load = LoadControl()
-        self.control = SpeculationControl(max_width=config.tree_width, enabled=config.cost_control)
+        self.control = SpeculationControl(enabled=config.cost_control)
         self.drafting = Drafting(config, drafters, self.control, clock)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
