@@ -122,7 +122,8 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
             app.bind_metrics(metrics)
         try:
             address = join_host_port(settings.host, settings.port)
-            handle = await create_server(address, app.register, app.service_names, interceptors=[metrics.interceptor()])
+            handle = await create_server(address, app.register, app.service_names,
+                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ())])
             try:
                 metrics_port = metrics.serve(settings.host, settings.metrics_port)
             except OSError as exc:

@@ -232,10 +232,16 @@ def load_settings(
     return settings
 
 
+SECRET_FIELDS = frozenset({"api_keys"})  # never logged: shown as "<N hidden>"
+
+
 def settings_as_dict(settings: Any) -> dict[str, Any]:
-    """Plain dict for logging (secrets in URLs are masked)."""
+    """Plain dict for logging (secrets in URLs and secret fields are masked)."""
     out = dataclasses.asdict(settings)
     for key, value in out.items():
+        if key in SECRET_FIELDS:
+            out[key] = f"<{len(value)} hidden>"
+            continue
         if isinstance(value, str) and "://" in value and "@" in value:
             scheme, rest = value.split("://", 1)
             out[key] = f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--domain-hint", default="")
     gen.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON instead of streaming")
     gen.add_argument("--timeout", type=float, default=300.0)
+    gen.add_argument("--api-key", default=None, help="API key for a gateway that requires one (default: $COSINE_API_KEY)")
     gen.set_defaults(func=cmd_generate)
 
     st = sub.add_parser("status", help="live drafters, queue depth and acceptance per drafter (from the router)")
@@ -181,7 +182,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop, domain_hint=args.domain_hint)
     try:
-        with Client(address, timeout=args.timeout) as client:
+        with Client(address, timeout=args.timeout, api_key=args.api_key) as client:
             if args.json:
                 print(json.dumps(client.generate(args.prompt, **kwargs).to_dict(), indent=2))
                 return 0

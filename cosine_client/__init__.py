@@ -16,6 +16,7 @@ from cosine_client.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from cosine_client.types import Chunk, Generation, SpecStats, Usage
@@ -23,4 +24,5 @@ from cosine_client.types import Chunk, Generation, SpecStats, Usage
 __all__ = [
     "AsyncClient", "Client", "Chunk", "Generation", "SpecStats", "Usage",
     "CosineError", "InvalidArgument", "Unavailable", "DeadlineExceeded", "Cancelled", "ResourceExhausted", "NotFound",
+    "Unauthenticated",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -63,12 +64,21 @@ def _chunk(msg: gateway_pb2.GenerateChunk) -> Chunk:
     )
 
 
-class Client:
-    """Blocking client. ``timeout`` (seconds) is the default deadline of every call."""
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """``authorization: Bearer <key>`` for a key given, else ``$COSINE_API_KEY``, else nothing."""
+    key = os.environ.get("COSINE_API_KEY", "") if api_key is None else api_key
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
-    def __init__(self, address: str, timeout: float | None = None, channel: grpc.Channel | None = None):
+
+class Client:
+    """Blocking client. ``timeout`` (seconds) is the default deadline of every call; ``api_key``
+    (default ``$COSINE_API_KEY``) is sent as ``authorization: Bearer <key>``."""
+
+    def __init__(self, address: str, timeout: float | None = None, channel: grpc.Channel | None = None,
+                 api_key: str | None = None):
         self.address = address
         self.timeout = timeout
+        self._metadata = auth_metadata(api_key)
         self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -76,14 +86,14 @@ class Client:
         req = build_request(prompt, **kwargs)
         t0 = time.perf_counter()
         try:
-            reply = self._stub.Generate(req, timeout=timeout or self.timeout)
+            reply = self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return _generation(reply, time.perf_counter() - t0)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Chunk]:
         req = build_request(prompt, **kwargs)
-        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout)
+        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -105,9 +115,10 @@ class Client:
 class AsyncClient:
     """asyncio client; use inside a running event loop."""
 
-    def __init__(self, address: str, timeout: float | None = None):
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None):
         self.address = address
         self.timeout = timeout
+        self._metadata = auth_metadata(api_key)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -115,14 +126,14 @@ class AsyncClient:
         req = build_request(prompt, **kwargs)
         t0 = time.perf_counter()
         try:
-            reply = await self._stub.Generate(req, timeout=timeout or self.timeout)
+            reply = await self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return _generation(reply, time.perf_counter() - t0)
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> AsyncIterator[Chunk]:
         req = build_request(prompt, **kwargs)
-        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout)
+        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield _chunk(msg)

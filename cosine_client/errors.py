@@ -42,7 +42,12 @@ class NotFound(CosineError):
     code = grpc.StatusCode.NOT_FOUND
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, Unavailable, DeadlineExceeded, Cancelled, ResourceExhausted, NotFound)}
+class Unauthenticated(CosineError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, Unavailable, DeadlineExceeded, Cancelled, ResourceExhausted, NotFound,
+                                       Unauthenticated)}
 
 
 def from_rpc_error(exc: grpc.RpcError) -> CosineError:

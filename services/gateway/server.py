@@ -18,6 +18,7 @@ from common.logs import get_logger, request_context
 from common.service import StartupError
 from common.store import Store
 from cosine.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
+from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from common.metrics import ServiceMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.requests import (
@@ -113,6 +114,7 @@ class GatewayApp:
         self.router_address = ""
         self.member_id = ""
         self.metrics: GatewayMetrics | None = None
+        self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()  # API keys, when configured
 
     def bind_metrics(self, metrics: ServiceMetrics) -> None:
         self.metrics = GatewayMetrics(metrics)
@@ -234,6 +236,13 @@ class GatewayApp:
 
 async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:
     app = GatewayApp(settings, store)
+    try:
+        keys = load_api_keys(settings.api_keys, settings.api_keys_file)
+    except ApiKeyError as exc:
+        raise StartupError(str(exc)) from None
+    if keys:
+        app.interceptors = (ApiKeyInterceptor(keys),)
+        log.info("api keys required", keys=len(keys))
     if settings.tokenizer:
         try:
             app.tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer)

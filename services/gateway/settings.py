@@ -15,6 +15,8 @@ class GatewaySettings(ServiceSettings):
     metrics_port: int = setting(9100, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
                                 check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
     router_address: str = setting("", help="host:port of the router (default: discovered through Redis membership)")
+    api_keys: tuple[str, ...] = setting((), help="API keys clients must send as 'authorization: Bearer <key>' (comma-separated in COSINE_API_KEYS; none: no authentication)", metavar="KEY")
+    api_keys_file: str = setting("", help="file of API keys, one per line (# comments; e.g. a mounted Kubernetes Secret)", metavar="PATH")
     tokenizer: str = setting("", help="the target's tokenizer: a checkpoint directory (default: asked from the verifier's model path)", metavar="PATH")
     default_max_new_tokens: int = setting(128, help="max_new_tokens when a request leaves it at 0", check=positive)
     max_new_tokens_limit: int = setting(2048, help="largest max_new_tokens a request may ask for", check=positive)
