@@ -76,8 +76,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return reply
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
-        released: set[str] = set()
-        owned: dict[str, set[str]] = {}  # drafter id -> request ids this stream touched
+        owned: dict[str, set[str]] = {}  # drafter id -> live request ids this stream touched (bounded by live requests)
         try:
             async for step in request_iterator:
                 received = time.perf_counter_ns()
@@ -88,7 +87,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                         f"(it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
                 for d, items in groups:
                     for item in items:
-                        (released.add if item.release else owned.setdefault(d, set()).add)(item.request_id)
+                        if item.release:
+                            owned.get(d, set()).discard(item.request_id)
+                        else:
+                            owned.setdefault(d, set()).add(item.request_id)
                 answers, timings = await self.app.run_groups(groups)
                 reply = drafter_pb2.DraftStepResult(step_id=step.step_id, drafter_id=step.drafter_id)
                 if step.groups:
@@ -104,7 +106,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 yield reply
         finally:
             # the router went away: free every cache it left behind
-            leftovers = {d: ids - released for d, ids in owned.items()}
+            leftovers = {d: ids for d, ids in owned.items() if ids}
             if any(leftovers.values()):
                 await self.app.release(leftovers)
 

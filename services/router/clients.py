@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
@@ -28,6 +27,7 @@ from services.convert import (
     verdict_from_pb,
     verify_batch_to_pb,
 )
+from services.router.replicas import pick_replica
 
 log = get_logger("router.clients")
 
@@ -40,81 +40,112 @@ class DrafterEndpoint:
     stream: StreamClient
     drafters: dict[str, list[str]] = field(default_factory=dict)  # drafter id -> domains
     failed: str = ""
-    failed_at: float = 0.0  # monotonic time of the failure mark
+    failed_at: float = 0.0  # monotonic time of the failure mark (marks expire: see retry_failed_s)
 
 
 class GrpcDrafterPool:
     """Live drafters, discovered through Redis membership and checked against the target's
-    tokenizer fingerprint. A drafter whose stream breaks leaves the pool until its process is seen
-    again (new membership entry) or until ``retry_after_s`` has passed while its membership is
-    still alive (then it is reconnected: a failure mark expires)."""
+    tokenizer fingerprint. A drafter id may be hosted by several processes (replicas); each request
+    is served by one replica chosen by :func:`pick_replica`, so replicas share the load. A process
+    whose stream breaks is marked failed; the mark expires after ``retry_failed_s`` (or when its
+    process is seen again under a new membership entry) and the process is reconnected."""
 
     def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0, allow: Sequence[str] = (),
-                 retry_after_s: float = 10.0, clock: Any = time.monotonic):
+                 retry_failed_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.allow = frozenset(allow)  # empty: every drafter the membership lists
         self.fingerprint = fingerprint
         self.interval_s = interval_s
-        self.retry_after_s = retry_after_s
+        self.retry_failed_s = retry_failed_s
         self.clock = clock
         self.endpoints: dict[str, DrafterEndpoint] = {}  # address -> endpoint
-        self.by_drafter: dict[str, DrafterEndpoint] = {}
         self.refused: dict[str, str] = {}  # address -> reason
         self._step = 0
         self.calls = 0  # draft steps answered
         self.busy_ns = 0  # drafter model time of those steps (from the drafters' own timings)
         self._task: asyncio.Task[None] | None = None
 
+    def replicas(self, drafter_id: str, healthy: bool = True) -> list[DrafterEndpoint]:
+        return [ep for _, ep in sorted(self.endpoints.items())
+                if drafter_id in ep.drafters and not (healthy and ep.failed)]
+
+    @property
+    def by_drafter(self) -> dict[str, DrafterEndpoint]:
+        """One endpoint per drafter id (a healthy one when there is one), for status reports."""
+        out: dict[str, DrafterEndpoint] = {}
+        for _, ep in sorted(self.endpoints.items()):
+            for d in ep.drafters:
+                if d not in out or (out[d].failed and not ep.failed):
+                    out[d] = ep
+        return out
+
     def live(self) -> list[str]:
-        return sorted(d for d, ep in self.by_drafter.items() if not ep.failed)
+        return sorted({d for ep in self.endpoints.values() if not ep.failed for d in ep.drafters})
 
     def domains(self, drafter_id: str) -> list[str]:
-        ep = self.by_drafter.get(drafter_id)
-        return list(ep.drafters.get(drafter_id, [])) if ep else []
+        eps = self.replicas(drafter_id, healthy=False)
+        return list(eps[0].drafters.get(drafter_id, [])) if eps else []
 
     async def draft_many(self, calls: Mapping[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
         """One draft step for several drafters: one message per drafter process, all processes
-        concurrently. A process that fails leaves the pool; its drafters answer None."""
-        by_endpoint: dict[str, dict[str, Sequence[DraftItem]]] = {}
+        concurrently, each request's items to its replica. A drafter with no healthy replica (it
+        left between the round's start and this step) answers None; a process that fails is marked
+        and the requests it served get no answer (the router drops that drafter for them)."""
+        by_endpoint: dict[str, dict[str, list[DraftItem]]] = {}
         out: dict[str, list[DraftResult] | None] = {}
         for d, items in calls.items():
-            ep = self.by_drafter.get(d)
-            if ep is None or ep.failed:  # left (scale-down, failure) since the round picked it
+            addresses = [ep.address for ep in self.replicas(d)]
+            if not addresses:
                 out[d] = None
                 continue
-            by_endpoint.setdefault(ep.address, {})[d] = items
+            out[d] = []
+            for item in items:
+                address = pick_replica(item.request_id, addresses)
+                by_endpoint.setdefault(address, {}).setdefault(d, []).append(item)
 
-        async def one(address: str, groups: dict[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
-            ep = self.endpoints[address]
+        async def one(address: str, groups: dict[str, list[DraftItem]]) -> dict[str, list[DraftResult] | None]:
+            ep = self.endpoints.get(address)
+            if ep is None:
+                return {d: None for d in groups}
             self._step += 1
             try:
                 reply = await ep.stream.call(draft_groups_to_pb(self._step, groups), timeout_s=60)
             except Exception as exc:
-                for d in groups:
-                    self.mark_failed(d, str(exc))
+                self._mark_endpoint(ep, str(exc))
                 return {d: None for d in groups}
             self.calls += 1
             self.busy_ns += max(0, reply.timings.total_ns - reply.timings.queue_ns)
             answers = draft_group_results_from_pb(reply)
             return {d: answers.get(d) for d in groups}
 
+        failed: set[str] = set()
         for part in await asyncio.gather(*(one(a, g) for a, g in by_endpoint.items())):
-            out.update(part)
+            for d, results in part.items():
+                if results is None:
+                    failed.add(d)
+                elif out.get(d) is not None:
+                    out[d].extend(results)
+        for d in failed:  # answered by no replica at all: None; else the missing ids stay missing
+            if not out.get(d):
+                out[d] = None
         return out
 
     def release(self, drafter_id: str, request_ids: Sequence[str]) -> None:
-        ep = self.by_drafter.get(drafter_id)
-        if ep is None or ep.failed:
-            return
-        self._step += 1
-        ep.stream.send_nowait(draft_step_to_pb(self._step, drafter_id, [DraftItem(request_id=r, release=True) for r in request_ids]))
+        """Free the requests' caches on every healthy replica (a replica that does not hold one
+        ignores it), so a request that moved between replicas leaves nothing behind."""
+        for ep in self.replicas(drafter_id):
+            self._step += 1
+            ep.stream.send_nowait(draft_step_to_pb(self._step, drafter_id, [DraftItem(request_id=r, release=True) for r in request_ids]))
 
     def mark_failed(self, drafter_id: str, reason: str) -> None:
-        ep = self.by_drafter.get(drafter_id)
-        if ep is not None and not ep.failed:
-            ep.failed, ep.failed_at = reason, self.clock()
-            log.warning("drafter left the pool", drafter=drafter_id, address=ep.address, reason=reason,
-                        retry_after_s=self.retry_after_s)
+        for ep in self.replicas(drafter_id):
+            self._mark_endpoint(ep, reason)
+
+    def _mark_endpoint(self, ep: DrafterEndpoint, reason: str) -> None:
+        if not ep.failed:
+            ep.failed, ep.failed_at = reason or "failed", self.clock()
+            log.warning("drafter process left the pool", drafters=sorted(ep.drafters), address=ep.address, reason=reason,
+                        retry_in_s=self.retry_failed_s)
 
     async def refresh(self) -> None:
         members = await self.store.members("drafter")
@@ -122,10 +153,8 @@ class GrpcDrafterPool:
         for m in members:
             seen.add(m.address)
             ep = self.endpoints.get(m.address)
-            if ep is not None and ep.failed and (ep.member_id != m.member_id
-                                                 or self.clock() - ep.failed_at >= self.retry_after_s):
-                # restarted at the same address, or still listed alive after its mark expired: try again
-                await self._drop(m.address)
+            if ep is not None and ep.failed and (ep.member_id != m.member_id or self.clock() - ep.failed_at >= self.retry_failed_s):
+                await self._drop(m.address)  # restarted at the same address, or its failure mark expired: reconnect
                 ep = None
             if ep is None and m.address not in self.refused:
                 await self._connect(m.address, m.member_id)
@@ -162,17 +191,12 @@ class GrpcDrafterPool:
         stream = StreamClient(lambda it, s=stub: s.Draft(it), name=f"drafter@{address}")
         ep = DrafterEndpoint(address, member_id, channel, stream, drafters)
         self.endpoints[address] = ep
-        for d in drafters:
-            self.by_drafter[d] = ep
         log.info("drafters joined", address=address, drafters=sorted(drafters))
 
     async def _drop(self, address: str) -> None:
         ep = self.endpoints.pop(address, None)
         if ep is None:
             return
-        for d in list(self.by_drafter):
-            if self.by_drafter[d] is ep:
-                del self.by_drafter[d]
         await ep.stream.close()
         await ep.channel.close()
         log.info("drafters left", address=address, drafters=sorted(ep.drafters))

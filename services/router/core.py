@@ -57,6 +57,7 @@ from services.router.requests import (
     RouterConfig,
     VerifierBackend,
 )
+from services.router.matching import match_verdicts
 from services.router.routing import RoutingVector
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
 
@@ -228,8 +229,9 @@ class RouterCore:
         t2 = self.clock()
         updates: list[tuple[str, str, float, float]] = []
         committed_before = self.counters.tokens_committed
-        for r, verdict in zip(batch, verdicts):
-            self._apply(r, trees[r.request_id], selected.get(r.request_id, []), verdict, updates, int((t2 - t0) * 1e9))
+        matched = match_verdicts([(r.request_id, len(r.prompt) + len(r.generated)) for r in batch], verdicts)
+        for r in batch:
+            self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9))
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before)
         self.control.observe_round(t1 - t0, t2 - t1)

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from common.spec_types import DraftItem
 from services.router.drafting import Drafting, sync_item
+from services.router.matching import match_draft_results
 from services.router.requests import Request
 
 
@@ -25,16 +26,17 @@ async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str
     answers = await drafting.call(calls)
     scored = []
     for d, results in answers.items():
-        for r, res in zip(reqs, results or [None] * len(reqs)):
+        results = match_draft_results([r.request_id for r in reqs], results)
+        for r, res in zip(reqs, results):
             if res is not None and res.ok:
                 r.drafter_cache[d] = list(r.sequence)
             else:
                 r.drafter_cache.pop(d, None)
-        scored.append((d, results or []))
+        scored.append((d, results))
     for i, r in enumerate(reqs):
         r.domain = infer_domain(
             {d: results[i].append_logprob for d, results in scored
-             if i < len(results) and results[i].ok and results[i].append_logprob is not None},
+             if results[i] is not None and results[i].ok and results[i].append_logprob is not None},
             {d: list(drafting.drafters.domains(d)) for d in live},
         )
 

@@ -21,6 +21,7 @@ from common.logs import get_logger
 from common.spec_types import DraftItem, DraftResult
 from services.router.control import SpeculationControl
 from services.router.fusion import DraftTree, Proposal, fuse, fuse_chains
+from services.router.matching import match_draft_results
 from services.router.requests import DrafterPool, Request, RouterConfig
 
 log = get_logger("router")
@@ -97,9 +98,10 @@ class Drafting:
             self.control.observe_draft_step(self.clock() - t_step)
             proposals: dict[str, list[Proposal]] = {rid: [] for rid in active}
             for d, pairs in per_drafter.items():
-                results = answers.get(d) or [None] * len(pairs)
+                results = match_draft_results([rid for rid, _ in pairs], answers.get(d))
                 for (rid, _), res in zip(pairs, results):
-                    if res is not None and res.ok and res.token_ids:
+                    cache = by_id[rid].drafter_cache.get(d, [])
+                    if res is not None and res.ok and res.token_ids and res.cache_len in (0, len(cache)):
                         proposals[rid].append(Proposal(d, tuple(res.token_ids), tuple(res.probs)))
                     else:  # the drafter failed for this request: it leaves the request's round
                         by_id[rid].drafter_cache.pop(d, None)
@@ -141,7 +143,10 @@ class Drafting:
         chains: dict[str, dict[str, tuple[list[int], list[float]]]] = {r.request_id: {} for r in batch}
         for d, pairs in per_drafter.items():
             results = answers.get(d)
-            for (rid, _), res in zip(pairs, results or []):
+            for (rid, _), res in zip(pairs, match_draft_results([rid for rid, _ in pairs], results)):
+                if res is None:
+                    by_id[rid].drafter_cache.pop(d, None)
+                    continue
                 positions = getattr(res, "positions", None) or ((res.token_ids, res.probs),)
                 if res.ok and positions and positions[0][0]:
                     chain = [int(ids[0]) for ids, _ in positions]

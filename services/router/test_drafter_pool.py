@@ -32,13 +32,12 @@ class Clock:
 
 
 def pool_with(store, clock, connects):
-    pool = GrpcDrafterPool(store, fingerprint="", retry_after_s=10.0, clock=clock)
+    pool = GrpcDrafterPool(store, fingerprint="", retry_failed_s=10.0, clock=clock)
 
     async def connect(address, member_id):
         connects.append(address)
         ep = DrafterEndpoint(address, member_id, Closable(), Closable(), {"code": ["code"]})
         pool.endpoints[address] = ep
-        pool.by_drafter["code"] = ep
 
     pool._connect = connect
     return pool

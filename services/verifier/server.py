@@ -73,14 +73,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         engine = self.app.engine
         if engine is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verifier hosts no target model (start it with --target PATH)")
-        seen: set[str] = set()
-        released: set[str] = set()
+        seen: set[str] = set()  # live request ids of this stream (released ones leave: bounded by live requests)
         try:
             async for batch in request_iterator:
                 received = time.perf_counter_ns()
                 items = verify_items_from_pb(batch)
                 for item in items:
-                    (released.add if item.release else seen.add)(item.request_id)
+                    (seen.discard if item.release else seen.add)(item.request_id)
                 outcome = await self.app.verify(items)
                 reply = verifier_pb2.VerifyResult(batch_id=batch.batch_id, verdicts=[verdict_to_pb(v) for v in outcome.verdicts],
                                                   batch_tokens=outcome.batch_tokens)
@@ -90,7 +89,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 reply.timings.queue_ns = max(0, reply.timings.total_ns - t.total_ns)
                 yield reply
         finally:
-            leftovers = seen - released
+            leftovers = set(seen)
             if leftovers:
                 await self.app.release(leftovers)
 
