@@ -44,6 +44,10 @@ class StoreUnavailable(RuntimeError):
     """Redis could not be reached or answered with an error."""
 
 
+class RequestExists(RuntimeError):
+    """A request with this id is already running somewhere in the cluster."""
+
+
 @dataclass(frozen=True)
 class DomainStats:
     prior: float = 0.0
@@ -157,8 +161,12 @@ class Store:
     # ---- request state ---------------------------------------------------------------------
 
     async def create_request(self, request_id: str, prompt_ids: list[int], params: Mapping[str, Any], owner: str) -> None:
+        """Claim ``request_id`` cluster-wide and write its state. Raises :class:`RequestExists`
+        (touching nothing) when a request with that id is already running."""
         now = time.time()
         key = self.request_key(request_id)
+        if not await self._r.hsetnx(key, "owner", owner):  # atomic claim: one writer per id in the cluster
+            raise RequestExists(f"request {request_id} is already running")
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hset(
                 key,

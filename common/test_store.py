@@ -80,3 +80,25 @@ def test_unreachable_redis_is_reported():
 
     with pytest.raises(StoreUnavailable, match="111|refused"):
         run(body())
+
+
+def test_duplicate_request_id_is_refused_and_touches_nothing(redis_url, redis_prefix):
+    from common.store import RequestExists
+
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix, request_ttl_s=30)
+        await store.create_request("d1", [1, 2], {"max_new_tokens": 8}, owner="gw-1")
+        await store.append_tokens("d1", [5])
+        with pytest.raises(RequestExists):
+            await store.create_request("d1", [9, 9, 9], {"max_new_tokens": 1}, owner="gw-2")
+        state = await store.get_request("d1")
+        await store.delete_request("d1")
+        await store.create_request("d1", [3], {}, owner="gw-2")  # free again once the first is gone
+        again = await store.get_request("d1")
+        await store.delete_request("d1")
+        await store.close()
+        return state, again
+
+    state, again = run(body())
+    assert state["prompt_ids"] == [1, 2] and state["tokens"] == [5] and state["owner"] == "gw-1"
+    assert again["prompt_ids"] == [3] and again["owner"] == "gw-2"

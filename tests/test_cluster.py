@@ -233,3 +233,31 @@ def test_sampling_request_completes(cluster, workload):
         res = client.generate(prompt, max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.9, top_k=50, seed=3)
     assert res.finish_reason in ("length", "eos")
     assert 1 <= len(res.token_ids) <= MAX_NEW and res.stats.rounds >= 1
+
+
+def test_duplicate_request_id_gets_already_exists_and_leaves_the_first_alone(cluster, workload, reference):
+    from cosine_client.errors import CosineError
+
+    prompt = workload[0][1]
+
+    async def body():
+        async with AsyncClient(cluster.gateway_address, timeout=120) as client:
+            first = asyncio.create_task(client.generate(prompt, max_new_tokens=400, request_id="dup-1"))
+            store = Store.from_url(cluster.redis_url, prefix=cluster.spec.prefix)
+            try:
+                for _ in range(500):  # until the first request's state is in Redis
+                    if "dup-1" in await store.request_ids():
+                        break
+                    await asyncio.sleep(0.01)
+            finally:
+                await store.close()
+            try:
+                await client.generate("other text", max_new_tokens=4, request_id="dup-1")
+                dup = None
+            except CosineError as exc:
+                dup = exc
+            return await first, dup
+
+    res, dup = asyncio.run(body())
+    assert dup is not None and dup.code == grpc.StatusCode.ALREADY_EXISTS and "request_id" in dup.message
+    assert list(res.token_ids)[:len(reference[prompt])] == reference[prompt]

@@ -16,7 +16,7 @@ from common.checkpoints import CheckpointError, load_tokenizer
 from common.grpc_server import CHANNEL_OPTIONS, ServerHandle
 from common.logs import get_logger, request_context
 from common.service import StartupError
-from common.store import Store
+from common.store import RequestExists, Store
 from cosine.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
 from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from common.metrics import ServiceMetrics
@@ -179,7 +179,10 @@ class GatewayApp:
         in Redis while the request runs and is removed whatever way it ends."""
         assert self.router_stub is not None
         with request_context(gen.request_id):
-            await self.store.create_request(gen.request_id, list(gen.prompt_ids), gen.params(), owner=self.member_id)
+            try:
+                await self.store.create_request(gen.request_id, list(gen.prompt_ids), gen.params(), owner=self.member_id)
+            except RequestExists as exc:  # another request owns this id: answer without touching its state
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
             submit = router_pb2.SubmitRequest(
                 request_id=gen.request_id, prompt_ids=gen.prompt_ids, max_new_tokens=gen.max_new_tokens,
                 stop_token_ids=self.eos_ids, domain_hint=gen.domain_hint,
