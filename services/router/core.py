@@ -58,6 +58,7 @@ from services.router.requests import (
     VerifierBackend,
 )
 from services.router.matching import match_verdicts
+from services.router.resume import backoff_s, lost_by_verifier, mark_for_resume
 from services.router.routing import RoutingVector
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
 
@@ -185,7 +186,7 @@ class RouterCore:
         cands = [
             Candidate(
                 r.request_id, now - r.ready_since, self._k(r), width,
-                0 if r.verifier_synced else len(r.prompt),
+                0 if r.verifier_synced else len(r.sequence),
                 (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1,
             )
             for r in waiting
@@ -214,7 +215,7 @@ class RouterCore:
         items = [
             VerifyItem(
                 request_id=r.request_id,
-                append_ids=() if r.verifier_synced else r.prompt,
+                append_ids=() if r.verifier_synced else tuple(r.sequence),  # a resumed request re-prefills what is committed
                 tree=_to_token_tree(trees[r.request_id]),
                 sampling=r.sampling,
             )
@@ -222,9 +223,19 @@ class RouterCore:
         ]
         try:
             verdicts, busy_ns = await self.verifier.verify(items)
-        except Exception as exc:
+        except Exception as exc:  # broken stream: the verifier may be restarting; resume on it
+            attempt = 0
             for r in batch:
-                self._finish(r, error=RequestFailed(f"verifier unavailable: {exc}", "unavailable"))
+                if mark_for_resume(r):
+                    attempt = max(attempt, r.resumes)
+                else:
+                    self._finish(r, error=RequestFailed(f"verifier unavailable: {exc}", "unavailable"))
+            try:  # whatever the verifier may still hold of them goes first, so the re-prefill starts clean
+                self.verifier.release([r.request_id for r in batch if not r.done])
+            except Exception as release_exc:
+                log.debug("verifier release failed", error=str(release_exc))
+            log.warning("verifier call failed; requests will be re-prefilled", error=str(exc), attempt=attempt)
+            await asyncio.sleep(backoff_s(attempt))
             return
         t2 = self.clock()
         updates: list[tuple[str, str, float, float]] = []
@@ -279,10 +290,15 @@ class RouterCore:
         if r.done:
             return
         if not verdict.ok:
+            if lost_by_verifier(verdict) and r.verifier_synced and mark_for_resume(r):
+                log.info("verifier lost the request; re-prefilling its committed tokens", request_id=r.request_id,
+                         committed=len(r.sequence))
+                return
             kind = getattr(verdict, "error_kind", "") or "internal"
             self._finish(r, error=RequestFailed(verdict.error, kind))
             return
         r.verifier_synced = True
+        r.resumes = 0
         accepted = len(verdict.accepted_nodes)
         if len(tree):
             self.control.observe_verdict(tree, verdict.accepted_nodes)

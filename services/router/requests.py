@@ -115,6 +115,7 @@ class Request:
     domain: str = ""
     generated: list[int] = field(default_factory=list)
     verifier_synced: bool = False
+    resumes: int = 0  # consecutive rounds the verifier lost this request (see resume.py)
     drafter_cache: dict[str, list[int]] = field(default_factory=dict)
     routing: RoutingVector = field(default_factory=RoutingVector)
     spec: SpeculationLength = field(default_factory=lambda: SpeculationLength(4, 1, 8))

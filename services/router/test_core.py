@@ -155,3 +155,36 @@ def test_sync_item_rolls_back_to_common_prefix():
     item, _ = sync_item([1, 2, 3], [1, 2, 3], top_n=2)  # nothing new: re-feed the last token
     assert (item.truncate_to, item.append_ids) == (2, (3,))
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+class RestartingVerifier:
+    """The real verifier engine, which 'restarts' (loses every request's state) after batch 3 and
+    whose stream 'breaks' (the call raises) on batch 6."""
+
+    def __init__(self, engine):
+        self.inner = LocalVerifier(engine)
+        self.engine = engine
+        self.n = 0
+
+    async def verify(self, items):
+        self.n += 1
+        if self.n == 3:
+            for rid in list(self.engine._requests):
+                self.engine.release(rid)
+        if self.n == 6:
+            raise ConnectionError("verifier stream broke")
+        return await self.inner.verify(items)
+
+    def release(self, request_ids):
+        self.inner.release(request_ids)
+
+
+def test_verifier_restart_resumes_every_request_with_identical_output(engines, reference):
+    verifier, drafters = engines
+    prompts, expected = reference
+    backend = RestartingVerifier(verifier)
+    core = RouterCore(RouterConfig(drafters_per_request=2), LocalDrafterPool(drafters), backend)
+    got = asyncio.run(generate_all(core, prompts, MAX_NEW))
+    assert backend.n > 6  # both failures happened while requests were running
+    assert got == expected
+    assert verifier.active_requests == 0 and all(e.active_requests == 0 for e in drafters.values())
