@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from common.grpc_server import wait_healthy
@@ -71,6 +72,9 @@ class Proc:
     address: str
     log_path: Path
     metrics_address: str = ""
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class LocalCluster:
@@ -82,6 +86,7 @@ class LocalCluster:
         self.gateway_address = ""
         self.router_address = ""
         self.verifier_address = ""
+        self.supervisor: Any = None
 
     # ---- processes ---------------------------------------------------------------------------
 
@@ -104,7 +109,7 @@ class LocalCluster:
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True)
-        proc = Proc(name, popen, address, log_path, f"{self.spec.host}:{metrics_port}")
+        proc = Proc(name, popen, address, log_path, f"{self.spec.host}:{metrics_port}", cmd, env)
         self.procs.append(proc)
         return proc
 
@@ -212,8 +217,29 @@ class LocalCluster:
         p.popen.kill()
         p.popen.wait(10)
 
+    def respawn(self, name: str) -> Proc:
+        """Start a process again with its command line, address and log file (after it died)."""
+        p = self.proc(name)
+        if p.popen.poll() is None:
+            return p
+        with open(p.log_path, "ab") as log:
+            p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=p.env,
+                                       start_new_session=True)
+        p.started_at = time.monotonic()
+        return p
+
+    def supervise(self, **kw: Any) -> Any:
+        """Restart processes that die (see :mod:`cosine_cli.supervisor`) until :meth:`stop`."""
+        from cosine_cli.supervisor import Supervisor
+
+        self.supervisor = Supervisor(self, **kw).start()
+        return self.supervisor
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM in reverse start order (gateway first), then SIGKILL what is left."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         for p in reversed(self.procs):
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)

@@ -152,6 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"profiles   {n} drafter profile(s) seeded from {args.zoo}/zoo.json", file=sys.stderr)
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps(cluster.state()))
+        cluster.supervise()  # a process that dies is restarted (with backoff, one line each)
         print(cluster.gateway_address, flush=True)
         print("Ctrl-C stops the cluster.", file=sys.stderr, flush=True)
         _wait_for_signal()

@@ -14,7 +14,7 @@ from typing import Any
 
 from common.spec_types import Verdict
 
-MAX_RESUMES = 8
+MAX_RESUMES = 30  # with backoff_s: about a minute, long enough for a verifier to restart
 
 
 def lost_by_verifier(verdict: Verdict) -> bool:

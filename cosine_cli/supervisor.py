@@ -1,0 +1,72 @@
+"""Supervision of the local cluster's processes: one that dies is restarted, as compose's restart
+policy and Kubernetes do for theirs.
+
+A watcher thread polls the processes; a dead one is respawned with the same command line, address
+and log file after a backoff that doubles per quick death (``initial_s`` .. ``max_s``) and resets
+once a process has stayed up for ``stable_s``. Each restart prints one line.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Backoff:
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    stable_s: float = 30.0
+    delay_s: dict[str, float] = field(default_factory=dict)
+
+    def next_delay(self, name: str, uptime_s: float) -> float:
+        if uptime_s >= self.stable_s:
+            self.delay_s.pop(name, None)
+        delay = self.delay_s.get(name, 0.0)
+        self.delay_s[name] = min(self.max_s, max(self.initial_s, delay * 2))
+        return delay
+
+
+class Supervisor:
+    """Restarts dead processes of a :class:`~cosine_cli.cluster.LocalCluster` until stopped."""
+
+    def __init__(self, cluster: Any, interval_s: float = 0.25, backoff: Backoff | None = None,
+                 say: Callable[[str], None] | None = None):
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self.backoff = backoff or Backoff()
+        self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.restarts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cluster-supervisor", daemon=True)
+        self._due: dict[str, float] = {}
+
+    def start(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for proc in list(self.cluster.procs):
+                code = proc.popen.poll()
+                if code is None:
+                    continue
+                now = time.monotonic()
+                if proc.name not in self._due:
+                    delay = self.backoff.next_delay(proc.name, now - proc.started_at)
+                    self._due[proc.name] = now + delay
+                    self.say(f"restart    {proc.name} exited with status {code}; restarting in {delay:.1f} s")
+                if now >= self._due[proc.name] and not self._stop.is_set():
+                    del self._due[proc.name]
+                    self.cluster.respawn(proc.name)
+                    self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
+                    self.say(f"restart    {proc.name} restarted at {proc.address} (restart {self.restarts[proc.name]})")

@@ -1,0 +1,38 @@
+"""Restarts under load with real processes: the local cluster's supervisor restarts a killed
+verifier at the same address, and the router re-prefills every in-flight request on it; no
+request fails and greedy output equals the target's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cosine_cli.cluster import LocalCluster
+from cosine_cli.supervisor import Backoff
+from cosine_client import AsyncClient
+from tests.test_cluster import MAX_NEW, reference, spec_for, workload  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.slow
+
+
+def test_killed_verifier_is_restarted_and_requests_resume(tiny_zoo, tmp_path, workload, reference):  # noqa: F811
+    lines: list[str] = []
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path))
+    c.start(progress=False)
+    sup = c.supervise(backoff=Backoff(initial_s=0.2), say=lines.append)
+    try:
+        async def body():
+            async with AsyncClient(c.gateway_address, timeout=180) as client:
+                tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in workload]
+                await asyncio.sleep(0.5)
+                c.kill("verifier")
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(body())
+        for (_, prompt), res in zip(workload, results):
+            assert list(res.token_ids) == reference[prompt]
+        assert sup.restarts.get("verifier") == 1
+        assert any("verifier restarted" in line for line in lines)
+    finally:
+        c.stop()
