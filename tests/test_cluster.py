@@ -38,6 +38,19 @@ def cluster(tiny_zoo, tmp_path_factory):
     c.stop()
 
 
+def generate_while_killing(cluster: LocalCluster, work, victim: str, after_s: float, timeout_s: float = 120) -> list:
+    """Send every prompt of ``work`` at once through the gateway, SIGKILL the process ``victim``
+    ``after_s`` later, and return the results in ``work`` order."""
+    async def body():
+        async with AsyncClient(cluster.gateway_address, timeout=timeout_s) as client:
+            tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in work]
+            await asyncio.sleep(after_s)
+            cluster.kill(victim)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(body())
+
+
 @pytest.fixture(scope="module")
 def workload(tiny_zoo):
     return [(d, p) for d in sorted(tiny_zoo.prompts) for p in tiny_zoo.prompts[d][:3]]
@@ -194,14 +207,7 @@ def test_killed_drafter_does_not_fail_its_requests(tiny_zoo, tmp_path, workload,
     c = LocalCluster(spec_for(tiny_zoo, tmp_path, drafter_processes=2))
     c.start(progress=False)
     try:
-        async def body():
-            async with AsyncClient(c.gateway_address, timeout=120) as client:
-                tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in workload]
-                await asyncio.sleep(0.3)
-                c.kill("drafter-0")
-                return await asyncio.gather(*tasks)
-
-        results = asyncio.run(body())
+        results = generate_while_killing(c, workload, "drafter-0", 0.3)
         for (_, prompt), res in zip(workload, results):
             assert list(res.token_ids) == reference[prompt]
     finally:

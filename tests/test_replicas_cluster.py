@@ -12,8 +12,7 @@ import pytest
 
 from cosine.v1 import router_pb2, router_pb2_grpc
 from cosine_cli.cluster import LocalCluster, free_port
-from cosine_client import AsyncClient
-from tests.test_cluster import MAX_NEW, reference, spec_for, workload  # noqa: F401  (fixtures)
+from tests.test_cluster import generate_while_killing, reference, spec_for, workload  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +35,7 @@ def test_replica_takes_over_when_a_drafter_process_dies(tiny_zoo, tmp_path, work
         asyncio.run(c._wait([replica], "replica"))
         time.sleep(3)  # a discovery interval or more: the router connects the replica
 
-        async def body():
-            async with AsyncClient(c.gateway_address, timeout=120) as client:
-                tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in workload]
-                await asyncio.sleep(0.3)
-                c.kill("drafter-0")
-                return await asyncio.gather(*tasks)
-
-        results = asyncio.run(body())
+        results = generate_while_killing(c, workload, "drafter-0", 0.3)
         for (_, prompt), res in zip(workload, results):
             assert list(res.token_ids) == reference[prompt]
         # every drafter is still served, by the replica

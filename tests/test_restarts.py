@@ -4,15 +4,13 @@ request fails and greedy output equals the target's."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
 from cosine_cli.cluster import LocalCluster
 from cosine_cli.supervisor import Backoff
-from cosine_client import AsyncClient
-from tests.test_cluster import MAX_NEW, reference, spec_for, workload  # noqa: F401  (fixtures)
+from tests.test_cluster import generate_while_killing, reference, spec_for, workload  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +23,7 @@ def test_killed_verifier_is_restarted_and_requests_resume(tiny_zoo, tmp_path, wo
     try:
         work = workload * 4  # enough requests that some are still in flight when the verifier dies
 
-        async def body():
-            async with AsyncClient(c.gateway_address, timeout=180) as client:
-                tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in work]
-                await asyncio.sleep(0.2)
-                c.kill("verifier")
-                return await asyncio.gather(*tasks)
-
-        results = asyncio.run(body())
+        results = generate_while_killing(c, work, "verifier", 0.2, timeout_s=180)
         for (_, prompt), res in zip(work, results):
             assert list(res.token_ids) == reference[prompt]
         deadline = time.monotonic() + 30  # the supervisor polls; on a fast machine the work may end first
