@@ -44,6 +44,10 @@ class StoreUnavailable(RuntimeError):
     """Redis could not be reached or answered with an error."""
 
 
+# What a Redis outage raises through the Store: callers that must survive one catch these.
+STORE_ERRORS: tuple[type[BaseException], ...] = (StoreUnavailable, RedisError, OSError)
+
+
 class RequestExists(RuntimeError):
     """A request with this id is already running somewhere in the cluster."""
 

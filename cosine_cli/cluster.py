@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
-from common.grpc_server import wait_healthy
+from common.grpc_server import join_host_port, wait_healthy
 from common.redis_server import RedisServer, free_port
 
 
@@ -37,6 +37,7 @@ class ClusterSpec:
     redis_url: str = ""
     host: str = "127.0.0.1"
     gateway_port: int = 0
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP API (0: any free port)
     drafter_processes: int = 1
     router_args: tuple[str, ...] = ()
     verifier_args: tuple[str, ...] = ()
@@ -84,6 +85,7 @@ class LocalCluster:
         self.redis_url = spec.redis_url
         self.procs: list[Proc] = []
         self.gateway_address = ""
+        self.http_url = ""
         self.router_address = ""
         self.verifier_address = ""
         self.supervisor: Any = None
@@ -155,10 +157,13 @@ class LocalCluster:
         router = self._spawn("router", "services.router", free_port(spec.host), ["--verifier-address", self.verifier_address, *router_args])
         await self._wait([router], "router")
         self.router_address = router.address
+        http_port = spec.http_port or free_port(spec.host)
         gateway = self._spawn("gateway", "services.gateway", gateway_port or free_port(spec.host),
-                              ["--router-address", router.address, "--tokenizer", spec.target, *spec.gateway_args])
+                              ["--router-address", router.address, "--tokenizer", spec.target, "--http-port", str(http_port),
+                               *spec.gateway_args])
         await self._wait([gateway], "gateway")
         self.gateway_address = gateway.address
+        self.http_url = f"http://{join_host_port(spec.host, http_port)}"
         await self._wait_router_ready(drafters)
 
     async def restart_router_async(self, router_args: Sequence[str], drafters: int | None = None) -> str:
@@ -256,7 +261,7 @@ class LocalCluster:
             self.redis = None
 
     def state(self) -> dict[str, str]:
-        return {"gateway": self.gateway_address, "router": self.router_address, "redis_url": self.redis_url, "prefix": self.spec.prefix,
+        return {"gateway": self.gateway_address, "http": self.http_url, "router": self.router_address, "redis_url": self.redis_url, "prefix": self.spec.prefix,
                 "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address}}
 
     def __enter__(self) -> LocalCluster:

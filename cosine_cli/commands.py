@@ -78,6 +78,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one")
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--gateway-port", type=int, default=50051, help="gateway port (0: any free port)")
+    p.add_argument("--http-port", type=int, default=8000, help="port of the gateway's OpenAI-compatible HTTP API (0: any free port)")
     p.add_argument("--drafter-processes", type=int, default=1, help="drafter processes; the drafter models are spread over them")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG", help="extra router flag, e.g. --router-arg=--fusion=chunk")
     p.add_argument("--log-dir", default=".cosine/logs")
@@ -104,7 +105,7 @@ def _spec_from_args(args: argparse.Namespace):
         domains = {name: list(d.domains) for name, d in zoo.drafters.items()}
     return ClusterSpec(
         target=target, drafters=drafters, drafter_domains=domains, redis_url=args.redis_url, host=args.host,
-        gateway_port=args.gateway_port, drafter_processes=args.drafter_processes, router_args=tuple(args.router_arg),
+        gateway_port=args.gateway_port, http_port=args.http_port, drafter_processes=args.drafter_processes, router_args=tuple(args.router_arg),
         log_dir=args.log_dir,
     )
 
@@ -154,6 +155,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         STATE_FILE.write_text(json.dumps(cluster.state()))
         cluster.supervise()  # a process that dies is restarted (with backoff, one line each)
         print(cluster.gateway_address, flush=True)
+        print(f"openai     {cluster.http_url}/v1 (model {Path(spec.target).name})", file=sys.stderr, flush=True)
         print("Ctrl-C stops the cluster.", file=sys.stderr, flush=True)
         _wait_for_signal()
     except ClusterError as exc:

@@ -220,7 +220,7 @@ def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
 
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--redis-url", redis_url,
+    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--redis-url", redis_url,
                                                "--redis-prefix", redis_prefix], {})
     server, port = start_service(settings, build_app, prog="gateway")
     try:

@@ -22,7 +22,8 @@ ENV = {**os.environ, "COSINE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
 
 def start(name, *args):
     return subprocess.Popen(
-        [sys.executable, "-m", f"services.{name}", "--port", "0", "--metrics-port", "0", *args],
+        [sys.executable, "-m", f"services.{name}", "--port", "0", "--metrics-port", "0",
+         *(["--http-port", "0"] if name == "gateway" else []), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True,
     )
 
@@ -122,7 +123,7 @@ def test_in_process_helper_returns_server_and_port(redis_url, redis_prefix):
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
 
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--redis-url", redis_url, "--redis-prefix", redis_prefix], {})
+    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--redis-url", redis_url, "--redis-prefix", redis_prefix], {})
     server, port = start_service(settings, build_app, prog="gateway")
     try:
         assert port > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,13 +14,15 @@ import grpc
 from google.protobuf import unknown_fields
 
 from common.checkpoints import CheckpointError, load_tokenizer
-from common.grpc_server import CHANNEL_OPTIONS, ServerHandle
+from common.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle
 from common.logs import get_logger, request_context
 from common.service import StartupError
-from common.store import RequestExists, Store
+from common.store import STORE_ERRORS, RequestExists, Store
 from cosine.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
 from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from common.metrics import ServiceMetrics
+from services.gateway.errors import GatewayError
+from services.gateway.http_api import HttpFront
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.requests import (
     GenerationRequest,
@@ -63,17 +66,22 @@ class Progress:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Thin: protobuf in, :class:`GatewayApp` calls, protobuf out; a GatewayError becomes its status."""
+
     def __init__(self, app: GatewayApp):
         self.app = app
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
         t0 = time.perf_counter_ns()
-        gen = await self.app.admit(request, context)
         text, ids, last = [], [], None
-        async for piece in self.app.relay(gen, context):
-            text.append(piece.text)
-            ids.extend(piece.token_ids)
-            last = piece
+        try:
+            gen = await self.app.admit(raw_from_pb(request))
+            async for piece in self.app.relay(gen, context.time_remaining()):
+                text.append(piece.text)
+                ids.extend(piece.token_ids)
+                last = piece
+        except GatewayError as exc:
+            await context.abort(exc.code, exc.message)
         reply = gateway_pb2.GenerateResponse(request_id=gen.request_id, text="".join(text), token_ids=ids,
                                              finish_reason=last.finish_reason if last else 0)
         if last is not None and last.stats is not None:
@@ -84,21 +92,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return reply
 
     async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        gen = await self.app.admit(request, context)
         count = 0
-        async for piece in self.app.relay(gen, context):
-            count += len(piece.token_ids)
-            chunk = gateway_pb2.GenerateChunk(request_id=gen.request_id, text=piece.text, token_ids=piece.token_ids, finished=piece.finished)
-            if piece.finished:
-                chunk.finish_reason = piece.finish_reason
-                if piece.stats is not None:
-                    chunk.stats.CopyFrom(piece.stats)
-                chunk.usage.prompt_tokens = len(gen.prompt_ids)
-                chunk.usage.completion_tokens = count
-            yield chunk
+        try:
+            gen = await self.app.admit(raw_from_pb(request))
+            async for piece in self.app.relay(gen, context.time_remaining()):
+                count += len(piece.token_ids)
+                chunk = gateway_pb2.GenerateChunk(request_id=gen.request_id, text=piece.text, token_ids=piece.token_ids, finished=piece.finished)
+                if piece.finished:
+                    chunk.finish_reason = piece.finish_reason
+                    if piece.stats is not None:
+                        chunk.stats.CopyFrom(piece.stats)
+                    chunk.usage.prompt_tokens = len(gen.prompt_ids)
+                    chunk.usage.completion_tokens = count
+                yield chunk
+        except GatewayError as exc:
+            await context.abort(exc.code, exc.message)
 
 
 class GatewayApp:
+    """What the gateway does for a request, whichever front it came through (gRPC or HTTP):
+    tokenizer and limits on demand, validation, admission under the in-flight limit, and the relay
+    of the router's token stream as text. Failures are :class:`GatewayError` with a status code."""
+
     role = "gateway"
     service_names = (SERVICE_NAME,)
 
@@ -109,12 +124,16 @@ class GatewayApp:
         self.tokenizer: Any = None
         self.limits: Limits | None = None
         self.eos_ids: tuple[int, ...] = ()
+        self.model_name = settings.served_model_name
         self.router_channel: grpc.aio.Channel | None = None
         self.router_stub: router_pb2_grpc.RouterStub | None = None
         self.router_address = ""
         self.member_id = ""
+        self.inflight = 0
         self.metrics: GatewayMetrics | None = None
+        self.keys: frozenset[str] = frozenset()
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()  # API keys, when configured
+        self.http: HttpFront | None = None
 
     def bind_metrics(self, metrics: ServiceMetrics) -> None:
         self.metrics = GatewayMetrics(metrics)
@@ -124,28 +143,43 @@ class GatewayApp:
 
     async def start(self, handle: ServerHandle, address: str) -> None:
         self.member_id = address
+        if self.settings.http_port >= 0:
+            self.http = HttpFront(self, self.settings.host, self.settings.http_port)
+            try:
+                await self.http.start()
+            except OSError as exc:
+                raise PortInUse(f"cannot serve HTTP on port {self.settings.http_port}: {exc.strerror or exc}") from None
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.router_channel is not None:
             await self.router_channel.close()
 
     def member_info(self) -> dict[str, Any]:
-        return {"tokenizer": self.settings.tokenizer}
+        info: dict[str, Any] = {"tokenizer": self.settings.tokenizer}
+        if self.http is not None:
+            info["http_port"] = self.http.port
+        return info
 
     # ---- set-up on demand ---------------------------------------------------------------------
 
-    async def _ensure_ready(self, context: grpc.aio.ServicerContext) -> None:
+    async def ensure_ready(self) -> None:
+        """Tokenizer, limits and router channel, found through Redis membership on first use."""
         if self.limits is None:
-            verifiers = await self.store.members("verifier")
+            try:
+                verifiers = await self.store.members("verifier")
+            except STORE_ERRORS as exc:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"cluster state cannot be read (Redis): {exc}") from None
             info = verifiers[0].info if verifiers else {}
             path = self.settings.tokenizer or info.get("target", "")
             if not path:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier is registered (and no --tokenizer given): cannot tokenize")
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no verifier is registered (and no --tokenizer given): cannot tokenize")
             if self.tokenizer is None:
                 try:
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
                 except CheckpointError as exc:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot load the target's tokenizer: {exc}")
+                    raise GatewayError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot load the target's tokenizer: {exc}") from None
             vocab = int(info.get("vocab_size") or len(self.tokenizer))
             max_context = int(info.get("max_context") or getattr(self.tokenizer, "model_max_length", 0) or 1 << 30)
             self.limits = Limits(
@@ -154,35 +188,65 @@ class GatewayApp:
             )
             eos = self.tokenizer.eos_token_id
             self.eos_ids = () if eos is None else (int(eos),)
+            if not self.model_name:
+                self.model_name = Path(path.rstrip("/")).name or "cosine"
         if self.router_stub is None:
             address = self.settings.router_address
             if not address:
-                routers = await self.store.members("router")
+                try:
+                    routers = await self.store.members("router")
+                except STORE_ERRORS as exc:
+                    raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"cluster state cannot be read (Redis): {exc}") from None
                 address = routers[0].address if routers else ""
             if not address:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no router is registered")
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no router is registered")
             self.router_address = address
             self.router_channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self.router_stub = router_pb2_grpc.RouterStub(self.router_channel)
 
-    async def admit(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
-        await self._ensure_ready(context)
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A chat as the target was trained to see it: its tokenizer's chat template with the
+        assistant's turn opened, tokenized as is (the template writes any special tokens)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("messages", "the target's tokenizer has no chat template; use /v1/completions with a prompt")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    async def admit(self, raw: RawRequest) -> GenerationRequest:
+        """Validate a request (the cluster must be ready to tokenize it)."""
+        await self.ensure_ready()
         assert self.limits is not None
         try:
-            gen = validate(raw_from_pb(request), self.limits, lambda text: list(self.tokenizer(text).input_ids))
+            return validate(raw, self.limits, self.tokenize)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return gen
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
 
-    async def relay(self, gen: GenerationRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Progress]:
+    async def relay(self, gen: GenerationRequest, deadline_s: float | None = None) -> AsyncIterator[Progress]:
         """Submit to the router and turn its token chunks into text pieces. Request state lives
         in Redis while the request runs and is removed whatever way it ends."""
+        if self.inflight >= self.settings.max_inflight:
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the gateway is at its limit of {self.settings.max_inflight} requests in flight; retry later")
+        assert self.router_stub is not None
+        self.inflight += 1
+        try:
+            async for piece in self._relay(gen, deadline_s):
+                yield piece
+        finally:
+            self.inflight -= 1
+
+    async def _relay(self, gen: GenerationRequest, deadline_s: float | None) -> AsyncIterator[Progress]:
         assert self.router_stub is not None
         with request_context(gen.request_id):
             try:
                 await self.store.create_request(gen.request_id, list(gen.prompt_ids), gen.params(), owner=self.member_id)
             except RequestExists as exc:  # another request owns this id: answer without touching its state
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
+                raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}", "request_id") from None
+            except STORE_ERRORS as exc:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"request state cannot be written (Redis): {exc}") from None
             submit = router_pb2.SubmitRequest(
                 request_id=gen.request_id, prompt_ids=gen.prompt_ids, max_new_tokens=gen.max_new_tokens,
                 stop_token_ids=self.eos_ids, domain_hint=gen.domain_hint,
@@ -192,8 +256,7 @@ class GatewayApp:
             submit.sampling.top_k = gen.top_k
             if gen.seed is not None:
                 submit.sampling.seed = gen.seed
-            remaining = context.time_remaining()
-            timeout = min(remaining, self.settings.request_timeout_s) if remaining is not None else self.settings.request_timeout_s
+            timeout = self.settings.request_timeout_s if deadline_s is None else min(deadline_s, self.settings.request_timeout_s)
             call = self.router_stub.Submit(submit, timeout=timeout)
             detok = IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
             stops = StopMatcher(gen.stop) if gen.stop else None
@@ -201,6 +264,7 @@ class GatewayApp:
                      temperature=gen.temperature, router=self.router_address)
             clock = self.metrics.start(len(gen.prompt_ids)) if self.metrics is not None else None
             outcome = "cancelled"
+            store_failures = 0
             try:
                 async for chunk in call:
                     if clock is not None:
@@ -209,7 +273,12 @@ class GatewayApp:
                     if chunk.finished:
                         text += detok.flush()
                     status = "done" if chunk.finished else "running"
-                    await self.store.append_tokens(gen.request_id, list(chunk.token_ids), status=status)
+                    try:
+                        await self.store.append_tokens(gen.request_id, list(chunk.token_ids), status=status)
+                    except STORE_ERRORS as exc:  # an outage must not fail a running request
+                        store_failures += 1
+                        if store_failures == 1:
+                            log.warning("request state not written; the request goes on", error=str(exc))
                     reason = chunk.finish_reason
                     if stops is not None:
                         text = stops.feed(text) + (stops.flush() if chunk.finished else "")
@@ -222,19 +291,22 @@ class GatewayApp:
                     yield Progress(text, list(chunk.token_ids), chunk.finished, reason, chunk.stats if chunk.finished else None)
                     if chunk.finished:
                         return
-                raise RuntimeError("the router closed the stream before the request finished")
+                raise GatewayError(grpc.StatusCode.INTERNAL, "the router closed the stream before the request finished")
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
                     self.router_stub = None  # rediscover the router next time
                 outcome = code.name.lower()
                 log.warning("request failed at the router", code=code.name, details=exc.details())
-                await context.abort(code, exc.details() or code.name)
+                raise GatewayError(code, exc.details() or code.name) from None
             finally:
                 if clock is not None:
                     clock.end(outcome)
                 call.cancel()  # no-op when finished; stops the router's work when we stopped early
-                await self.store.delete_request(gen.request_id)
+                try:
+                    await self.store.delete_request(gen.request_id)
+                except STORE_ERRORS as exc:  # the key's TTL removes it
+                    log.warning("request state not removed", error=str(exc))
 
 
 async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:
@@ -244,6 +316,7 @@ async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:
     except ApiKeyError as exc:
         raise StartupError(str(exc)) from None
     if keys:
+        app.keys = keys
         app.interceptors = (ApiKeyInterceptor(keys),)
         log.info("api keys required", keys=len(keys))
     if settings.tokenizer:

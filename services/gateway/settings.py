@@ -14,6 +14,10 @@ class GatewaySettings(ServiceSettings):
     port: int = setting(50051, help="port to listen on (0 picks a free port)", check=port_check)
     metrics_port: int = setting(9100, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
                                 check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
+    http_port: int = setting(8000, help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; 0: any free port, -1: off)",
+                             check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
+    served_model_name: str = setting("", help="model name the HTTP API answers to (default: the target checkpoint's directory name)")
+    max_inflight: int = setting(2048, help="most requests in flight at once; more are refused (RESOURCE_EXHAUSTED / HTTP 429)", check=positive)
     router_address: str = setting("", help="host:port of the router (default: discovered through Redis membership)")
     api_keys: tuple[str, ...] = setting((), help="API keys clients must send as 'authorization: Bearer <key>' (comma-separated in COSINE_API_KEYS; none: no authentication)", metavar="KEY")
     api_keys_file: str = setting("", help="file of API keys, one per line (# comments; e.g. a mounted Kubernetes Secret)", metavar="PATH")

@@ -21,7 +21,7 @@ from services.gateway.settings import GatewaySettings
 def keyed_gateway(redis_url, redis_prefix, tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("file-key\n")
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--redis-url", redis_url,
+    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--redis-url", redis_url,
                                                "--redis-prefix", redis_prefix, "--api-keys-file", str(keys_file)],
                              {"COSINE_API_KEYS": "env-key-1,env-key-2"})
     server, port = start_service(settings, build_app, prog="gateway")

@@ -1,0 +1,249 @@
+"""The OpenAI-compatible HTTP front of the gateway: ``POST /v1/completions``,
+``POST /v1/chat/completions`` (server-sent events when ``stream`` is set), ``GET /v1/models`` and
+``GET /health``, served by uvicorn in the gateway's own event loop beside its gRPC server.
+
+Thin like the gRPC servicer: bodies become the gateway's :class:`RawRequest`, the shared
+:class:`GatewayApp` validates, admits and relays, and a :class:`GatewayError` becomes an OpenAI
+error object with the HTTP status of its gRPC code (400 naming the field, 401, 404, 409, 429,
+503, 504). API keys, when the gateway has any, are required as ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from common.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
+from common.logs import get_logger
+from services.gateway.errors import GatewayError
+from services.gateway.openai_schema import (
+    FINISH_REASONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    envelope,
+    error_body,
+    spec_decoding,
+    usage,
+)
+from services.gateway.openai_schema import chat_raw, completion_raw
+from services.gateway.requests import GenerationRequest, InvalidRequest, RawRequest
+
+if TYPE_CHECKING:
+    from services.gateway.server import GatewayApp, Progress
+
+log = get_logger("gateway.http")
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# The gateway's field names, as an OpenAI client knows them.
+PARAM_NAMES = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "request": None}
+
+
+def error_response(exc: GatewayError, chat: bool = False) -> JSONResponse:
+    status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+    param = PARAM_NAMES.get(exc.field, exc.field) or None
+    if chat and param == "prompt":
+        param = "messages"
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(exc.message, kind, param, exc.code.name.lower()), status_code=status, headers=headers)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def create_http_app(gateway: GatewayApp) -> FastAPI:
+    api = FastAPI(title="CoSine gateway", summary="OpenAI-compatible completions served by speculative decoding",
+                  docs_url=None, redoc_url=None)
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request body"))
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_argument"), status_code=400)
+
+    def authorize(request: Request) -> None:
+        if gateway.keys and not key_is_valid(bearer_token(request.headers.get("authorization")), gateway.keys):
+            raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    async def ready_model(model: str | None) -> str:
+        await gateway.ensure_ready()
+        if model is not None and model != gateway.model_name:
+            raise GatewayError(grpc.StatusCode.NOT_FOUND, f"model '{model}' is not served here; this server serves '{gateway.model_name}'", "model")
+        return gateway.model_name
+
+    @api.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        try:
+            authorize(request)
+            name = await ready_model(None)
+        except GatewayError as exc:
+            return error_response(exc)
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "cosine"}]})
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        request_id = uuid.uuid4().hex
+        return await _serve(request, body, lambda: completion_raw(body, request_id), chat=False, request_id=request_id)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        request_id = uuid.uuid4().hex
+        return await _serve(request, body, lambda: chat_raw(body, request_id, gateway.render_chat), chat=True, request_id=request_id)
+
+    async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest, to_raw: Any, *, chat: bool, request_id: str) -> Any:
+        try:
+            authorize(request)
+            model = await ready_model(body.model)
+            try:
+                raw: RawRequest = to_raw()
+            except InvalidRequest as exc:
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
+            gen = await gateway.admit(raw)
+            pieces = gateway.relay(gen)
+            first = await anext(pieces)  # failures before the first token still get a status code
+        except GatewayError as exc:
+            return error_response(exc, chat)
+        except StopAsyncIteration:
+            return error_response(GatewayError(grpc.StatusCode.INTERNAL, "the request ended without output"), chat)
+        response_id = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _stream(gen, first, pieces, response_id, model, chat, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            text, count, last = [first.text], len(first.token_ids), first
+            async for piece in pieces:
+                text.append(piece.text)
+                count += len(piece.token_ids)
+                last = piece
+        except GatewayError as exc:
+            return error_response(exc, chat)
+        reason = FINISH_REASONS.get(last.finish_reason, "stop")
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        kind = "chat.completion" if chat else "text_completion"
+        return JSONResponse(envelope(kind, response_id, model, [choice], usage=usage(len(gen.prompt_ids), count),
+                                     speculative_decoding=spec_decoding(last.stats)))
+
+    return api
+
+
+async def _stream(gen: GenerationRequest, first: Progress, pieces: AsyncIterator[Progress], response_id: str, model: str,
+                  chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events in OpenAI's chunk shape, ``data: [DONE]`` last. A failure after the
+    first event (headers already sent) is reported as an ``error`` event."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    count = 0
+
+    def chunk(text: str, reason: str | None, role: bool = False, **extra: Any) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return _sse(envelope(kind, response_id, model, [choice], **extra))
+
+    try:
+        piece: Progress | None = first
+        is_first = True
+        while piece is not None:
+            count += len(piece.token_ids)
+            reason = FINISH_REASONS.get(piece.finish_reason, "stop") if piece.finished else None
+            if piece.text or piece.finished or (chat and is_first):
+                extra = {"speculative_decoding": spec_decoding(piece.stats)} if piece.finished else {}
+                yield chunk(piece.text, reason, role=chat and is_first, **extra)
+            is_first = False
+            piece = None if piece.finished else await anext(pieces, None)
+        if include_usage:
+            yield _sse(envelope(kind, response_id, model, [], usage=usage(len(gen.prompt_ids), count)))
+    except GatewayError as exc:
+        status, err_kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+        yield _sse(error_body(exc.message, err_kind, None, exc.code.name.lower()))
+    finally:
+        await pieces.aclose()  # a client that went away cancels the request at the router
+    yield _sse("[DONE]")
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the service's own loop: signals stay the service's (it drains both fronts)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpFront:
+    """Serves :func:`create_http_app` on ``host:port`` (port 0: any free port; ``port`` holds the
+    bound one after :meth:`start`)."""
+
+    def __init__(self, gateway: GatewayApp, host: str, port: int):
+        self.gateway = gateway
+        self.host = host
+        self.port = port
+        self.server: _EmbeddedServer | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def _socket(self) -> socket.socket:
+        family, kind, proto, _, addr = socket.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError:
+            sock.close()
+            raise
+        sock.set_inheritable(True)
+        return sock
+
+    async def start(self, ssl: dict[str, Any] | None = None) -> None:
+        sock = self._socket()
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(create_http_app(self.gateway), log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=self.gateway.settings.shutdown_grace_s, **(ssl or {}))
+        self.server = _EmbeddedServer(config)
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises the start-up error
+                raise OSError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        log.info("serving HTTP", port=self.port, api="openai")
+
+    async def stop(self) -> None:
+        if self.server is None or self.task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(self.task, timeout=self.gateway.settings.shutdown_grace_s + 2)

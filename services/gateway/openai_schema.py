@@ -1,0 +1,167 @@
+"""The OpenAI-compatible request and response shapes of the gateway's HTTP API (no HTTP here).
+
+Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI clients send
+fields a server may not know); :func:`completion_raw` and :func:`chat_raw` turn them into the
+gateway's own :class:`RawRequest`, which the same validation as the gRPC API checks. What CoSine
+does not implement (n > 1, echo, logprobs, penalties, logit_bias, suffix) is refused with the
+field named rather than silently ignored. Responses are plain dicts in OpenAI's shape, with a
+``speculative_decoding`` object beside ``usage``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cosine.v1 import common_pb2
+from services.gateway.requests import InvalidRequest, RawRequest
+
+# Omitted sampling fields take OpenAI's defaults, so a client that works against OpenAI behaves
+# the same here: temperature 1 and top_p 1 (ask for temperature 0 for greedy, lossless output).
+DEFAULT_TEMPERATURE = 1.0
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_EOS: "stop",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)  # an extension, as other open servers offer
+    seed: int | None = Field(default=None, ge=0, lt=1 << 64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def _unsupported(body: _Common) -> None:
+    if body.n != 1:
+        raise InvalidRequest("n", "only n=1 is supported")
+    if body.logprobs not in (None, False, 0):
+        raise InvalidRequest("logprobs", "log-probabilities are not returned by this server")
+    if body.presence_penalty or body.frequency_penalty:
+        raise InvalidRequest("presence_penalty" if body.presence_penalty else "frequency_penalty",
+                             "penalties would change the target's distribution; only 0 is supported")
+    if body.logit_bias:
+        raise InvalidRequest("logit_bias", "not supported")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def completion_raw(body: CompletionRequest, request_id: str) -> RawRequest:
+    _unsupported(body)
+    if body.echo:
+        raise InvalidRequest("echo", "not supported")
+    if body.best_of not in (None, 1):
+        raise InvalidRequest("best_of", "only best_of=1 is supported")
+    if body.suffix:
+        raise InvalidRequest("suffix", "not supported")
+    prompt, prompt_ids = None, None
+    if isinstance(body.prompt, str):
+        prompt = body.prompt
+    elif body.prompt and all(isinstance(p, str) for p in body.prompt):
+        if len(body.prompt) != 1:
+            raise InvalidRequest("prompt", "give one prompt per request (a batch of prompts is not supported)")
+        prompt = str(body.prompt[0])
+    else:
+        prompt_ids = [int(t) for t in body.prompt]
+    return _raw(body, request_id, body.max_tokens, prompt=prompt, prompt_ids=prompt_ids)
+
+
+def chat_raw(body: ChatCompletionRequest, request_id: str, render: Callable[[list[dict[str, str]]], list[int]]) -> RawRequest:
+    """``render`` applies the target's chat template (with the generation prompt) and tokenizes."""
+    _unsupported(body)
+    messages = []
+    for m in body.messages:
+        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+        messages.append({"role": m.role, "content": text})
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _raw(body, request_id, max_tokens, prompt=None, prompt_ids=render(messages))
+
+
+def _raw(body: _Common, request_id: str, max_tokens: int | None, *, prompt: str | None, prompt_ids: list[int] | None) -> RawRequest:
+    return RawRequest(
+        prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens or 0,
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=_stops(body.stop), request_id=request_id,
+        domain_hint="",
+    )
+
+
+def spec_decoding(stats: common_pb2.SpecStats | None) -> dict[str, Any] | None:
+    """Per-request speculative-decoding figures (beside ``usage``)."""
+    if stats is None:
+        return None
+    return {
+        "rounds": stats.rounds,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "mean_accepted_tokens_per_round": round(stats.mean_accepted_len, 4),
+        "acceptance_rate": round(stats.accepted_tokens / stats.draft_tokens, 4) if stats.draft_tokens else 0.0,
+        "drafters_used": list(stats.drafters_used),
+        "accepted_by_drafter": dict(stats.accepted_by_drafter),
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: str, response_id: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    body = {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+    body.update({k: v for k, v in extra.items() if v is not None})
+    return body
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
