@@ -33,3 +33,26 @@ def test_killed_verifier_is_restarted_and_requests_resume(tiny_zoo, tmp_path, wo
         assert any("verifier restarted" in line for line in lines)
     finally:
         c.stop()
+
+
+def test_killed_router_is_replaced_and_the_gateway_resumes_every_stream(tiny_zoo, tmp_path, workload, reference):  # noqa: F811
+    """SIGKILL of the router under load: the supervisor restarts it at the same address and the
+    gateway resumes each cut stream on it from the tokens already relayed; nothing is lost, repeated
+    or changed."""
+    lines: list[str] = []
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path))
+    c.start(progress=False)
+    sup = c.supervise(backoff=Backoff(initial_s=0.2), say=lines.append)
+    try:
+        work = workload * 4
+        results = generate_while_killing(c, work, "router", 0.3, timeout_s=180)
+        for (_, prompt), res in zip(work, results):
+            assert list(res.token_ids) == reference[prompt]
+        deadline = time.monotonic() + 30
+        while sup.restarts.get("router") is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sup.restarts.get("router") == 1
+        log = (tmp_path / "logs" / "gateway.log").read_text()
+        assert "router lost; resuming the request" in log  # the kill cut streams that were then resumed
+    finally:
+        c.stop()

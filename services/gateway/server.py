@@ -7,30 +7,28 @@ import asyncio
 import time
 from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import unknown_fields
 
 from common.checkpoints import CheckpointError, load_tokenizer
-from common.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle
-from common.logs import get_logger, request_context
+from common.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, check_health
+from common.logs import get_logger
 from common.service import StartupError
-from common.store import STORE_ERRORS, RequestExists, Store
-from cosine.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
+from common.store import STORE_ERRORS, Store
+from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
 from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from common.metrics import ServiceMetrics
 from services.gateway.errors import GatewayError
 from services.gateway.http_api import HttpFront
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.relay import Progress, RouterRelay
 from services.gateway.requests import (
     GenerationRequest,
-    IncrementalDetokenizer,
     InvalidRequest,
     Limits,
     RawRequest,
-    StopMatcher,
     validate,
 )
 from services.gateway.settings import GatewaySettings
@@ -52,17 +50,6 @@ def raw_from_pb(req: gateway_pb2.GenerateRequest) -> RawRequest:
         seed=req.seed if req.HasField("seed") else None,
         stop=list(req.stop), request_id=req.request_id, domain_hint=req.domain_hint, unknown_fields=unknown,
     )
-
-
-@dataclass
-class Progress:
-    """One piece of a generation as the gateway relays it."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    stats: common_pb2.SpecStats | None = None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -239,74 +226,29 @@ class GatewayApp:
             self.inflight -= 1
 
     async def _relay(self, gen: GenerationRequest, deadline_s: float | None) -> AsyncIterator[Progress]:
-        assert self.router_stub is not None
-        with request_context(gen.request_id):
+        timeout = self.settings.request_timeout_s if deadline_s is None else min(deadline_s, self.settings.request_timeout_s)
+        async for piece in RouterRelay(self, gen, timeout).pieces():
+            yield piece
+
+    async def reconnect_router(self, deadline: float) -> None:
+        """After the router was lost: drop the channel and wait (until ``deadline``, loop time)
+        for a router that answers health checks, the same one restarted or another member."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.router_channel is not None:
+                await self.router_channel.close()
+            self.router_channel, self.router_stub = None, None
             try:
-                await self.store.create_request(gen.request_id, list(gen.prompt_ids), gen.params(), owner=self.member_id)
-            except RequestExists as exc:  # another request owns this id: answer without touching its state
-                raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}", "request_id") from None
-            except STORE_ERRORS as exc:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"request state cannot be written (Redis): {exc}") from None
-            submit = router_pb2.SubmitRequest(
-                request_id=gen.request_id, prompt_ids=gen.prompt_ids, max_new_tokens=gen.max_new_tokens,
-                stop_token_ids=self.eos_ids, domain_hint=gen.domain_hint,
-            )
-            submit.sampling.temperature = gen.temperature
-            submit.sampling.top_p = gen.top_p
-            submit.sampling.top_k = gen.top_k
-            if gen.seed is not None:
-                submit.sampling.seed = gen.seed
-            timeout = self.settings.request_timeout_s if deadline_s is None else min(deadline_s, self.settings.request_timeout_s)
-            call = self.router_stub.Submit(submit, timeout=timeout)
-            detok = IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
-            stops = StopMatcher(gen.stop) if gen.stop else None
-            log.info("request admitted", prompt_tokens=len(gen.prompt_ids), max_new_tokens=gen.max_new_tokens,
-                     temperature=gen.temperature, router=self.router_address)
-            clock = self.metrics.start(len(gen.prompt_ids)) if self.metrics is not None else None
-            outcome = "cancelled"
-            store_failures = 0
-            try:
-                async for chunk in call:
-                    if clock is not None:
-                        clock.tokens_out(len(chunk.token_ids))
-                    text = detok.push(chunk.token_ids)
-                    if chunk.finished:
-                        text += detok.flush()
-                    status = "done" if chunk.finished else "running"
-                    try:
-                        await self.store.append_tokens(gen.request_id, list(chunk.token_ids), status=status)
-                    except STORE_ERRORS as exc:  # an outage must not fail a running request
-                        store_failures += 1
-                        if store_failures == 1:
-                            log.warning("request state not written; the request goes on", error=str(exc))
-                    reason = chunk.finish_reason
-                    if stops is not None:
-                        text = stops.feed(text) + (stops.flush() if chunk.finished else "")
-                        if stops.stopped:
-                            outcome = "stop"
-                            yield Progress(text, list(chunk.token_ids), True, common_pb2.FINISH_REASON_STOP, chunk.stats)
-                            return
-                    if chunk.finished:
-                        outcome = common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-                    yield Progress(text, list(chunk.token_ids), chunk.finished, reason, chunk.stats if chunk.finished else None)
-                    if chunk.finished:
-                        return
-                raise GatewayError(grpc.StatusCode.INTERNAL, "the router closed the stream before the request finished")
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
-                    self.router_stub = None  # rediscover the router next time
-                outcome = code.name.lower()
-                log.warning("request failed at the router", code=code.name, details=exc.details())
-                raise GatewayError(code, exc.details() or code.name) from None
-            finally:
-                if clock is not None:
-                    clock.end(outcome)
-                call.cancel()  # no-op when finished; stops the router's work when we stopped early
-                try:
-                    await self.store.delete_request(gen.request_id)
-                except STORE_ERRORS as exc:  # the key's TTL removes it
-                    log.warning("request state not removed", error=str(exc))
+                await self.ensure_ready()
+                if await check_health(self.router_address, timeout_s=1.0):
+                    return
+            except GatewayError as exc:
+                if loop.time() >= deadline:
+                    raise
+                log.debug("no router yet", reason=exc.message)
+            if loop.time() >= deadline:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"the router was lost and none answered within {self.settings.router_resume_timeout_s:g}s")
+            await asyncio.sleep(0.25)
 
 
 async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:

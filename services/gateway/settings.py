@@ -26,6 +26,9 @@ class GatewaySettings(ServiceSettings):
     max_new_tokens_limit: int = setting(2048, help="largest max_new_tokens a request may ask for", check=positive)
     max_prompt_tokens: int = setting(4096, help="longest prompt accepted, in target tokens", check=positive)
     max_stop_strings: int = setting(16, help="most stop strings one request may give", check=positive)
+    router_resumes: int = setting(3, help="times one request is resumed on a router after its router was lost (0: never)",
+                                  check=lambda v: None if v >= 0 else "must be 0 or greater")
+    router_resume_timeout_s: float = setting(30.0, help="how long a resume waits for a router to answer again", check=positive)
     request_timeout_s: float = setting(600.0, help="longest a request may run when the client sets no deadline", check=positive)
 
     def validate(self) -> str | None:

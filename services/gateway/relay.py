@@ -1,0 +1,149 @@
+"""One admitted request's trip through the router, as the gateway relays it: Redis request state,
+the router's token stream turned into text (incremental detokenization, stop strings), metrics,
+and resume when the router is lost.
+
+Resume: when the router's stream breaks with UNAVAILABLE (the router died or was replaced), the
+gateway waits for a router (the same address restarted by its supervisor, or another member) and
+submits a continuation: the prompt followed by every token already relayed, for the tokens still
+to come, under a new internal id (the lost router's caches on the verifier and drafters are keyed
+by the old one). The detokenizer and the stop matcher keep their state, so the client's stream
+goes on with no token repeated or skipped; greedy output is the target's either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from common.logs import get_logger, request_context
+from common.store import STORE_ERRORS, RequestExists
+from cosine.v1 import common_pb2, router_pb2
+from services.gateway.errors import GatewayError
+from services.gateway.requests import GenerationRequest, IncrementalDetokenizer, StopMatcher
+
+if TYPE_CHECKING:
+    from services.gateway.server import GatewayApp
+
+log = get_logger("gateway")
+
+
+@dataclass
+class Progress:
+    """One piece of a generation as the gateway relays it."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    stats: common_pb2.SpecStats | None = None
+
+
+def router_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """The stream broke because the router went away (not because it refused the request)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class RouterRelay:
+    def __init__(self, app: GatewayApp, gen: GenerationRequest, timeout_s: float):
+        self.app = app
+        self.gen = gen
+        self.timeout_s = timeout_s
+        self.produced: list[int] = []  # tokens relayed to the client so far
+        self.resumes = 0
+        self.detok = IncrementalDetokenizer(lambda ids: app.tokenizer.decode(ids, skip_special_tokens=True))
+        self.stops = StopMatcher(gen.stop) if gen.stop else None
+
+    def _submit(self, timeout_s: float) -> grpc.aio.UnaryStreamCall:
+        gen = self.gen
+        request_id = gen.request_id if not self.resumes else f"{gen.request_id}:r{self.resumes}"
+        submit = router_pb2.SubmitRequest(
+            request_id=request_id, prompt_ids=[*gen.prompt_ids, *self.produced],
+            max_new_tokens=gen.max_new_tokens - len(self.produced), stop_token_ids=self.app.eos_ids, domain_hint=gen.domain_hint,
+        )
+        submit.sampling.temperature = gen.temperature
+        submit.sampling.top_p = gen.top_p
+        submit.sampling.top_k = gen.top_k
+        if gen.seed is not None:
+            submit.sampling.seed = gen.seed
+        assert self.app.router_stub is not None
+        return self.app.router_stub.Submit(submit, timeout=timeout_s)
+
+    def _text(self, token_ids: list[int], finished: bool) -> str:
+        text = self.detok.push(token_ids)
+        return text + self.detok.flush() if finished else text
+
+    async def pieces(self) -> AsyncIterator[Progress]:
+        app, gen = self.app, self.gen
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        with request_context(gen.request_id):
+            try:
+                await app.store.create_request(gen.request_id, list(gen.prompt_ids), gen.params(), owner=app.member_id)
+            except RequestExists as exc:  # another request owns this id: answer without touching its state
+                raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}", "request_id") from None
+            except STORE_ERRORS as exc:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"request state cannot be written (Redis): {exc}") from None
+            log.info("request admitted", prompt_tokens=len(gen.prompt_ids), max_new_tokens=gen.max_new_tokens,
+                     temperature=gen.temperature, router=app.router_address)
+            clock = app.metrics.start(len(gen.prompt_ids)) if app.metrics is not None else None
+            outcome = "cancelled"
+            store_failures = 0
+            try:
+                while True:
+                    if len(self.produced) >= gen.max_new_tokens:  # the router was lost right after the last token
+                        outcome = "length"
+                        yield Progress(self._text([], True), [], True, common_pb2.FINISH_REASON_LENGTH)
+                        return
+                    call = self._submit(max(0.001, deadline - loop.time()))
+                    try:
+                        async for chunk in call:
+                            ids = list(chunk.token_ids)
+                            self.produced.extend(ids)
+                            if clock is not None:
+                                clock.tokens_out(len(ids))
+                            text = self._text(ids, chunk.finished)
+                            try:
+                                await app.store.append_tokens(gen.request_id, ids, status="done" if chunk.finished else "running")
+                            except STORE_ERRORS as exc:  # an outage must not fail a running request
+                                store_failures += 1
+                                if store_failures == 1:
+                                    log.warning("request state not written; the request goes on", error=str(exc))
+                            if self.stops is not None:
+                                text = self.stops.feed(text) + (self.stops.flush() if chunk.finished else "")
+                                if self.stops.stopped:
+                                    outcome = "stop"
+                                    yield Progress(text, ids, True, common_pb2.FINISH_REASON_STOP, chunk.stats)
+                                    return
+                            if chunk.finished:
+                                outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+                            yield Progress(text, ids, chunk.finished, chunk.finish_reason, chunk.stats if chunk.finished else None)
+                            if chunk.finished:
+                                return
+                        raise GatewayError(grpc.StatusCode.INTERNAL, "the router closed the stream before the request finished")
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code()
+                        if router_lost(exc) and self.resumes < app.settings.router_resumes and loop.time() < deadline:
+                            self.resumes += 1
+                            log.warning("router lost; resuming the request", details=exc.details(), committed=len(self.produced),
+                                        attempt=self.resumes)
+                            outcome = "unavailable"  # unless a router answers in time
+                            await app.reconnect_router(min(deadline, loop.time() + app.settings.router_resume_timeout_s))
+                            continue
+                        if code == grpc.StatusCode.UNAVAILABLE:
+                            app.router_stub = None  # rediscover the router next time
+                        outcome = code.name.lower()
+                        log.warning("request failed at the router", code=code.name, details=exc.details())
+                        raise GatewayError(code, exc.details() or code.name) from None
+                    finally:
+                        call.cancel()  # no-op when finished; stops the router's work when we stopped early
+            finally:
+                if clock is not None:
+                    clock.end(outcome)
+                try:
+                    await app.store.delete_request(gen.request_id)
+                except STORE_ERRORS as exc:  # the key's TTL removes it
+                    log.warning("request state not removed", error=str(exc))
