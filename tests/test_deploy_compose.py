@@ -221,8 +221,9 @@ def test_redis_has_a_volume_a_password_and_a_health_check(doc):
 def test_only_the_gateway_publishes_a_port(doc):
     published = {n for n, s in doc["services"].items() if s.get("ports")}
     assert published == {"gateway"}
-    (mapping,) = doc["services"]["gateway"]["ports"]
-    assert mapping.endswith(f":{SPECS['gateway'].default_port}")
+    grpc_mapping, http_mapping = doc["services"]["gateway"]["ports"]
+    assert grpc_mapping.endswith(f":{SPECS['gateway'].default_port}")
+    assert http_mapping.endswith(f":{SPECS['gateway'].load({}).http_port}")
 
 
 def test_metrics_ports_are_exposed_on_the_compose_network(doc):

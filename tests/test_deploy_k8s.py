@@ -111,6 +111,8 @@ def problems(objects) -> list[str]:
             out.append(f"{where}: containerPort {ports.get('grpc')} but the service listens on {settings.port}")
         if ports.get("metrics", -1) != settings.metrics_port:
             out.append(f"{where}: metrics containerPort {ports.get('metrics')} but /metrics is on {settings.metrics_port}")
+        if ports.get("http", -1) != getattr(settings, "http_port", -1):
+            out.append(f"{where}: http containerPort {ports.get('http')} but the HTTP API is on {getattr(settings, 'http_port', -1)}")
         scrape = (template["metadata"].get("annotations") or {}).get("prometheus.io/port")
         if scrape is not None and int(scrape) != settings.metrics_port:
             out.append(f"{where}: scrape annotation on port {scrape}, /metrics is on {settings.metrics_port}")
@@ -132,7 +134,8 @@ def problems(objects) -> list[str]:
             out.append(f"{where}: no Service selects it")
         for s in matching:
             for p in s["spec"]["ports"]:
-                if ports.get(p["targetPort"], p["targetPort"]) != settings.port:
+                listening = {"grpc": settings.port, "http": getattr(settings, "http_port", -1)}.get(p["name"], settings.port)
+                if ports.get(p["targetPort"], p["targetPort"]) != listening:
                     out.append(f"Service {s['metadata']['name']}: targetPort {p['targetPort']} is not the {spec.name} port")
     return out
 
@@ -236,10 +239,11 @@ def _selected(policy, labels):
 
 
 def _peers_allowed(objects, policy):
-    """Components allowed in by a policy ('*' when anyone may connect)."""
+    """Components allowed in to the service's own ports by a policy ('*' when anyone may connect);
+    the metrics rule (a second rule) is checked on its own."""
     allowed = set()
     components = {"gateway", "router", "verifier", "drafter", "redis", "zoo"}
-    for rule in policy["spec"]["ingress"]:
+    for rule in policy["spec"]["ingress"][:1]:
         if not rule.get("from"):
             return {"*"}
         for peer in rule["from"]:
@@ -274,6 +278,17 @@ def test_network_policies_expose_only_the_gateway(values):
                        "redis": {"gateway", "router", "verifier", "drafter"}}
     ports = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p["spec"]["ingress"][0]["ports"][0]["port"] for p in policies.values()}
     assert ports == {**{n: SPECS[n].default_port for n in SPECS}, "redis": 6379}
+    gateway_policy = policies["cosine-gateway"]["spec"]["ingress"][0]
+    assert [p["port"] for p in gateway_policy["ports"]] == [SPECS["gateway"].default_port, 8000]  # gRPC and HTTP
+    # scrapers reach each CoSine pod's /metrics port (and nothing else) through a second rule
+    metrics_ports = {"gateway": 9100, "router": 9101, "verifier": 9102, "drafter": 9103}
+    for p in policies.values():
+        comp = p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        rules = p["spec"]["ingress"]
+        if comp == "redis":
+            assert len(rules) == 1
+        else:
+            assert len(rules) == 2 and [q["port"] for q in rules[1]["ports"]] == [metrics_ports[comp]], comp
     assert by_kind(objects, "Service")["cosine-gateway"]["spec"]["type"] == ("ClusterIP" if values is None else "LoadBalancer")
     for name, svc in by_kind(objects, "Service").items():
         if name != "cosine-gateway":
@@ -333,7 +348,7 @@ def test_cli_prints_what_helm_template_prints(capsys):
     assert "redis.externalUrl is required" in capsys.readouterr().err
 
 
-def test_metrics_ports_annotations_and_pod_monitor():
+def test_metrics_ports_annotations_and_pod_monitor(tmp_path):
     objects = render_objects(CHART)
     services = 0
     for workload, _, _, spec in cosine_containers(objects):
@@ -345,8 +360,37 @@ def test_metrics_ports_annotations_and_pod_monitor():
     monitored = render_objects(CHART, set_values=["metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=prom"])
     (pm,) = [o for o in monitored if o["kind"] == "PodMonitor"]
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and pm["metadata"]["labels"]["release"] == "prom"
+    scoped = tmp_path / "scrapers.yaml"
+    scoped.write_text(yaml.safe_dump({"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}}))
+    for policy in by_kind(render_objects(CHART, [scoped]), "NetworkPolicy").values():
+        rules = policy["spec"].get("ingress", [])
+        if len(rules) == 2:
+            assert rules[1]["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
     off = render_objects(CHART, set_values=["metrics.enabled=false"])
     assert problems(off) == []  # off: no metrics port, and the services are told -1
     for _, _, c, spec in cosine_containers(off):
         assert "metrics" not in {p["name"] for p in c["ports"]}
         assert container_env(off, c)["COSINE_METRICS_PORT"] == "-1"
+
+
+def test_api_keys_on_by_default_from_a_secret(tmp_path):
+    objects = render_objects(CHART)
+    secret = by_kind(objects, "Secret")["cosine-api-keys"]
+    assert len(secret["data"]["keys"]) >= 40  # a generated key, base64
+    gateway = by_kind(objects, "Deployment")["cosine-gateway"]
+    (c,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert container_env(objects, c)["COSINE_API_KEYS_FILE"] == "/etc/cosine/api-keys/keys"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "api-keys")
+    volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys")
+    assert mount["mountPath"] == "/etc/cosine/api-keys" and volume["secret"]["secretName"] == "cosine-api-keys"
+    given = tmp_path / "keys.yaml"
+    given.write_text(yaml.safe_dump({"gateway": {"apiKeys": {"keys": ["k-one", "k-two"]}}}))
+    assert by_kind(render_objects(CHART, [given]), "Secret")["cosine-api-keys"]["stringData"]["keys"] == "k-one\nk-two"
+    own = render_objects(CHART, set_values=["gateway.apiKeys.existingSecret=team-keys"])
+    assert "cosine-api-keys" not in by_kind(own, "Secret")
+    volume = next(v for v in by_kind(own, "Deployment")["cosine-gateway"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "team-keys"
+    off = render_objects(CHART, set_values=["gateway.apiKeys.enabled=false"])
+    assert "cosine-api-keys" not in by_kind(off, "Secret") and problems(off) == []
+    (c,) = by_kind(off, "Deployment")["cosine-gateway"]["spec"]["template"]["spec"]["containers"]
+    assert "COSINE_API_KEYS_FILE" not in container_env(off, c)

@@ -154,3 +154,17 @@ initContainers:
         readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* A NetworkPolicy ingress rule that lets scrapers (networkPolicy.metricsFrom; empty: anyone)
+reach a component's /metrics port; nothing when metrics are off. (dict "root" . "component" NAME) */}}
+{{- define "cosine.metricsIngress" -}}
+{{- if .root.Values.metrics.enabled }}
+- ports:
+    - port: {{ index .root.Values.metrics.ports .component }}
+      protocol: TCP
+  {{- with .root.Values.networkPolicy.metricsFrom }}
+  from:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
