@@ -40,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     st = sub.add_parser("status", help="live drafters, queue depth and acceptance per drafter (from the router)")
     st.add_argument("--router", help="router host:port (default: the cluster started by `cosine up`)")
+    st.add_argument("--metrics", action="append", default=[], metavar="NAME=HOST:PORT",
+                    help="a /metrics endpoint to read key figures from (repeatable; default: every process of the `cosine up` cluster)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
@@ -227,6 +229,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                      for d in status.drafters],
         "counters": dict(status.counters),
     }
+    figures, unreachable = _metric_figures(args.metrics)
+    if figures is not None:
+        data["metrics"] = figures
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -235,7 +240,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"{'drafter':<16}{'address':<24}{'healthy':<9}{'rounds':>8}{'accepted/round':>16}")
     for d in data["drafters"]:
         print(f"{d['id']:<16}{d['address']:<24}{'yes' if d['healthy'] else 'NO':<9}{d['rounds']:>8}{d['acceptance']:>16.2f}")
+    if figures is not None:
+        from cosine_cli.status_metrics import format_figures
+
+        print("\n".join(format_figures(figures)))
+    for name, error in unreachable.items():
+        print(f"metrics   {name}: not readable ({error})", file=sys.stderr)
     return 0
+
+
+def _metric_figures(given: list[str]) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """Key figures from the /metrics endpoints given as NAME=HOST:PORT, else the local cluster's."""
+    from cosine_cli.status_metrics import key_figures, scrape_all
+
+    addresses = dict(item.partition("=")[::2] for item in given) if given else _state().get("metrics", {})
+    if not addresses:
+        return None, {}
+    per, errors = scrape_all(addresses)
+    return (key_figures(per) if per else None), errors
 
 
 def measure_matrix(target: str, drafters: dict[str, str], prompts: dict[str, list[str]], k: int, new_tokens: int) -> dict[str, dict[str, float]]:

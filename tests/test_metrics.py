@@ -5,27 +5,16 @@ counters add up."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections import defaultdict
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.commands import seed_profiles
+from cosine_cli.status_metrics import format_figures, key_figures, scrape
 from cosine_client import AsyncClient
 
 pytestmark = pytest.mark.slow
-
-
-def scrape(address: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name].append((dict(sample.labels), sample.value))
-    return out
 
 
 def total(samples, name, **labels) -> float:
@@ -108,3 +97,17 @@ def test_kv_cache_gauges(scraped):
     assert {lab["kind"] for lab, _ in v["cosine_kv_cache_tokens"]} == {"reserved", "budget"}
     assert total(v, "cosine_kv_cache_tokens", kind="budget") > 0
     assert len(per_drafters(per)) >= 2  # one series per hosted drafter
+
+
+def test_status_key_figures_agree_with_the_counters(scraped):
+    per, requests = scraped
+    fig = key_figures(per)
+    assert fig["requests_ended"] == requests and fig["requests_running"] == 0
+    assert fig["tokens_generated"] == total(per["router"], "cosine_router_tokens_committed_total")
+    assert 0 < fig["draft_tokens"] and 0 <= fig["accepted_tokens"] <= fig["draft_tokens"]
+    assert fig["acceptance_rate"] == fig["accepted_tokens"] / fig["draft_tokens"]
+    shares = [fig[f"round_share_{s}"] for s in ("draft", "verify", "orchestration")]
+    assert all(0 <= s <= 1 for s in shares) and abs(sum(shares) - 1) < 1e-9
+    assert fig["ttft_mean_s"] > 0 and fig["e2e_mean_s"] >= fig["ttft_mean_s"]
+    lines = format_figures(fig)
+    assert f"ended {requests}" in lines[0] and f"{fig['accepted_tokens']:.0f}/{fig['draft_tokens']:.0f}" in lines[2]
