@@ -27,6 +27,7 @@ STYLE = {
     "cosine_no_routing": ("#ff7f0e", "P", "--"),
     "cosine_no_fusion": ("#2ca02c", "X", "--"),
     "cosine_no_pipeline": ("#e377c2", "h", "--"),
+    "cosine_drafter_domains": ("#bcbd22", "p", "--"),
 }
 
 

@@ -55,6 +55,8 @@ HEADLINE = (
     ("cosine_vs_cosine_no_routing_latency", "cosine", "cosine_no_routing", "latency_mean_s", "low"),
     ("cosine_vs_cosine_no_fusion_latency", "cosine", "cosine_no_fusion", "latency_mean_s", "low"),
     ("cosine_vs_cosine_no_pipeline_latency", "cosine", "cosine_no_pipeline", "latency_mean_s", "low"),
+    ("cosine_vs_cosine_drafter_domains_throughput", "cosine", "cosine_drafter_domains", "tokens_per_s", "high"),
+    ("cosine_vs_cosine_drafter_domains_latency", "cosine", "cosine_drafter_domains", "latency_mean_s", "low"),
 )
 # systems every other one is compared against in ratios.by_workload
 BASELINES = ("vanilla_sd", "autoregressive", "hf_assisted", "hf_generate", "specinfer_tree")

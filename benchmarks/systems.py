@@ -510,10 +510,12 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "cosine_no_fusion": (("--fusion", "chunk"), (), "cosine with chunk fusion instead of per-token fusion"),
     "cosine_no_pipeline": (("--rounds-in-flight", "1"), (), "cosine with one round in flight (no pipelining)"),
     "cosine_no_control": (("--no-cost-control",), (), "cosine with cost-aware control off (every drafted node verified)"),
+    "cosine_drafter_domains": (("--domain-detection", "drafters"), (),
+                               "cosine with every live drafter scoring each new prompt for its domain (no lexicon)"),
 }
 IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
-               "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control")
+               "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
 DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control")

@@ -39,6 +39,7 @@ from common.logs import get_logger
 from common.spec_types import SamplingParams, TokenTree, Verdict, VerifyItem
 from services.router.control import SpeculationControl
 from services.router.domain import detect_domains, infer_domain
+from services.router.lexicon import DomainLexicon
 from services.router.drafting import Drafting, common_prefix, sync_item
 from services.router.fusion import DraftTree, credit
 from services.router.requests import (
@@ -92,6 +93,7 @@ class RouterCore:
         self.metrics = metrics  # services.router.metrics.RouterMetrics, or None
         self.requests: dict[str, Request] = {}
         self.counters = Counters()
+        self.lexicon = DomainLexicon()
         self.load = LoadControl()
         self.control = SpeculationControl(enabled=config.cost_control)
         self.drafting = Drafting(config, drafters, self.control, clock)
@@ -262,8 +264,9 @@ class RouterCore:
         """Seed routing vectors of new requests (domain signal + profiles); follow membership."""
         new = [r for r in batch if not r.routing.scores]
         if new and live and self.config.routing:
-            if any(not r.domain for r in new):
-                await detect_domains(self.drafting, [r for r in new if not r.domain], live)
+            unknown = [r for r in new if not r.domain]
+            if unknown:
+                await self._detect_domains(unknown, live)
             priors: dict[str, dict[str, float]] = {}
             for domain in sorted({r.domain for r in new}):  # one profile read per domain, not per request
                 priors[domain] = await self.profiles(live, domain) if self.profiles else {}
@@ -274,6 +277,25 @@ class RouterCore:
                 r.routing = RoutingVector.seeded(live, {})
             else:
                 r.routing.sync(live, {})
+
+    async def _detect_domains(self, reqs: list[Request], live: list[str]) -> None:
+        """The lexicon's domain where it is trusted, else every live drafter scores the prompt
+        (and the lexicon learns from the answer)."""
+        guesses: dict[str, str | None] = {}
+        to_score = []
+        for r in reqs:
+            use, guess = self.lexicon.decide(r.prompt) if self.config.domain_detection == "lexicon" else (None, None)
+            if use is not None:
+                r.domain = use
+                self.counters.domains_by_lexicon += 1
+            else:
+                guesses[r.request_id] = guess
+                to_score.append(r)
+        if to_score:
+            await detect_domains(self.drafting, to_score, live)
+            self.counters.domains_by_drafters += len(to_score)
+            for r in to_score:
+                self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
 
     def _drafts_pay(self, r: Request) -> bool:
         """Whether drafting for ``r`` this round is expected to pay: its first node's acceptance

@@ -68,6 +68,7 @@ class RouterConfig:
     all_drafters: bool = False  # every live drafter drafts every request (SpecInfer-style)
     cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
+    domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
 
     @classmethod
     def from_settings(cls, s: Any) -> RouterConfig:
@@ -77,7 +78,7 @@ class RouterConfig:
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control,
-            speculate=s.speculate,
+            speculate=s.speculate, domain_detection=s.domain_detection,
         )
 
 
@@ -143,6 +144,8 @@ class Counters:
     verify_s: float = 0.0
     apply_s: float = 0.0
     verifier_busy_s: float = 0.0
+    domains_by_lexicon: int = 0  # new requests whose domain the lexicon gave (no drafter pass)
+    domains_by_drafters: int = 0  # new requests every live drafter scored
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -152,4 +155,5 @@ class Counters:
             "rounds": self.rounds, "requests_finished": self.requests_finished, "tokens_committed": self.tokens_committed,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens, "draft_s": self.draft_s,
             "verify_s": self.verify_s, "apply_s": self.apply_s, "verifier_busy_s": self.verifier_busy_s, "wall_s": wall,
+            "domains_by_lexicon": self.domains_by_lexicon, "domains_by_drafters": self.domains_by_drafters,
         }

@@ -26,6 +26,9 @@ class RouterSettings(ServiceSettings):
     use_drafters: tuple[str, ...] = setting((), help="only these drafter ids serve requests (repeatable or comma-separated; default: every live drafter)", metavar="DRAFTER_ID")
     all_drafters: bool = setting(False, help="every live drafter drafts every request (SpecInfer-style trees; overrides routing)")
     adaptive_k: bool = setting(True, help="adapt each request's speculation length to its acceptance and the verifier's load")
+    domain_detection: str = setting("lexicon", choices=("lexicon", "drafters"),
+                                    help="how a new request's domain is found: lexicon (a token lexicon learned from drafter scores "
+                                         "stands in once it agrees with them; no drafter pass) or drafters (every live drafter scores every new prompt)")
     speculate: bool = setting(True, help="draft at all (off: plain decoding of the target through the same verifier, for baselines)")
     cost_control: bool = setting(True, help="verify and draft only the nodes whose expected tokens repay their verifier and drafter time (measured online); off: every drafted node is verified")
     explore_threshold: float = setting(0.5, help="when a request's recent acceptance rate falls under this, try a less-used drafter", check=in_range(0.0, 1.0))

@@ -1,0 +1,72 @@
+"""Domain detection without drafter passes: a token lexicon per domain, learned online from the
+requests whose domain the drafters scored (no gRPC, no model here).
+
+Scoring a new prompt with every live drafter (:func:`services.router.domain.detect_domains`) costs
+one forward pass per drafter and a message round trip before the request's first draft. The
+lexicon imitates that decision from the prompt's token ids alone: a multinomial naive Bayes over
+token counts per domain (add-one smoothing), learned from every prompt the drafters did score.
+Once each of at least two domains has ``min_examples`` prompts, a prediction whose log-likelihood
+margin over the runner-up reaches ``min_margin`` nats stands in for the drafters. Every
+``audit_every``-th such prompt is still scored by the drafters and compared; an agreement rate
+(exponential average) below ``min_agreement`` hands detection back to the drafters until the
+lexicon, still learning, agrees again. Memory is bounded by domains x vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DomainLexicon:
+    min_examples: int = 4
+    min_margin: float = 4.0
+    audit_every: int = 8
+    min_agreement: float = 0.8
+    counts: dict[str, Counter[int]] = field(default_factory=dict)
+    totals: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, int] = field(default_factory=dict)
+    agreement: float = 1.0
+    vocabulary: set[int] = field(default_factory=set)
+    predicted: int = 0  # predictions the router used
+    audited: int = 0
+
+    def predict(self, tokens: Sequence[int]) -> tuple[str | None, float]:
+        """(most likely domain, margin in nats over the runner-up), or (None, 0) with too little data."""
+        ready = [d for d, n in self.examples.items() if n >= self.min_examples]
+        if len(ready) < 2 or not tokens:
+            return None, 0.0
+        v = len(self.vocabulary) + 1
+        scores = {}
+        for d in ready:
+            c, denom = self.counts[d], math.log(self.totals[d] + v)
+            scores[d] = sum(math.log(c.get(t, 0) + 1) for t in tokens) - len(tokens) * denom
+        ranked = sorted(scores, key=lambda d: (-scores[d], d))
+        return ranked[0], scores[ranked[0]] - scores[ranked[1]]
+
+    def decide(self, tokens: Sequence[int]) -> tuple[str | None, str | None]:
+        """(domain to use now or None to ask the drafters, the lexicon's guess to check later)."""
+        guess, margin = self.predict(tokens)
+        if guess is None or margin < self.min_margin:
+            return None, guess
+        if self.agreement < self.min_agreement:
+            return None, guess
+        if (self.predicted + self.audited + 1) % self.audit_every == 0:
+            self.audited += 1
+            return None, guess
+        self.predicted += 1
+        return guess, guess
+
+    def learn(self, domain: str, tokens: Sequence[int], guess: str | None = None) -> None:
+        """Add a prompt the drafters scored as ``domain``; ``guess`` is what the lexicon said."""
+        if not domain:
+            return
+        if guess is not None:
+            self.agreement = 0.9 * self.agreement + 0.1 * (1.0 if guess == domain else 0.0)
+        self.counts.setdefault(domain, Counter()).update(tokens)
+        self.totals[domain] = self.totals.get(domain, 0) + len(tokens)
+        self.examples[domain] = self.examples.get(domain, 0) + 1
+        self.vocabulary.update(tokens)

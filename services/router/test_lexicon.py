@@ -1,0 +1,100 @@
+"""Domain detection by lexicon: it imitates the drafters' scores once it has seen enough of them,
+audits itself, and hands detection back when it stops agreeing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from common.spec_types import GREEDY
+from services.router import core as core_module
+from services.router.core import RouterConfig, RouterCore
+from services.router.inprocess import LocalDrafterPool
+from services.router.lexicon import DomainLexicon
+
+RANGES = {"code": range(10, 60), "prose": range(200, 250)}
+
+
+def prompt(domain: str, rng: random.Random, n: int = 48) -> list[int]:
+    own = list(RANGES[domain])
+    shared = list(range(100, 110))  # tokens every domain uses
+    return [rng.choice(own if rng.random() < 0.7 else shared) for _ in range(n)]
+
+
+def test_predicts_nothing_until_two_domains_have_examples():
+    lex = DomainLexicon(min_examples=3)
+    rng = random.Random(0)
+    for _ in range(3):
+        lex.learn("code", prompt("code", rng))
+    assert lex.predict(prompt("code", rng)) == (None, 0.0)
+    for _ in range(2):
+        lex.learn("prose", prompt("prose", rng))
+    assert lex.predict(prompt("prose", rng))[0] is None  # prose has 2 < 3 examples
+    lex.learn("prose", prompt("prose", rng))
+    for domain in RANGES:
+        guess, margin = lex.predict(prompt(domain, rng))
+        assert guess == domain and margin > 4
+
+
+def test_decide_uses_the_lexicon_and_audits_every_nth():
+    lex = DomainLexicon(min_examples=2, audit_every=4)
+    rng = random.Random(1)
+    for _ in range(6):
+        for d in RANGES:
+            lex.learn(d, prompt(d, rng))
+    used = [lex.decide(prompt("code", rng)) for _ in range(12)]
+    assert [u for u, _ in used].count(None) == 3  # every fourth goes to the drafters
+    assert all(g == "code" for _, g in used) and all(u in (None, "code") for u, _ in used)
+
+
+def test_disagreement_hands_detection_back_to_the_drafters():
+    lex = DomainLexicon(min_examples=2)
+    rng = random.Random(2)
+    for _ in range(2):
+        for d in RANGES:
+            lex.learn(d, prompt(d, rng))
+    # the drafters now call code prompts "records" (say, a new specialist joined)
+    for _ in range(3):
+        p = prompt("code", rng)
+        lex.learn("records", p, guess=lex.predict(p)[0])
+    assert lex.agreement < lex.min_agreement
+    assert lex.decide(prompt("code", rng))[0] is None
+
+
+def test_ambiguous_prompt_is_left_to_the_drafters():
+    lex = DomainLexicon(min_examples=2)
+    rng = random.Random(3)
+    for _ in range(3):
+        for d in RANGES:
+            lex.learn(d, prompt(d, rng))
+    assert lex.decide([100, 101, 102])[0] is None  # only shared tokens: no margin
+
+
+def test_router_scores_with_drafters_only_until_the_lexicon_agrees(monkeypatch):
+    """Through RouterCore: the first requests of each domain are scored by the drafters, later
+    ones get the lexicon's domain (the same the drafters would give) with no drafter call."""
+    scored: list[str] = []
+
+    async def fake_detect(drafting, reqs, live):
+        for r in reqs:
+            scored.append(r.request_id)
+            r.domain = "code" if sum(t < 100 for t in r.prompt) > len(r.prompt) / 2 else "prose"
+
+    monkeypatch.setattr(core_module, "detect_domains", fake_detect)
+    rng = random.Random(4)
+    for detection in ("lexicon", "drafters"):
+        scored.clear()
+        core = RouterCore(RouterConfig(domain_detection=detection), LocalDrafterPool({}), None)
+        reqs = [core.submit(f"{detection}-{i}", prompt(("code", "prose")[i % 2], rng), 4, GREEDY) for i in range(60)]
+
+        async def detect_one_by_one():
+            for r in reqs:
+                await core._detect_domains([r], ["a", "b"])
+
+        asyncio.run(detect_one_by_one())
+        assert [r.domain for r in reqs] == [("code", "prose")[i % 2] for i in range(len(reqs))]
+        assert core.counters.domains_by_lexicon + core.counters.domains_by_drafters == len(reqs)
+        if detection == "lexicon":
+            assert len(scored) < 20 and core.counters.domains_by_lexicon > 40
+        else:
+            assert len(scored) == len(reqs) and core.counters.domains_by_lexicon == 0
