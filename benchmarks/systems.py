@@ -416,11 +416,10 @@ class ServiceSystem:
         return asyncio.run(self._run(workload))
 
     async def _status(self) -> tuple[dict[str, float], dict[str, float]]:
-        import grpc
-
+        from common.tls import open_channel
         from cosine.v1 import router_pb2, router_pb2_grpc
 
-        async with grpc.aio.insecure_channel(self.plane.cluster.router_address) as channel:
+        async with open_channel(self.plane.cluster.router_address, self.plane.cluster.spec.tls) as channel:
             st = await router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=10)
         return dict(st.counters), {d.drafter_id: float(d.rounds) for d in st.drafters}
 
