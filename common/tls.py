@@ -17,9 +17,9 @@ only a certificate and key and the public face is TLS while the inside stays pla
 :func:`open_channel` is the one place channels are opened: secure when the config says so,
 plaintext otherwise. :func:`http_server_ssl` gives the same files to an HTTP server.
 
-Files are read when credentials are built (start-up for a server, each connect for a channel), so
-a rotated client certificate is picked up on the next connect. Every problem with a file is a
-:class:`TlsError` whose message is one line naming the setting and the path.
+Files are read when credentials are built: at start-up for the server, and for every channel
+opened (a drafter that joins later gets the files as they are then). Every problem with a file is
+a :class:`TlsError` whose message is one line naming the setting and the path.
 """
 
 from __future__ import annotations
