@@ -132,3 +132,43 @@ def test_cli_generate_and_status_take_tls_flags(cluster, dev_certs, prompts, ref
     assert "UNAVAILABLE" in capsys.readouterr().err
     assert main(["status", "--router", cluster.router_address, "--no-tls"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def public_gateway(cluster, tiny_zoo, *tls_flags):
+    """One more gateway, in process, in front of the cluster's router (same Redis)."""
+    from common.settings import load_settings
+    from common.testing import start_service
+    from services.gateway.server import build_app
+    from services.gateway.settings import GatewaySettings
+
+    settings = load_settings(GatewaySettings, [
+        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--redis-url", cluster.redis_url,
+        "--redis-prefix", cluster.spec.prefix, "--router-address", cluster.router_address,
+        "--tokenizer", str(tiny_zoo.target.path), *tls_flags], {})
+    server, _ = start_service(settings, build_app, prog="gateway")
+    return server
+
+
+def test_a_public_tls_gateway_without_client_auth_in_front_of_the_mtls_router(cluster, tiny_zoo, dev_certs, prompts, reference):
+    """Clients need only the CA; the gateway itself shows its certificate to the mTLS router."""
+    server = public_gateway(cluster, tiny_zoo, "--tls-cert", str(dev_certs.cert), "--tls-key", str(dev_certs.key),
+                            "--tls-ca", str(dev_certs.ca))
+    try:
+        with Client(server.address, timeout=120, tls_ca=str(dev_certs.ca)) as client:
+            assert list(client.generate(prompts[0], max_new_tokens=MAX_NEW).token_ids) == reference[prompts[0]]
+        with Client(server.address, timeout=10, tls=False) as client:
+            with pytest.raises(Unavailable):
+                client.generate(prompts[0], max_new_tokens=2)
+    finally:
+        server.stop()
+
+
+def test_a_gateway_that_dials_plaintext_is_refused_by_the_mtls_router(cluster, tiny_zoo, prompts):
+    server = public_gateway(cluster, tiny_zoo)  # no --tls-ca: it dials the router in plaintext
+    try:
+        with Client(server.address, timeout=20, tls=False) as client:
+            with pytest.raises(Unavailable) as info:
+                client.generate(prompts[0], max_new_tokens=2)
+        assert "failed to connect" in info.value.message  # refused at the router's door, not a later failure
+    finally:
+        server.stop()
