@@ -427,7 +427,7 @@ class ServiceSystem:
         from cosine_client import AsyncClient
 
         before, d_before = await self._status()
-        async with AsyncClient(self.address, timeout=600) as client:
+        async with AsyncClient(self.address, timeout=600, **self.plane.cluster.client_tls()) as client:
             async def serve(r: BenchRequest, rec: RequestRecord, t0: float) -> None:
                 kw: dict[str, Any] = {}
                 if r.temperature > 0:

@@ -168,9 +168,8 @@ def server_credentials(config: TlsConfig) -> grpc.ServerCredentials:
 def channel_credentials(config: TlsConfig) -> grpc.ChannelCredentials:
     """Credentials for a channel to a peer: trust ``ca`` (the system roots when it is empty) and
     present this process's certificate when it has one."""
-    problem = config.problem()
-    if problem and not config.client_auth:  # client_auth is about serving; a client needs no CA for it
-        raise TlsError(problem)
+    if bool(config.cert) != bool(config.key):
+        raise TlsError(config.problem() or "certificate and key go together")
     root = _ca_bundle(config) if config.ca else None
     if config.cert:
         cert, key = _cert_chain(config)
