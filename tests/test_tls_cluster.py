@@ -142,7 +142,7 @@ def public_gateway(cluster, tiny_zoo, *tls_flags):
     from services.gateway.settings import GatewaySettings
 
     settings = load_settings(GatewaySettings, [
-        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--redis-url", cluster.redis_url,
+        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--redis-url", cluster.redis_url,
         "--redis-prefix", cluster.spec.prefix, "--router-address", cluster.router_address,
         "--tokenizer", str(tiny_zoo.target.path), *tls_flags], {})
     server, _ = start_service(settings, build_app, prog="gateway")
@@ -164,7 +164,8 @@ def test_a_public_tls_gateway_without_client_auth_in_front_of_the_mtls_router(cl
 
 
 def test_a_gateway_that_dials_plaintext_is_refused_by_the_mtls_router(cluster, tiny_zoo, prompts):
-    server = public_gateway(cluster, tiny_zoo)  # no --tls-ca: it dials the router in plaintext
+    # no --tls-ca: it dials the router in plaintext (and gives up at once instead of waiting for a router to resume on)
+    server = public_gateway(cluster, tiny_zoo, "--router-resumes", "0")
     try:
         with Client(server.address, timeout=20, tls=False) as client:
             with pytest.raises(Unavailable) as info:
