@@ -222,3 +222,50 @@ def test_http_server_gets_the_same_files_and_requires_client_certificates_with_m
     assert handshake(dev_certs)
     assert not handshake(None)
     assert not handshake(other_certs)
+
+
+def test_uvicorn_serves_https_and_mtls_with_the_options(dev_certs):
+    """The contract with the gateway's HTTP server: ``uvicorn.Config(app, **uvicorn_options())``
+    on a real loopback socket serves HTTPS, and with client auth refuses a client without a
+    certificate (and a plaintext one)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    import http.client
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    https = http_server_ssl(server_tls(dev_certs, client_auth=True))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **https.uvicorn_options()))
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
+    runner.start()
+
+    def get(context) -> int | None:
+        conn = (http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10) if context is not None
+                else http.client.HTTPConnection("127.0.0.1", port, timeout=10))
+        try:
+            conn.request("GET", "/")
+            return conn.getresponse().status
+        except (ssl.SSLError, OSError, http.client.HTTPException):
+            return None
+        finally:
+            conn.close()
+
+    try:
+        for _ in range(200):  # until it listens (no timing asserted: just a bounded wait)
+            if server.started:
+                break
+            threading.Event().wait(0.05)
+        with_cert = ssl.create_default_context(cafile=str(dev_certs.ca))
+        with_cert.load_cert_chain(str(dev_certs.client_cert), str(dev_certs.client_key))
+        assert get(with_cert) == 200
+        assert get(ssl.create_default_context(cafile=str(dev_certs.ca))) is None  # no client certificate
+        assert get(None) is None  # plaintext HTTP against the TLS port
+    finally:
+        server.should_exit = True
+        runner.join(10)
+        loop.close()
