@@ -286,12 +286,9 @@ class LocalCluster:
     def state(self) -> dict[str, Any]:
         """What `cosine generate` and `cosine status` need to reach the cluster (``tls``: the paths
         they dial with, when the cluster runs TLS)."""
-        state: dict[str, Any] = {
-            "gateway": self.gateway_address, "http": self.http_url, "router": self.router_address, "redis_url": self.redis_url,
-            "prefix": self.spec.prefix,
-            "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address}}
-        state["tls"] = self.client_tls()
-        return state
+        return {"gateway": self.gateway_address, "http": self.http_url, "router": self.router_address, "redis_url": self.redis_url,
+                "prefix": self.spec.prefix, "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address},
+                "tls": self.client_tls()}
 
     def __enter__(self) -> LocalCluster:
         self.start(progress=False)
