@@ -416,11 +416,10 @@ class ServiceSystem:
         return asyncio.run(self._run(workload))
 
     async def _status(self) -> tuple[dict[str, float], dict[str, float]]:
-        import grpc
-
+        from common.tls import open_channel
         from cosine.v1 import router_pb2, router_pb2_grpc
 
-        async with grpc.aio.insecure_channel(self.plane.cluster.router_address) as channel:
+        async with open_channel(self.plane.cluster.router_address, self.plane.cluster.spec.tls) as channel:
             st = await router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=10)
         return dict(st.counters), {d.drafter_id: float(d.rounds) for d in st.drafters}
 
@@ -428,7 +427,7 @@ class ServiceSystem:
         from cosine_client import AsyncClient
 
         before, d_before = await self._status()
-        async with AsyncClient(self.address, timeout=600) as client:
+        async with AsyncClient(self.address, timeout=600, **self.plane.cluster.client_tls()) as client:
             async def serve(r: BenchRequest, rec: RequestRecord, t0: float) -> None:
                 kw: dict[str, Any] = {}
                 if r.temperature > 0:

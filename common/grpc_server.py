@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.tls import TlsConfig, add_port, open_channel
+
 # Generous limits: a verify batch of many trees with logits-free payloads stays far below this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVER_OPTIONS = [
@@ -56,9 +58,11 @@ async def create_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: TlsConfig | None = None,
 ) -> ServerHandle:
     """Create an aio server bound to ``address`` ("host:port"; port 0 picks a free one) with the
-    standard health service and server reflection. Returns a started handle with its port."""
+    standard health service and server reflection, serving TLS (or mTLS) when ``tls`` has a
+    certificate, plaintext otherwise. Returns a started handle with its port."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
     register(server)
     names = tuple(service_names)
@@ -66,7 +70,7 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address, tls)
     except RuntimeError as exc:
         raise PortInUse(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
@@ -94,10 +98,11 @@ async def wait_for_shutdown_signal() -> str:
             loop.remove_signal_handler(sig)
 
 
-async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    """True when the server at ``address`` answers SERVING for ``service``."""
+async def check_health(address: str, service: str = "", timeout_s: float = 2.0, tls: TlsConfig | None = None) -> bool:
+    """True when the server at ``address`` answers SERVING for ``service`` (over TLS when ``tls``
+    dials TLS)."""
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address, tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -105,12 +110,13 @@ async def check_health(address: str, service: str = "", timeout_s: float = 2.0) 
         return False
 
 
-async def wait_healthy(address: str, timeout_s: float, service: str = "", is_alive: Callable[[], bool] | None = None) -> bool:
+async def wait_healthy(address: str, timeout_s: float, service: str = "", is_alive: Callable[[], bool] | None = None,
+                       tls: TlsConfig | None = None) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while asyncio.get_running_loop().time() < deadline:
         if is_alive is not None and not is_alive():
             return False
-        if await check_health(address, service, timeout_s=1.0):
+        if await check_health(address, service, timeout_s=1.0, tls=tls):
             return True
         await asyncio.sleep(0.1)
     return False

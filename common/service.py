@@ -28,6 +28,7 @@ from common.metrics import ServiceMetrics
 from common.logs import LEVELS, configure_logging, get_logger
 from common.settings import SettingsError, load_settings, port_check, positive, redis_url_check, setting, settings_as_dict
 from common.store import Member, Store, StoreUnavailable
+from common.tls import TlsConfig, TlsError
 
 EXIT_SETTINGS = 2
 EXIT_STARTUP = 1
@@ -56,6 +57,12 @@ class ServiceSettings:
     shutdown_grace_s: float = setting(3.0, help="seconds in-flight RPCs get to finish on SIGTERM", check=positive)
     log_level: str = setting("info", help="log level", choices=LEVELS)
     log_format: str = setting("auto", help="log format: json, console, or auto (console on a terminal)", choices=("auto", "json", "console"))
+    # TLS (common/tls.py): give every service the same three files and every hop is mutual TLS.
+    tls_cert: str = setting("", help="PEM certificate (chain) to serve TLS with; also presented to peers that ask for a client certificate (none: plaintext)", metavar="PATH")
+    tls_key: str = setting("", help="PEM private key of --tls-cert", metavar="PATH")
+    tls_ca: str = setting("", help="PEM CA bundle: peers this service calls are dialled over TLS and checked against it; with --tls-client-auth it also checks clients", metavar="PATH")
+    tls_client_auth: bool = setting(False, help="mutual TLS: refuse clients without a certificate signed by --tls-ca")
+    tls_server_name: str = setting("", help="name peers' certificates must carry, instead of the host dialled (peers are dialled by IP in Kubernetes)", metavar="NAME")
 
 
 class ServiceApp(Protocol):
@@ -94,12 +101,13 @@ def run_service(
     """Entry point of ``python -m services.<name>``; returns only by SystemExit."""
     try:
         settings = load_settings(settings_cls, argv, prog=prog, description=description)
-    except SettingsError as exc:
+        TlsConfig.from_settings(settings).check()  # a bad certificate path ends here, in one line
+    except (SettingsError, TlsError) as exc:
         fail(prog, str(exc), EXIT_SETTINGS)
     configure_logging(settings.log_level, settings.log_format, service=prog.rsplit(".", 1)[-1])
     try:
         asyncio.run(serve(settings, factory, prog))
-    except (StoreUnavailable, StartupError, PortInUse) as exc:
+    except (StoreUnavailable, StartupError, PortInUse, TlsError) as exc:
         fail(prog, str(exc), EXIT_STARTUP)
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         raise SystemExit(130) from None
@@ -110,6 +118,8 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
     """Serve until SIGTERM/SIGINT (or until ``stop`` is set, for in-process tests)."""
     log = get_logger(prog)
     log.info("starting", settings=settings_as_dict(settings))
+    tls = TlsConfig.from_settings(settings)
+    tls.check()  # before any model loads: a wrong certificate path fails fast
     store = Store.from_url(settings.redis_url, prefix=settings.redis_prefix)
     try:
         try:
@@ -123,7 +133,7 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
         try:
             address = join_host_port(settings.host, settings.port)
             handle = await create_server(address, app.register, app.service_names,
-                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ())])
+                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ())], tls=tls)
             try:
                 metrics_port = metrics.serve(settings.host, settings.metrics_port)
             except OSError as exc:
@@ -138,7 +148,7 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
             await store.register(member, settings.member_ttl_s)
             heartbeat = asyncio.create_task(_heartbeat(store, member, settings.heartbeat_s, settings.member_ttl_s, log))
             log.info("serving", address=advertised, port=handle.port, role=app.role, member_id=member.member_id,
-                     metrics_port=metrics_port)
+                     metrics_port=metrics_port, tls=tls.describe())
             if ready is not None:
                 ready.port = handle.port  # type: ignore[attr-defined]
                 ready.set()

@@ -3,6 +3,8 @@
 - ``redis_server``: a real redis-server on a free loopback port for the whole session.
 - ``redis_url``: its URL; ``store``: a fresh :class:`common.store.Store` on a unique prefix.
 - ``tiny_zoo``: the ``tiny`` model zoo (:class:`cosine_zoo.manifest.Zoo`), built once per session.
+- ``dev_certs``, ``other_certs``: two unrelated throwaway CAs, each with a service and a client
+  certificate (:class:`common.devcerts.DevCerts`), for TLS and mTLS tests.
 """
 
 from __future__ import annotations
@@ -110,6 +112,21 @@ def start_service(settings, factory, prog: str = "test-service") -> tuple[InProc
     """Start a service in-process on the port its settings give (use port=0): returns (server, port)."""
     server = InProcessService(settings, factory, prog).start()
     return server, server.port
+
+@pytest.fixture(scope="session")
+def dev_certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from common.devcerts import write_dev_certs
+
+    return write_dev_certs(tmp_path_factory.mktemp("certs"), days=1)
+
+
+@pytest.fixture(scope="session")
+def other_certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Certificates of another CA: valid PEM, the same names, trusted by nobody who trusts dev_certs."""
+    from common.devcerts import write_dev_certs
+
+    return write_dev_certs(tmp_path_factory.mktemp("other-certs"), days=1)
+
 
 @pytest.fixture(scope="session")
 def tiny_zoo(tmp_path_factory: pytest.TempPathFactory) -> Any:

@@ -5,6 +5,10 @@ integration tests and the benchmark.
 Thread budget: on a small machine the processes must not oversubscribe the cores. Drafting and
 verification overlap (pipelined rounds), so the cores are split between the verifier and the
 drafter processes; each process gets ``--torch-threads`` accordingly.
+
+TLS: with ``ClusterSpec.tls`` every process gets the same certificate, key and CA (and
+``--tls-client-auth`` when the config asks for it), so every hop is TLS or mutual TLS; the health
+waits and the router status checks dial with the same config. Plaintext is the default.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from common.grpc_server import join_host_port, wait_healthy
 from common.redis_server import RedisServer, free_port
+from common.tls import TlsConfig, open_channel
 
 
 class ClusterError(RuntimeError):
@@ -47,6 +52,18 @@ class ClusterSpec:
     cores: int = 0  # 0: os.cpu_count()
     prefix: str = "cosine"
     startup_timeout_s: float = 180.0
+    tls: TlsConfig | None = None  # None: plaintext everywhere
+
+
+def tls_args(tls: TlsConfig | None) -> list[str]:
+    """The service flags that give a process ``tls`` (nothing for plaintext)."""
+    if tls is None or not tls.enabled:
+        return []
+    args = []
+    for flag, value in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca), ("--tls-server-name", tls.server_name)):
+        if value:
+            args += [flag, value]
+    return args + (["--tls-client-auth"] if tls.client_auth else [])
 
 
 def thread_budget(cores: int, drafter_processes: int) -> tuple[int, int]:
@@ -104,7 +121,7 @@ class LocalCluster:
         cmd = [
             sys.executable, "-m", module, "--host", self.spec.host, "--port", str(port),
             "--redis-url", self.redis_url, "--redis-prefix", self.spec.prefix, "--member-id", name,
-            "--metrics-port", str(metrics_port), *args,
+            "--metrics-port", str(metrics_port), *tls_args(self.spec.tls), *args,
         ]
         if threads:
             cmd += ["--torch-threads", str(threads)]
@@ -117,7 +134,8 @@ class LocalCluster:
 
     async def _wait(self, procs: Sequence[Proc], what: str) -> None:
         async def one(p: Proc) -> None:
-            ok = await wait_healthy(p.address, self.spec.startup_timeout_s, is_alive=lambda: p.popen.poll() is None)
+            ok = await wait_healthy(p.address, self.spec.startup_timeout_s, is_alive=lambda: p.popen.poll() is None,
+                                    tls=self.spec.tls)
             if not ok:
                 tail = _tail(p.log_path)
                 state = f"exited with status {p.popen.returncode}" if p.popen.poll() is not None else "not healthy in time"
@@ -191,12 +209,10 @@ class LocalCluster:
 
     async def _wait_router_ready(self, drafters: int, timeout_s: float = 60.0) -> None:
         """Until the router sees the verifier and every drafter."""
-        import grpc
-
         from cosine.v1 import router_pb2, router_pb2_grpc
 
         deadline = time.monotonic() + timeout_s
-        async with grpc.aio.insecure_channel(self.router_address) as channel:
+        async with open_channel(self.router_address, self.spec.tls) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             while time.monotonic() < deadline:
                 status = await stub.Status(router_pb2.StatusRequest(), timeout=5)
@@ -260,9 +276,19 @@ class LocalCluster:
             self.redis.stop()
             self.redis = None
 
-    def state(self) -> dict[str, str]:
-        return {"gateway": self.gateway_address, "http": self.http_url, "router": self.router_address, "redis_url": self.redis_url, "prefix": self.spec.prefix,
-                "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address}}
+    def client_tls(self) -> dict[str, Any]:
+        """Keyword arguments that give an SDK client this cluster's TLS (plaintext: tls=False)."""
+        tls = self.spec.tls
+        if tls is None or not tls.enabled:
+            return {"tls": False}
+        return {"tls": True, "tls_ca": tls.ca, "tls_cert": tls.cert, "tls_key": tls.key, "tls_server_name": tls.server_name}
+
+    def state(self) -> dict[str, Any]:
+        """What `cosine generate` and `cosine status` need to reach the cluster (``tls``: the paths
+        they dial with, when the cluster runs TLS)."""
+        return {"gateway": self.gateway_address, "http": self.http_url, "router": self.router_address, "redis_url": self.redis_url,
+                "prefix": self.spec.prefix, "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address},
+                "tls": self.client_tls()}
 
     def __enter__(self) -> LocalCluster:
         self.start(progress=False)

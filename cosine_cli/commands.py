@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from cosine_cli.tls import add_client_tls_args, client_tls, cluster_tls
+
 STATE_FILE = Path(".cosine/cluster.json")
 DEFAULT_ZOO = ".cosine/zoo-smol"
 
@@ -36,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON instead of streaming")
     gen.add_argument("--timeout", type=float, default=300.0)
     gen.add_argument("--api-key", default=None, help="API key for a gateway that requires one (default: $COSINE_API_KEY)")
+    add_client_tls_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     st = sub.add_parser("status", help="live drafters, queue depth and acceptance per drafter (from the router)")
@@ -43,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--metrics", action="append", default=[], metavar="NAME=HOST:PORT",
                     help="a /metrics endpoint to read key figures from (repeatable; default: every process of the `cosine up` cluster)")
     st.add_argument("--json", action="store_true")
+    add_client_tls_args(st)
     st.set_defaults(func=cmd_status)
 
     pr = sub.add_parser("profile", help="write drafter expertise profiles into Redis (a zoo's acceptance matrix, or measured)",
@@ -84,6 +88,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-processes", type=int, default=1, help="drafter processes; the drafter models are spread over them")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG", help="extra router flag, e.g. --router-arg=--fusion=chunk")
     p.add_argument("--log-dir", default=".cosine/logs")
+    p.add_argument("--tls-dir", default="", metavar="DIR",
+                   help="serve every hop over TLS with the certificates in DIR (ca.pem, service.pem, service-key.pem; "
+                   "written there by `cosine certs` when absent)")
+    p.add_argument("--mtls", action="store_true", help="with --tls-dir: every service also requires client certificates")
 
 
 def _spec_from_args(args: argparse.Namespace):
@@ -108,7 +116,7 @@ def _spec_from_args(args: argparse.Namespace):
     return ClusterSpec(
         target=target, drafters=drafters, drafter_domains=domains, redis_url=args.redis_url, host=args.host,
         gateway_port=args.gateway_port, http_port=args.http_port, drafter_processes=args.drafter_processes, router_args=tuple(args.router_arg),
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, tls=cluster_tls(args),
     )
 
 
@@ -178,7 +186,7 @@ def _state() -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cosine_client import Client, CosineError
+    from cosine_client import Client, CosineError, TlsSetupError
 
     address = args.address or _state().get("gateway")
     if not address:
@@ -187,7 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop, domain_hint=args.domain_hint)
     try:
-        with Client(address, timeout=args.timeout, api_key=args.api_key) as client:
+        with Client(address, timeout=args.timeout, api_key=args.api_key, **client_tls(args, _state() if not args.address else None)) as client:
             if args.json:
                 print(json.dumps(client.generate(args.prompt, **kwargs).to_dict(), indent=2))
                 return 0
@@ -201,7 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 s = last.stats
                 print(f"[{last.finish_reason}; {s.rounds} rounds, {s.mean_accepted_len:.2f} accepted/round, "
                       f"drafters {', '.join(s.drafters_used) or '-'}]", file=sys.stderr)
-    except CosineError as exc:
+    except (CosineError, TlsSetupError) as exc:
         print(f"cosine generate: error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -211,14 +219,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
     from cosine.v1 import router_pb2, router_pb2_grpc
+    from cosine_client import TlsOptions, TlsSetupError
 
     address = args.router or _state().get("router")
     if not address:
         print("cosine status: error: no --router and no running `cosine up` cluster", file=sys.stderr)
         return 2
     try:
-        with grpc.insecure_channel(address) as channel:
+        with TlsOptions.resolve(**client_tls(args, _state() if not args.router else None)).channel(address, ()) as channel:
             status = router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5)
+    except TlsSetupError as exc:
+        print(f"cosine status: error: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         print(f"cosine status: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -338,13 +350,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cluster.start()
         asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0))
         work = mixed_workload(zoo.prompts, args.requests)
-        results = asyncio.run(run_workload(cluster.gateway_address, work, args.concurrency, args.max_new_tokens, progress=True))
+        results = asyncio.run(run_workload(cluster.gateway_address, work, args.concurrency, args.max_new_tokens, progress=True,
+                                           client_options=cluster.client_tls()))
         summary = print_summary(results, cluster.router_address)
         if args.baseline and not any(r.error for r in results):
             # the same requests through the same verifier and gateway, with drafting switched off
             address = cluster.restart_router([*spec.router_args, "--no-speculate"])
             plain = asyncio.run(run_workload(address, work, args.concurrency, args.max_new_tokens, progress=True,
-                                             desc="target alone"))
+                                             desc="target alone", client_options=cluster.client_tls()))
             print_speedup(summary, plain, results)
             results = results + plain
     except ClusterError as exc:

@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cosine_client import AsyncClient, CosineError, Generation
 
@@ -34,7 +35,9 @@ def mixed_workload(prompts: Mapping[str, Sequence[str]], count: int) -> list[tup
 
 
 async def run_workload(address: str, work: Sequence[tuple[str, str]], concurrency: int, max_new_tokens: int,
-                       progress: bool = False, desc: str = "demo requests", **params) -> list[WorkResult]:
+                       progress: bool = False, desc: str = "demo requests", client_options: Mapping[str, Any] | None = None,
+                       **params) -> list[WorkResult]:
+    """Serve ``work`` through the gateway; ``client_options`` go to the AsyncClient (e.g. TLS)."""
     sem = asyncio.Semaphore(max(1, concurrency))
     bar = None
     if progress:
@@ -43,7 +46,7 @@ async def run_workload(address: str, work: Sequence[tuple[str, str]], concurrenc
         bar = tqdm(total=len(work), desc=desc, unit="req", dynamic_ncols=True)
     results: list[WorkResult] = []
 
-    async with AsyncClient(address, timeout=600) as client:
+    async with AsyncClient(address, timeout=600, **dict(client_options or {})) as client:
         async def one(domain: str, prompt: str) -> None:
             async with sem:
                 t0 = time.perf_counter()

@@ -6,6 +6,8 @@
         print(result.text, result.stats.mean_accepted_len)
         for chunk in client.stream("Once upon a time"):
             print(chunk.text, end="", flush=True)
+
+    Client("gateway.example.com:50051", tls_ca="ca.pem")  # TLS; add tls_cert=, tls_key= for mTLS
 """
 
 from cosine_client.client import AsyncClient, Client
@@ -19,10 +21,11 @@ from cosine_client.errors import (
     Unauthenticated,
     Unavailable,
 )
+from cosine_client.tls import TlsOptions, TlsSetupError
 from cosine_client.types import Chunk, Generation, SpecStats, Usage
 
 __all__ = [
     "AsyncClient", "Client", "Chunk", "Generation", "SpecStats", "Usage",
     "CosineError", "InvalidArgument", "Unavailable", "DeadlineExceeded", "Cancelled", "ResourceExhausted", "NotFound",
-    "Unauthenticated",
+    "Unauthenticated", "TlsOptions", "TlsSetupError",
 ]

@@ -11,6 +11,7 @@ import grpc
 
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc
 from cosine_client.errors import CosineError, from_rpc_error
+from cosine_client.tls import TlsOptions
 from cosine_client.types import FINISH_REASONS, Chunk, Generation, SpecStats, Usage
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.keepalive_time_ms", 30_000)]
@@ -72,14 +73,20 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 class Client:
     """Blocking client. ``timeout`` (seconds) is the default deadline of every call; ``api_key``
-    (default ``$COSINE_API_KEY``) is sent as ``authorization: Bearer <key>``."""
+    (default ``$COSINE_API_KEY``) is sent as ``authorization: Bearer <key>``.
+
+    TLS: ``tls_ca`` (or ``$COSINE_TLS_CA``) dials TLS and checks the gateway against that CA;
+    ``tls=True`` alone uses the system's roots; ``tls_cert``/``tls_key`` add a client certificate
+    for a gateway that requires one; ``tls=False`` forces plaintext (see :mod:`cosine_client.tls`)."""
 
     def __init__(self, address: str, timeout: float | None = None, channel: grpc.Channel | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, *, tls: bool | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None):
         self.address = address
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
-        self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.tls = TlsOptions.resolve(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = channel or self.tls.channel(address, CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Generation:
@@ -113,13 +120,16 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client; use inside a running event loop."""
+    """asyncio client; use inside a running event loop. Takes the same TLS arguments as :class:`Client`."""
 
-    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None):
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None, *,
+                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, tls_server_name: str | None = None):
         self.address = address
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.tls = TlsOptions.resolve(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = self.tls.aio_channel(address, CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Generation:
@@ -152,4 +162,4 @@ class AsyncClient:
         await self.close()
 
 
-__all__ = ["Client", "AsyncClient", "CosineError", "build_request"]
+__all__ = ["Client", "AsyncClient", "CosineError", "TlsOptions", "build_request"]

@@ -19,6 +19,7 @@ from deploy.settings_index import service_specs
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 CHECKPOINTS_FILE = ROOT / "docker-compose.checkpoints.yml"
+TLS_FILE = ROOT / "docker-compose.tls.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 SPECS = service_specs()
 HEALTHY_OR_DONE = {"service_healthy", "service_completed_successfully"}
@@ -78,6 +79,30 @@ def test_checkpoints_override_is_valid_and_only_adds_mounts(env):
         assert name in base["services"], f"override names an unknown service {name}"
         assert cosine_service(base["services"][name]) in ("drafter", "verifier", "gateway")
         assert any(v.endswith(":/models:ro") for v in svc["volumes"]), name
+
+
+def test_tls_override_turns_on_mtls_for_every_cosine_service(env):
+    override = compose.load(TLS_FILE, env)
+    if importlib.util.find_spec("check_jsonschema"):
+        assert compose.schema_errors(override) == []
+    base = compose.load(COMPOSE_FILE, env)
+    covered = set()
+    for name, svc in override["services"].items():
+        kind = cosine_service(base["services"][name])
+        assert kind is not None, f"override names {name}, which runs no CoSine service"
+        covered.add(name)
+        merged = {**env_of(base["services"][name]), **env_of(svc)}  # compose merges environment maps
+        settings = SPECS[kind].load(merged)
+        (mount,) = svc["volumes"]
+        source, target, mode = mount.rsplit(":", 2)
+        assert mode == "ro" and source == "./certs"
+        for path in (settings.tls_cert, settings.tls_key, settings.tls_ca):
+            assert path.startswith(target + "/"), (name, path)
+        assert settings.tls_server_name == "cosine"
+        assert settings.tls_client_auth is (kind != "gateway"), name
+    assert covered == {n for n, svc in base["services"].items() if cosine_service(svc)}
+    gated = compose.load(TLS_FILE, {**env, "GATEWAY_CLIENT_AUTH": "true"})
+    assert SPECS["gateway"].load(env_of(gated["services"]["gateway"])).tls_client_auth is True
 
 
 def test_every_required_variable_is_in_env_example(env):

@@ -6,7 +6,10 @@ values, the multi-drafter example and an external-Redis/CPU variant, then checke
 - every COSINE_* variable a container gets (env + envFrom ConfigMaps) is accepted by the service
   the container runs, and the service's settings load from it;
 - containers listen on the port the settings give, probes are gRPC health probes on that port and
-  the service's health name, Services, HPAs, PDBs and NetworkPolicies point at what exists.
+  the service's health name (with TLS on: the image's health check over TLS, since Kubernetes'
+  gRPC probes cannot speak TLS), Services, HPAs, PDBs and NetworkPolicies point at what exists;
+- with TLS on, every certificate, key and CA path a service is given lies in the read-only mount
+  of the TLS Secret.
 """
 
 from pathlib import Path
@@ -23,12 +26,14 @@ CHART = ROOT / "k8s"
 MULTI = CHART / "examples" / "values-multi-drafter.yaml"
 SPECS = service_specs()
 K8S_VERSIONS = ("1.30.0", "1.37.0")  # oldest and newest schema sets checked
+TLS = ["tls.enabled=true", "tls.secretName=cosine-tls"]
 EXTERNAL = ["redis.enabled=false", "redis.externalUrl=redis://:pw@redis.example.internal:6379/0", "verifier.gpu.enabled=false", "networkPolicy.enabled=false"]
 
 RENDERS = {
     "default": dict(),
     "multi-drafter": dict(values_files=[MULTI]),
     "external-redis-cpu": dict(set_values=EXTERNAL),
+    "tls": dict(values_files=[MULTI], set_values=TLS),
 }
 
 
@@ -88,6 +93,32 @@ def container_env(objects, container):
     return env
 
 
+def probe_check(probe, tls: bool) -> dict:
+    """{"port", "service"} a probe checks: Kubernetes' gRPC probe (plaintext), or the image's
+    health check command over TLS (``python -m common.healthcheck 127.0.0.1:PORT [--service S]``,
+    which reads the container's COSINE_TLS_* variables). Empty when it is neither."""
+    if not tls:
+        return probe.get("grpc") or {}
+    cmd = (probe.get("exec") or {}).get("command") or []
+    if cmd[:3] != ["python", "-m", "common.healthcheck"] or len(cmd) < 4 or not cmd[3].startswith("127.0.0.1:"):
+        return {}
+    service = cmd[cmd.index("--service") + 1] if "--service" in cmd else ""
+    return {"port": int(cmd[3].rsplit(":", 1)[1]), "service": service}
+
+
+def tls_problems(template, container, settings) -> list[str]:
+    """Every TLS file the settings name must lie in a read-only mount of a Secret volume."""
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    mounts = [m for m in container.get("volumeMounts", ()) if "secret" in volumes.get(m["name"], {})]
+    out = []
+    for flag, path in (("tls_cert", settings.tls_cert), ("tls_key", settings.tls_key), ("tls_ca", settings.tls_ca)):
+        if path and not any(path.startswith(m["mountPath"].rstrip("/") + "/") and m.get("readOnly") for m in mounts):
+            out.append(f"{flag} {path} is not in a read-only Secret mount")
+    if settings.tls_client_auth and not settings.tls_ca:
+        out.append("client authentication without a CA")
+    return out
+
+
 def problems(objects) -> list[str]:
     """Everything wrong with a rendered chart against the code (empty when right)."""
     out = []
@@ -119,15 +150,16 @@ def problems(objects) -> list[str]:
         if settings.advertise_address != f"10.1.2.3:{settings.port}":
             out.append(f"{where}: advertises {settings.advertise_address}, not the pod's own address")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            grpc = c.get(probe, {}).get("grpc")
+            grpc = probe_check(c.get(probe, {}), bool(settings.tls_cert))
             if not grpc:
-                out.append(f"{where}: {probe} is not a gRPC health probe")
+                out.append(f"{where}: {probe} is not a gRPC health probe" + (" over TLS" if settings.tls_cert else ""))
             elif grpc["port"] != settings.port:
                 out.append(f"{where}: {probe} on port {grpc['port']}, the service listens on {settings.port}")
             elif grpc.get("service", "") not in ("", spec.health_service):
                 out.append(f"{where}: {probe} asks for health of {grpc['service']!r}")
-        if c["readinessProbe"].get("grpc", {}).get("service") != spec.health_service:
+        if probe_check(c["readinessProbe"], bool(settings.tls_cert)).get("service") != spec.health_service:
             out.append(f"{where}: readiness must ask for {spec.health_service}")
+        out.extend(f"{where}: {p}" for p in tls_problems(template, c, settings))
         labels = template["metadata"]["labels"]
         matching = [s for s in services.values() if s["spec"]["selector"].items() <= labels.items()]
         if not matching:
@@ -394,3 +426,49 @@ def test_api_keys_on_by_default_from_a_secret(tmp_path):
     assert "cosine-api-keys" not in by_kind(off, "Secret") and problems(off) == []
     (c,) = by_kind(off, "Deployment")["cosine-gateway"]["spec"]["template"]["spec"]["containers"]
     assert "COSINE_API_KEYS_FILE" not in container_env(off, c)
+
+
+def test_tls_mounts_the_secret_and_turns_on_mtls_between_services():
+    objects = render_objects(CHART, set_values=TLS)
+    assert problems(objects) == []
+    auth = {}
+    for _, template, c, spec in cosine_containers(objects):
+        env = container_env(objects, c)
+        settings = spec.load(env)
+        assert (settings.tls_cert, settings.tls_key, settings.tls_ca) == ("/etc/cosine/tls/tls.crt", "/etc/cosine/tls/tls.key", "/etc/cosine/tls/ca.crt")
+        assert settings.tls_server_name == "cosine"
+        (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "cosine-tls" and volume["secret"]["defaultMode"] == 0o440
+        auth.setdefault(spec.name, set()).add(settings.tls_client_auth)
+        assert all("exec" in c[p] and "grpc" not in c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+    # the services require each other's certificates; the public gateway does not ask clients for one
+    assert auth == {"gateway": {False}, "router": {True}, "verifier": {True}, "drafter": {True}}
+
+    both = render_objects(CHART, set_values=[*TLS, "tls.gatewayClientAuth=true", "tls.serverName=cosine.internal"])
+    assert problems(both) == []
+    for _, _, c, spec in cosine_containers(both):
+        settings = spec.load(container_env(both, c))
+        assert settings.tls_client_auth and settings.tls_server_name == "cosine.internal"
+    plain_inside = render_objects(CHART, set_values=[*TLS, "tls.mtls=false"])
+    assert {spec.name: spec.load(container_env(plain_inside, c)).tls_client_auth
+            for _, _, c, spec in cosine_containers(plain_inside)} == {"gateway": False, "router": False, "verifier": False, "drafter": False}
+
+
+def test_tls_off_is_plaintext_with_grpc_probes_and_a_missing_secret_is_an_error():
+    objects = render_objects(CHART)
+    for _, template, c, spec in cosine_containers(objects):
+        assert not [k for k in container_env(objects, c) if k.startswith("COSINE_TLS_")]
+        assert "tls" not in {v["name"] for v in template["spec"]["volumes"]}
+        assert c["readinessProbe"]["grpc"]["service"] == spec.health_service
+    with pytest.raises(ChartError, match="tls.secretName is required"):
+        render_objects(CHART, set_values=["tls.enabled=true"])
+
+
+def test_a_tls_file_outside_the_secret_mount_fails_the_check():
+    objects = render_objects(CHART, set_values=TLS)
+    (router,) = [c for _, _, c, spec in cosine_containers(objects) if spec.name == "router"]
+    next(e for e in router["env"] if e["name"] == "COSINE_TLS_CA")["value"] = "/tmp/ca.pem"
+    assert problems(objects) == ["cosine-router/router: tls_ca /tmp/ca.pem is not in a read-only Secret mount"]
+    (gateway,) = [c for _, _, c, spec in cosine_containers(objects) if spec.name == "gateway"]
+    gateway["readinessProbe"] = {"grpc": {"port": 50051, "service": "cosine.v1.Gateway"}}
+    assert "cosine-gateway/gateway: readinessProbe is not a gRPC health probe over TLS" in problems(objects)

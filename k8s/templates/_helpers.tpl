@@ -82,6 +82,38 @@ Secret.
   value: /tmp
 - name: COSINE_METRICS_PORT
   value: {{ include "cosine.metricsPort" (dict "root" .root "component" .component) | quote }}
+{{- with .root.Values.tls }}
+{{- if .enabled }}
+- name: COSINE_TLS_CERT
+  value: {{ printf "%s/tls.crt" .mountPath | quote }}
+- name: COSINE_TLS_KEY
+  value: {{ printf "%s/tls.key" .mountPath | quote }}
+- name: COSINE_TLS_CA
+  value: {{ printf "%s/ca.crt" .mountPath | quote }}
+- name: COSINE_TLS_SERVER_NAME
+  value: {{ .serverName | quote }}
+- name: COSINE_TLS_CLIENT_AUTH
+  value: {{ ternary .gatewayClientAuth .mtls (eq $.component "gateway") | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The TLS Secret's mount and volume (nothing when TLS is off); called with the root context. */}}
+{{- define "cosine.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "cosine.tlsVolume" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled is true" .Values.tls.secretName }}
+    defaultMode: 288  # 0440: the pod's group (fsGroup) reads the key, nobody else
+{{- end }}
 {{- end }}
 
 {{/* The Prometheus /metrics port of a component, or -1 when metrics are off; (dict "root" . "component" NAME). */}}
@@ -107,25 +139,40 @@ annotations:
 {{- end }}
 {{- end }}
 
-{{/* Probes on the gRPC health protocol; (dict "port" PORT "service" NAME "startupSeconds" N). */}}
+{{/*
+Probes on the gRPC health protocol; (dict "port" PORT "service" NAME "startupSeconds" N "tls" BOOL).
+Kubernetes' own gRPC probes cannot speak TLS: with TLS on, the probe runs the image's health check,
+which reads the container's COSINE_TLS_* variables.
+*/}}
+{{- define "cosine.probeAction" -}}
+{{- if .tls -}}
+exec:
+  command: ["python", "-m", "common.healthcheck", {{ printf "127.0.0.1:%d" (int .port) | quote }}{{ if .service }}, "--service", {{ .service | quote }}{{ end }}, "--timeout", "4"]
+timeoutSeconds: 5
+{{- else -}}
+grpc:
+  port: {{ int .port }}
+  {{- if .service }}
+  service: {{ .service }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "cosine.probes" -}}
 startupProbe:
-  grpc:
-    port: {{ int .port }}
-    service: {{ .service }}
+  {{- include "cosine.probeAction" . | nindent 2 }}
   periodSeconds: 5
   failureThreshold: {{ div (int .startupSeconds) 5 }}
 readinessProbe:
-  grpc:
-    port: {{ int .port }}
-    service: {{ .service }}
+  {{- include "cosine.probeAction" . | nindent 2 }}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
-  grpc:
-    port: {{ int .port }}
+  {{- include "cosine.probeAction" (dict "port" .port "service" "" "tls" .tls) | nindent 2 }}
   periodSeconds: 10
+  {{- if not .tls }}
   timeoutSeconds: 3
+  {{- end }}
   failureThreshold: 3
 {{- end }}
 

@@ -18,6 +18,7 @@ from common.logs import get_logger
 from common.service import StartupError
 from common.store import STORE_ERRORS, Store
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
+from common.tls import TlsConfig, open_channel
 from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from common.metrics import ServiceMetrics
 from services.gateway.errors import GatewayError
@@ -188,7 +189,7 @@ class GatewayApp:
             if not address:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no router is registered")
             self.router_address = address
-            self.router_channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.router_channel = open_channel(address, TlsConfig.from_settings(self.settings), CHANNEL_OPTIONS)
             self.router_stub = router_pb2_grpc.RouterStub(self.router_channel)
 
     def tokenize(self, text: str) -> list[int]:
@@ -240,7 +241,7 @@ class GatewayApp:
             self.router_channel, self.router_stub = None, None
             try:
                 await self.ensure_ready()
-                if await check_health(self.router_address, timeout_s=1.0):
+                if await check_health(self.router_address, timeout_s=1.0, tls=TlsConfig.from_settings(self.settings)):
                     return
             except GatewayError as exc:
                 if loop.time() >= deadline:

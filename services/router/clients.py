@@ -2,7 +2,8 @@
 
 Protobuf stops here: the pool and the verifier client speak :mod:`common.spec_types` to the
 router core. Each drafter process and the verifier are reached over one long-lived bidirectional
-stream (:class:`common.streams.StreamClient`).
+stream (:class:`common.streams.StreamClient`), on a channel opened by :func:`common.tls.open_channel`
+(TLS or mTLS when the router's settings say so).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from common.logs import get_logger
 from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
 from common.store import Store
 from common.streams import StreamClient
+from common.tls import TlsConfig, open_channel
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.convert import (
     draft_group_results_from_pb,
@@ -51,8 +53,9 @@ class GrpcDrafterPool:
     process is seen again under a new membership entry) and the process is reconnected."""
 
     def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0, allow: Sequence[str] = (),
-                 retry_failed_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 retry_failed_s: float = 5.0, clock: Callable[[], float] = time.monotonic, tls: TlsConfig | None = None):
         self.store = store
+        self.tls = tls
         self.allow = frozenset(allow)  # empty: every drafter the membership lists
         self.fingerprint = fingerprint
         self.interval_s = interval_s
@@ -163,7 +166,7 @@ class GrpcDrafterPool:
                 await self._drop(address)
 
     async def _connect(self, address: str, member_id: str) -> None:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = open_channel(address, self.tls, CHANNEL_OPTIONS)
         stub = drafter_pb2_grpc.DrafterStub(channel)
         try:
             info = await stub.Info(common_pb2.InfoRequest(), timeout=5)
@@ -221,9 +224,9 @@ class GrpcDrafterPool:
 
 
 class GrpcVerifier:
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: TlsConfig | None = None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         self.stream = StreamClient(lambda it: self.stub.Verify(it), name=f"verifier@{address}")
         self.info: common_pb2.ModelInfo | None = None

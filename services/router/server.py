@@ -13,6 +13,7 @@ from common.logs import get_logger, request_context
 from common.metrics import ServiceMetrics
 from common.service import StartupError
 from common.store import Store
+from common.tls import TlsConfig
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.convert import sampling_from_pb
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
@@ -111,7 +112,8 @@ class RouterApp:
         self.store = store
         self.servicer = RouterServicer(self)
         self.verifier: GrpcVerifier | None = None
-        self.pool: GrpcDrafterPool = GrpcDrafterPool(store, "", settings.discovery_interval_s, settings.use_drafters)
+        self.tls = TlsConfig.from_settings(settings)  # drafters and the verifier are dialled with it
+        self.pool: GrpcDrafterPool = GrpcDrafterPool(store, "", settings.discovery_interval_s, settings.use_drafters, tls=self.tls)
         self.spec_metrics: RouterMetrics | None = None
         self.core: RouterCore | None = None
         self.verifier_ready = False
@@ -137,7 +139,7 @@ class RouterApp:
                 members = await self.store.members("verifier")
                 address = members[0].address if members else ""
             if address:
-                verifier = GrpcVerifier(address)
+                verifier = GrpcVerifier(address, self.tls)
                 try:
                     info = await verifier.fetch_info()
                     break
