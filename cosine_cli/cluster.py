@@ -181,7 +181,8 @@ class LocalCluster:
                                *spec.gateway_args])
         await self._wait([gateway], "gateway")
         self.gateway_address = gateway.address
-        self.http_url = f"http://{join_host_port(spec.host, http_port)}"
+        scheme = "https" if spec.tls is not None and spec.tls.serves_tls else "http"
+        self.http_url = f"{scheme}://{join_host_port(spec.host, http_port)}"
         await self._wait_router_ready(drafters)
 
     async def restart_router_async(self, router_args: Sequence[str], drafters: int | None = None) -> str:

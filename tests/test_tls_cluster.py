@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 
 import grpc
 import pytest
@@ -145,20 +146,41 @@ def public_gateway(cluster, tiny_zoo, *tls_flags):
         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--redis-url", cluster.redis_url,
         "--redis-prefix", cluster.spec.prefix, "--router-address", cluster.router_address,
         "--tokenizer", str(tiny_zoo.target.path), *tls_flags], {})
-    server, _ = start_service(settings, build_app, prog="gateway")
+    async def factory(s, store):
+        app = await build_app(s, store)
+        server.apps.append(app)
+        return app
+
+    from common.testing import InProcessService
+
+    server = InProcessService(settings, factory, prog="gateway")
+    server.apps = []
+    server.start()
     return server
 
 
 def test_a_public_tls_gateway_without_client_auth_in_front_of_the_mtls_router(cluster, tiny_zoo, dev_certs, prompts, reference):
     """Clients need only the CA; the gateway itself shows its certificate to the mTLS router."""
+    import openai
+
     server = public_gateway(cluster, tiny_zoo, "--tls-cert", str(dev_certs.cert), "--tls-key", str(dev_certs.key),
-                            "--tls-ca", str(dev_certs.ca))
+                            "--tls-ca", str(dev_certs.ca), "--http-port", "0", "--served-model-name", "tiny")
     try:
         with Client(server.address, timeout=120, tls_ca=str(dev_certs.ca)) as client:
-            assert list(client.generate(prompts[0], max_new_tokens=MAX_NEW).token_ids) == reference[prompts[0]]
+            grpc_text = client.generate(prompts[0], max_new_tokens=MAX_NEW)
+            assert list(grpc_text.token_ids) == reference[prompts[0]]
         with Client(server.address, timeout=10, tls=False) as client:
             with pytest.raises(Unavailable):
                 client.generate(prompts[0], max_new_tokens=2)
+        # the OpenAI-compatible HTTP port serves HTTPS with the same certificate
+        port = server.apps[0].http.port
+        https = openai.OpenAI(base_url=f"https://localhost:{port}/v1", api_key="none", max_retries=0, timeout=120,
+                              http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(dev_certs.ca))))
+        reply = https.completions.create(model="tiny", prompt=prompts[0], max_tokens=MAX_NEW, temperature=0)
+        assert reply.choices[0].text == grpc_text.text
+        plain = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="none", max_retries=0, timeout=10)
+        with pytest.raises(openai.APIConnectionError):
+            plain.models.list()
     finally:
         server.stop()
 

@@ -18,7 +18,7 @@ from common.logs import get_logger
 from common.service import StartupError
 from common.store import STORE_ERRORS, Store
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
-from common.tls import TlsConfig, open_channel
+from common.tls import TlsConfig, http_server_ssl, open_channel
 from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from common.metrics import ServiceMetrics
 from services.gateway.errors import GatewayError
@@ -134,7 +134,8 @@ class GatewayApp:
         if self.settings.http_port >= 0:
             self.http = HttpFront(self, self.settings.host, self.settings.http_port)
             try:
-                await self.http.start()
+                https = http_server_ssl(TlsConfig.from_settings(self.settings))
+                await self.http.start(ssl=https.uvicorn_options() if https is not None else None)
             except OSError as exc:
                 raise PortInUse(f"cannot serve HTTP on port {self.settings.http_port}: {exc.strerror or exc}") from None
 
