@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -10,10 +11,12 @@ from typing import Any
 import grpc
 
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc
-from cosine_client.errors import CosineError, from_rpc_error
+from cosine_client.errors import CosineError, from_rpc_error, is_transport_failure
 from cosine_client.tls import TlsOptions
 from cosine_client.types import FINISH_REASONS, Chunk, Generation, SpecStats, Usage
 
+RESUMES = 3  # times a call is sent again after the connection to the gateway broke
+RESUME_WAIT_S = 30.0  # longest wait for the gateway to answer again before a resume
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.keepalive_time_ms", 30_000)]
 
 
@@ -29,6 +32,7 @@ def build_request(
     stop: Sequence[str] = (),
     request_id: str = "",
     domain_hint: str = "",
+    resume_ids: Sequence[int] = (),
 ) -> gateway_pb2.GenerateRequest:
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt or prompt_ids")
@@ -45,7 +49,25 @@ def build_request(
         req.top_k = top_k
     if seed is not None:
         req.seed = seed
+    if resume_ids:
+        req.resume_ids.ids.extend(int(t) for t in resume_ids)
     return req
+
+
+def resumed(req: gateway_pb2.GenerateRequest, attempt: int, received: Sequence[int]) -> gateway_pb2.GenerateRequest:
+    """The request to send again after a broken connection: the tokens already received go in
+    ``resume_ids``; a client-chosen id gets a suffix (the lost gateway's claim on it may linger)."""
+    again = gateway_pb2.GenerateRequest()
+    again.CopyFrom(req)
+    if req.request_id:
+        again.request_id = f"{req.request_id[:120]}.r{attempt}"
+    del again.resume_ids.ids[:]
+    again.resume_ids.ids.extend(received)
+    return again
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.001, deadline - time.monotonic())
 
 
 def _generation(reply: gateway_pb2.GenerateResponse, elapsed_s: float) -> Generation:
@@ -89,25 +111,58 @@ class Client:
         self._channel = channel or self.tls.channel(address, CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Generation:
+    def _wait_for_gateway(self, deadline: float | None) -> None:
+        wait = RESUME_WAIT_S if deadline is None else min(RESUME_WAIT_S, _remaining(deadline) or 0.0)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=wait)
+        except grpc.FutureTimeoutError:
+            pass  # the next call fails and says why
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
+                 **kwargs: Any) -> Generation:
+        """One request, the whole answer at once. When the connection to the gateway breaks (it
+        died or restarts), the request is sent again, up to ``resume`` times."""
         req = build_request(prompt, **kwargs)
         t0 = time.perf_counter()
-        try:
-            reply = self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return _generation(reply, time.perf_counter() - t0)
+        timeout = timeout or self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            try:
+                reply = self._stub.Generate(req if not attempt else resumed(req, attempt, ()), timeout=_remaining(deadline),
+                                            metadata=self._metadata)
+                return _generation(reply, time.perf_counter() - t0)
+            except grpc.RpcError as exc:
+                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
+                    raise from_rpc_error(exc) from None
+            attempt += 1
+            self._wait_for_gateway(deadline)
 
-    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Chunk]:
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
+               **kwargs: Any) -> Iterator[Chunk]:
+        """The answer as it is generated. When the connection to the gateway breaks, the stream
+        resumes (up to ``resume`` times) after the tokens already received: none is repeated or lost."""
         req = build_request(prompt, **kwargs)
-        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout, metadata=self._metadata)
-        try:
-            for msg in call:
-                yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        finally:
-            call.cancel()  # no-op when finished; frees the server side when the caller stops early
+        timeout = timeout or self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        received: list[int] = list(req.resume_ids.ids)
+        attempt = 0
+        while True:
+            call = self._stub.GenerateStream(req if not attempt else resumed(req, attempt, received),
+                                             timeout=_remaining(deadline), metadata=self._metadata)
+            try:
+                for msg in call:
+                    chunk = _chunk(msg)
+                    received.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except grpc.RpcError as exc:
+                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
+                    raise from_rpc_error(exc) from None
+            finally:
+                call.cancel()  # no-op when finished; frees the server side when the caller stops early
+            attempt += 1
+            self._wait_for_gateway(deadline)
 
     def close(self) -> None:
         self._channel.close()
@@ -132,25 +187,56 @@ class AsyncClient:
         self._channel = self.tls.aio_channel(address, CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Generation:
+    async def _wait_for_gateway(self, deadline: float | None) -> None:
+        wait = RESUME_WAIT_S if deadline is None else min(RESUME_WAIT_S, _remaining(deadline) or 0.0)
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), wait)
+        except asyncio.TimeoutError:
+            pass  # the next call fails and says why
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
+                       **kwargs: Any) -> Generation:
+        """As :meth:`Client.generate`: sent again (up to ``resume`` times) when the connection breaks."""
         req = build_request(prompt, **kwargs)
         t0 = time.perf_counter()
-        try:
-            reply = await self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        return _generation(reply, time.perf_counter() - t0)
+        timeout = timeout or self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            try:
+                reply = await self._stub.Generate(req if not attempt else resumed(req, attempt, ()), timeout=_remaining(deadline),
+                                                  metadata=self._metadata)
+                return _generation(reply, time.perf_counter() - t0)
+            except grpc.aio.AioRpcError as exc:
+                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
+                    raise from_rpc_error(exc) from None
+            attempt += 1
+            await self._wait_for_gateway(deadline)
 
-    async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> AsyncIterator[Chunk]:
+    async def stream(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
+                     **kwargs: Any) -> AsyncIterator[Chunk]:
+        """As :meth:`Client.stream`: resumes after the tokens already received when the connection breaks."""
         req = build_request(prompt, **kwargs)
-        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout, metadata=self._metadata)
-        try:
-            async for msg in call:
-                yield _chunk(msg)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        timeout = timeout or self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        received: list[int] = list(req.resume_ids.ids)
+        attempt = 0
+        while True:
+            call = self._stub.GenerateStream(req if not attempt else resumed(req, attempt, received),
+                                             timeout=_remaining(deadline), metadata=self._metadata)
+            try:
+                async for msg in call:
+                    chunk = _chunk(msg)
+                    received.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as exc:
+                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
+                    raise from_rpc_error(exc) from None
+            finally:
+                call.cancel()
+            attempt += 1
+            await self._wait_for_gateway(deadline)
 
     async def close(self) -> None:
         await self._channel.close()

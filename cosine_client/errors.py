@@ -55,3 +55,22 @@ def from_rpc_error(exc: grpc.RpcError) -> CosineError:
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _BY_CODE.get(code, CosineError)
     return cls(details or code.name, code)
+
+
+# What gRPC reports when the connection itself broke or could not be made (the gateway died or is
+# restarting), as opposed to an UNAVAILABLE the gateway answered on purpose ("no verifier ...").
+TRANSPORT_FAILURES = ("socket closed", "connection reset", "failed to connect", "connection refused", "broken pipe",
+                      "goaway", "too many pings", "stream removed", "end of tcp stream", "connection aborted")
+
+
+NEVER_CONNECTED = ("failed to connect", "connection refused")
+
+
+def is_transport_failure(exc: grpc.RpcError, first_attempt: bool = False) -> bool:
+    """The connection broke (or, after a first attempt, could not be made again). A first attempt
+    that never connected is not one: nothing is listening there, and waiting would only hide it."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = ((exc.details() if hasattr(exc, "details") else str(exc)) or "").lower()
+    if code != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in TRANSPORT_FAILURES):
+        return False
+    return not (first_attempt and any(m in details for m in NEVER_CONNECTED))

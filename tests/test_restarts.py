@@ -56,3 +56,43 @@ def test_killed_router_is_replaced_and_the_gateway_resumes_every_stream(tiny_zoo
         assert "router lost; resuming the request" in log  # the kill cut streams that were then resumed
     finally:
         c.stop()
+
+
+def test_killed_gateway_streams_resume_through_the_sdk(tiny_zoo, tmp_path, workload, reference):  # noqa: F811
+    """SIGKILL of the gateway under streaming load: the supervisor restarts it at the same address
+    and each SDK stream resumes after the tokens it already has; the concatenated tokens and text
+    are exactly an undisturbed run's."""
+    import asyncio
+
+    from common.checkpoints import load_tokenizer
+    from cosine_client import AsyncClient
+    from tests.test_cluster import MAX_NEW
+
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path))
+    c.start(progress=False)
+    sup = c.supervise(backoff=Backoff(initial_s=0.2))
+    tok = load_tokenizer(str(tiny_zoo.target.path))
+    work = workload * 4
+
+    async def one(client, prompt):
+        ids, text = [], []
+        async for chunk in client.stream(prompt, max_new_tokens=MAX_NEW):
+            ids += chunk.token_ids
+            text.append(chunk.text)
+        return ids, "".join(text)
+
+    async def body():
+        async with AsyncClient(c.gateway_address, timeout=180) as client:
+            tasks = [asyncio.create_task(one(client, p)) for _, p in work]
+            await asyncio.sleep(0.3)
+            c.kill("gateway")
+            return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(body())
+        for (_, prompt), (ids, text) in zip(work, results):
+            assert ids == reference[prompt]
+            assert text == tok.decode(reference[prompt], skip_special_tokens=True)
+        assert sup.restarts.get("gateway") == 1
+    finally:
+        c.stop()

@@ -21,7 +21,7 @@ import grpc
 
 from common.logs import get_logger, request_context
 from common.store import STORE_ERRORS, RequestExists
-from cosine.v1 import common_pb2, router_pb2
+from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.gateway.errors import GatewayError
 from services.gateway.requests import GenerationRequest, IncrementalDetokenizer, StopMatcher
 
@@ -52,12 +52,16 @@ class RouterRelay:
         self.app = app
         self.gen = gen
         self.timeout_s = timeout_s
-        self.produced: list[int] = []  # tokens relayed to the client so far
+        self.produced: list[int] = list(gen.resume_ids)  # tokens the client has (relayed, or resumed from)
         self.resumes = 0
         self.detok = IncrementalDetokenizer(lambda ids: app.tokenizer.decode(ids, skip_special_tokens=True))
         self.stops = StopMatcher(gen.stop) if gen.stop else None
+        if gen.resume_ids:  # a resumed stream: the text the client has is not sent again
+            seen = self.detok.push(gen.resume_ids)
+            if self.stops is not None:
+                self.stops.feed(seen)  # text held back as a possible stop string stays held back
 
-    def _submit(self, timeout_s: float) -> grpc.aio.UnaryStreamCall:
+    def _submit(self, stub: router_pb2_grpc.RouterStub, timeout_s: float) -> grpc.aio.UnaryStreamCall:
         gen = self.gen
         request_id = gen.request_id if not self.resumes else f"{gen.request_id}:r{self.resumes}"
         submit = router_pb2.SubmitRequest(
@@ -69,8 +73,7 @@ class RouterRelay:
         submit.sampling.top_k = gen.top_k
         if gen.seed is not None:
             submit.sampling.seed = gen.seed
-        assert self.app.router_stub is not None
-        return self.app.router_stub.Submit(submit, timeout=timeout_s)
+        return stub.Submit(submit, timeout=timeout_s)
 
     def _text(self, token_ids: list[int], finished: bool) -> str:
         text = self.detok.push(token_ids)
@@ -94,11 +97,19 @@ class RouterRelay:
             store_failures = 0
             try:
                 while True:
+                    if self.stops is not None and self.stops.stopped:  # a resumed stream already ended in a stop string
+                        outcome = "stop"
+                        yield Progress("", [], True, common_pb2.FINISH_REASON_STOP)
+                        return
                     if len(self.produced) >= gen.max_new_tokens:  # the router was lost right after the last token
                         outcome = "length"
                         yield Progress(self._text([], True), [], True, common_pb2.FINISH_REASON_LENGTH)
                         return
-                    call = self._submit(max(0.001, deadline - loop.time()))
+                    if app.router_stub is None:
+                        await app.ensure_ready()
+                    stub = app.router_stub
+                    assert stub is not None
+                    call = self._submit(stub, max(0.001, deadline - loop.time()))
                     try:
                         async for chunk in call:
                             ids = list(chunk.token_ids)
@@ -131,10 +142,10 @@ class RouterRelay:
                             log.warning("router lost; resuming the request", details=exc.details(), committed=len(self.produced),
                                         attempt=self.resumes)
                             outcome = "unavailable"  # unless a router answers in time
-                            await app.reconnect_router(min(deadline, loop.time() + app.settings.router_resume_timeout_s))
+                            await app.reconnect_router(min(deadline, loop.time() + app.settings.router_resume_timeout_s), lost=stub)
                             continue
-                        if code == grpc.StatusCode.UNAVAILABLE:
-                            app.router_stub = None  # rediscover the router next time
+                        if code == grpc.StatusCode.UNAVAILABLE and app.router_stub is stub:
+                            app.forget_router()  # rediscover the router next time
                         outcome = code.name.lower()
                         log.warning("request failed at the router", code=code.name, details=exc.details())
                         raise GatewayError(code, exc.details() or code.name) from None

@@ -42,6 +42,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     domain_hint: str = ""
+    resume_ids: tuple[int, ...] = ()  # already delivered by an earlier gateway (a resumed stream)
 
     def params(self) -> dict[str, Any]:
         return {
@@ -65,6 +66,7 @@ class RawRequest:
     request_id: str
     domain_hint: str
     unknown_fields: Sequence[int] = ()
+    resume_ids: Sequence[int] = ()
 
 
 def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int]]) -> GenerationRequest:
@@ -107,6 +109,12 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     top_k = 0 if raw.top_k is None else int(raw.top_k)
     if top_k < 0:
         raise InvalidRequest("top_k", f"must be >= 0 (got {raw.top_k})")
+    resume_ids = tuple(int(t) for t in raw.resume_ids)
+    bad = next((t for t in resume_ids if t < 0 or t >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("resume_ids", f"token id {bad} is outside the target's vocabulary (0..{limits.vocab_size - 1})")
+    if len(resume_ids) >= max_new:
+        raise InvalidRequest("resume_ids", f"{len(resume_ids)} tokens already received leave nothing of max_new_tokens ({max_new}) to generate")
     stops = tuple(raw.stop)
     if len(stops) > limits.max_stop_strings:
         raise InvalidRequest("stop", f"at most {limits.max_stop_strings} stop strings")
@@ -114,7 +122,7 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
         raise InvalidRequest("stop", "stop strings must not be empty")
     return GenerationRequest(
         request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=max_new, temperature=temperature,
-        top_p=top_p, top_k=top_k, seed=raw.seed, stop=stops, domain_hint=raw.domain_hint,
+        top_p=top_p, top_k=top_k, seed=raw.seed, stop=stops, domain_hint=raw.domain_hint, resume_ids=resume_ids,
     )
 
 

@@ -50,6 +50,7 @@ def raw_from_pb(req: gateway_pb2.GenerateRequest) -> RawRequest:
         top_k=req.top_k if req.HasField("top_k") else None,
         seed=req.seed if req.HasField("seed") else None,
         stop=list(req.stop), request_id=req.request_id, domain_hint=req.domain_hint, unknown_fields=unknown,
+        resume_ids=list(req.resume_ids.ids),
     )
 
 
@@ -75,7 +76,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if last is not None and last.stats is not None:
             reply.stats.CopyFrom(last.stats)
         reply.usage.prompt_tokens = len(gen.prompt_ids)
-        reply.usage.completion_tokens = len(ids)
+        reply.usage.completion_tokens = len(gen.resume_ids) + len(ids)
         reply.timings.total_ns = time.perf_counter_ns() - t0
         return reply
 
@@ -91,7 +92,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if piece.stats is not None:
                         chunk.stats.CopyFrom(piece.stats)
                     chunk.usage.prompt_tokens = len(gen.prompt_ids)
-                    chunk.usage.completion_tokens = count
+                    chunk.usage.completion_tokens = len(gen.resume_ids) + count
                 yield chunk
         except GatewayError as exc:
             await context.abort(exc.code, exc.message)
@@ -122,6 +123,8 @@ class GatewayApp:
         self.keys: frozenset[str] = frozenset()
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()  # API keys, when configured
         self.http: HttpFront | None = None
+        self._reconnecting = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
 
     def bind_metrics(self, metrics: ServiceMetrics) -> None:
         self.metrics = GatewayMetrics(metrics)
@@ -142,6 +145,8 @@ class GatewayApp:
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
+        for task in list(self._retiring):
+            task.cancel()
         if self.router_channel is not None:
             await self.router_channel.close()
 
@@ -232,25 +237,47 @@ class GatewayApp:
         async for piece in RouterRelay(self, gen, timeout).pieces():
             yield piece
 
-    async def reconnect_router(self, deadline: float) -> None:
-        """After the router was lost: drop the channel and wait (until ``deadline``, loop time)
-        for a router that answers health checks, the same one restarted or another member."""
+    async def reconnect_router(self, deadline: float, lost: router_pb2_grpc.RouterStub | None) -> None:
+        """After the router behind stub ``lost`` was lost: wait (until ``deadline``, loop time) for
+        a router that answers health checks, the same one restarted or another member. Requests
+        that lose the same router share one reconnection; the old channel is closed only after the
+        calls still on it have had time to notice, so none is cut as cancelled."""
         loop = asyncio.get_running_loop()
-        while True:
-            if self.router_channel is not None:
-                await self.router_channel.close()
-            self.router_channel, self.router_stub = None, None
-            try:
-                await self.ensure_ready()
-                if await check_health(self.router_address, timeout_s=1.0, tls=TlsConfig.from_settings(self.settings)):
+        async with self._reconnecting:
+            while True:
+                if self.router_stub is lost or self.router_stub is None:
+                    if self.router_channel is not None:
+                        self._retire(self.router_channel)
+                    self.router_channel, self.router_stub = None, None
+                    try:
+                        await self.ensure_ready()
+                    except GatewayError as exc:
+                        if loop.time() >= deadline:
+                            raise
+                        log.debug("no router yet", reason=exc.message)
+                if self.router_stub is not None and await check_health(self.router_address, timeout_s=1.0,
+                                                                       tls=TlsConfig.from_settings(self.settings)):
                     return
-            except GatewayError as exc:
                 if loop.time() >= deadline:
-                    raise
-                log.debug("no router yet", reason=exc.message)
-            if loop.time() >= deadline:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"the router was lost and none answered within {self.settings.router_resume_timeout_s:g}s")
-            await asyncio.sleep(0.25)
+                    raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                       f"the router was lost and none answered within {self.settings.router_resume_timeout_s:g}s")
+                await asyncio.sleep(0.25)
+                lost = self.router_stub  # still not answering: look the router up again
+
+    def forget_router(self) -> None:
+        """Look the router up again on the next request (its channel is closed a little later)."""
+        if self.router_channel is not None:
+            self._retire(self.router_channel)
+        self.router_channel, self.router_stub = None, None
+
+    def _retire(self, channel: grpc.aio.Channel, after_s: float = 30.0) -> None:
+        async def close_later() -> None:
+            await asyncio.sleep(after_s)
+            await channel.close()
+
+        task = asyncio.get_running_loop().create_task(close_later())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
 
 async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:

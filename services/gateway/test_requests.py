@@ -75,3 +75,13 @@ def test_stop_matcher_cuts_before_stop_and_holds_prefixes():
     assert m.feed("ignored") == "" and m.flush() == ""
     m = StopMatcher(("\n\n", "###"))
     assert m.feed("a\n") == "a" and m.flush() == "\n"
+
+
+def test_resume_ids_are_checked_and_kept():
+    assert validate(raw(resume_ids=[5, 6]), LIMITS, tok).resume_ids == (5, 6)
+    with pytest.raises(InvalidRequest) as err:
+        validate(raw(resume_ids=[5, 100]), LIMITS, tok)
+    assert err.value.field == "resume_ids"
+    with pytest.raises(InvalidRequest) as err:  # nothing left to generate
+        validate(raw(max_new_tokens=2, resume_ids=[5, 6]), LIMITS, tok)
+    assert err.value.field == "resume_ids"
