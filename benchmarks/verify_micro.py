@@ -5,7 +5,11 @@ Prints, for the target model (a random Llama created on the fly unless ``--targe
 1. the cost of verifying ``k = 1..8`` drafted tokens (a chain) for one request, relative to one
    plain decode step (an empty tree) on the same cache;
 2. the throughput of one batched verify pass at batch 1/4/16 relative to verifying the same
-   requests one by one (same caches, same trees).
+   requests one by one (same caches, same trees);
+3. the verify pass (decode, chain of 5, tree of 10) at batch 1/8/32 against a plain transformers
+   forward with a ``DynamicCache`` on the same shapes, and the bound (see
+   :mod:`benchmarks.verify_vs_hf`), e.g. on a GPU:
+   ``python -m benchmarks.verify_micro --device cuda --dtype bfloat16 --context 512 --hidden 2048 --layers 16``.
 
 A "verify pass" is what the engine runs per batch: the runner's forward over the last committed
 token plus the tree on top of each request's cache, and the greedy acceptance walk. Caches are
@@ -43,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    ap.add_argument("--batches", default="1,8,32", help="batch sizes of the comparison with transformers (section 3)")
+    ap.add_argument("--sections", default="1,2,3", help="sections to run (default: all)")
+    ap.add_argument("--peak-gbs", type=float, default=None, help="device memory bandwidth, GB/s, for the bound (known for H100/H200)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="device dense throughput, TFLOP/s, for the bound")
     return ap.parse_args(argv)
 
 
@@ -117,7 +125,19 @@ def main(argv: list[str] | None = None) -> None:
           f"params={runner.num_parameters / 1e6:.1f}M dtype={args.dtype} device={args.device} "
           f"backend={runner.backend.name} threads={torch.get_num_threads()} context={args.context}")
     bench = Bench(runner, args.context, args.repeats)
+    sections = {int(x) for x in args.sections.split(",") if x.strip()}
+    if 1 in sections:
+        section_chain(bench, args)
+    if 2 in sections:
+        section_batch(bench, args)
+    if 3 in sections:
+        from benchmarks.verify_vs_hf import compare, device_peaks
 
+        peaks = device_peaks(runner.device, args.peak_gbs, args.peak_tflops)
+        compare(runner, args.context, [int(b) for b in args.batches.split(",")], args.repeats, peaks)
+
+
+def section_chain(bench: Bench, args: argparse.Namespace) -> None:
     req = bench.new_request(args.context)
     base = bench.time(lambda: bench.verify_pass([req], [TokenTree()]))
     print("\n1) verify cost for one request, k drafted tokens (chain) vs one plain decode step")
@@ -128,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         t = bench.time(lambda: bench.verify_pass([req], [tree]))
         print(f"   {k}   {t * 1e3:6.2f}  {t / base:5.2f}")
 
+
+def section_batch(bench: Bench, args: argparse.Namespace) -> None:
     print(f"\n2) batched verify throughput vs the same requests one by one "
           f"(k={args.batch_k} chain per request, contexts {args.context // 2}..{args.context})")
     print("   batch  batched ms  one-by-one ms  throughput x")
