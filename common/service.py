@@ -23,7 +23,14 @@ from typing import Any, Protocol
 
 import grpc
 
-from common.grpc_server import PortInUse, ServerHandle, create_server, join_host_port, wait_for_shutdown_signal
+from common.grpc_server import (
+    ErrorStatusInterceptor,
+    PortInUse,
+    ServerHandle,
+    create_server,
+    join_host_port,
+    wait_for_shutdown_signal,
+)
 from common.metrics import ServiceMetrics
 from common.logs import LEVELS, configure_logging, get_logger
 from common.settings import SettingsError, load_settings, port_check, positive, redis_url_check, setting, settings_as_dict
@@ -133,7 +140,9 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
         try:
             address = join_host_port(settings.host, settings.port)
             handle = await create_server(address, app.register, app.service_names,
-                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ())], tls=tls)
+                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ()),
+                                                       ErrorStatusInterceptor({StoreUnavailable: grpc.StatusCode.UNAVAILABLE})],
+                                         tls=tls)
             try:
                 metrics_port = metrics.serve(settings.host, settings.metrics_port)
             except OSError as exc:
