@@ -3,8 +3,9 @@
 ``python -m services.<name>`` calls :func:`run_service` with the service's settings class and a
 factory for its app. The path is: parse settings (flags + ``COSINE_*``) -> configure logging ->
 reach Redis -> build the app (load models, connect peers) -> serve gRPC with health and
-reflection -> register in Redis with a heartbeat -> wait for SIGTERM/SIGINT -> NOT_SERVING ->
-stop with a grace period -> deregister. Any expected failure on that path (bad settings,
+reflection -> register in Redis with a heartbeat -> wait for SIGTERM/SIGINT -> NOT_SERVING and
+deregister (peers stop sending work) -> the app's own drain, if it has one -> stop with a grace
+period. Any expected failure on that path (bad settings,
 unreachable Redis, a port in use, a bad checkpoint) ends the process with one line on stderr and
 a non-zero exit status; no traceback.
 """
@@ -169,12 +170,17 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
                     signame = "stop-event"
                 log.info("shutting down", signal=signame, grace_s=settings.shutdown_grace_s)
             finally:
+                # peers stop sending work at once: health NOT_SERVING, membership entry gone
                 heartbeat.cancel()
-                await handle.stop(settings.shutdown_grace_s)
+                await handle.set_serving(False)
                 try:
                     await store.deregister(member.role, member.member_id)
                 except Exception as exc:  # Redis gone during shutdown: the TTL will clean up
                     log.warning("deregister failed", error=str(exc))
+                drain = getattr(app, "drain", None)
+                if drain is not None:  # an app that can finish its in-flight work first (the drafter)
+                    await drain()
+                await handle.stop(settings.shutdown_grace_s)
         finally:
             await app.stop()
             metrics.close()
