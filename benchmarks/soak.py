@@ -108,9 +108,11 @@ async def run_streams(address: str, prompts: Sequence[str], streams: int, max_ne
 def ensure_tiny_zoo(path: str) -> None:
     if (Path(path) / "zoo.json").is_file():
         return
+    from common.logs import configure_logging
     from cosine_zoo.build import BuildOptions, build_zoo
     from cosine_zoo.profiles import tiny
 
+    configure_logging("warning", stream=sys.stderr)  # stdout carries the figures (--json)
     print(f"building   the tiny zoo into {path}", file=sys.stderr, flush=True)
     build_zoo(BuildOptions(out=Path(path), profile=tiny(), seed=0, progress=False, threads=1))
 
