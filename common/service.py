@@ -155,7 +155,10 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
             if metrics_port is not None:
                 info["metrics_port"] = metrics_port
             member = Member(app.role, settings.member_id or default_member_id(), advertised, info, time.time())
-            await store.register(member, settings.member_ttl_s)
+            try:
+                await store.register(member, settings.member_ttl_s)
+            except StoreUnavailable as exc:  # Redis restarting: the heartbeat registers us when it is back
+                log.warning("not registered yet; the heartbeat will retry", error=str(exc))
             heartbeat = asyncio.create_task(_heartbeat(store, member, settings.heartbeat_s, settings.member_ttl_s, log))
             log.info("serving", address=advertised, port=handle.port, role=app.role, member_id=member.member_id,
                      metrics_port=metrics_port, tls=tls.describe())
