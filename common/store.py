@@ -99,7 +99,9 @@ return total
 """
 
 
-# What a Redis outage raises through the Store: callers that must survive one catch these.
+# What a Redis outage raises through the Store. Every Store method now raises StoreUnavailable
+# alone (append_tokens and delete_request raise nothing for an outage); catching this tuple
+# stays correct.
 STORE_ERRORS: tuple[type[BaseException], ...] = (StoreUnavailable, RedisError, OSError)
 
 
