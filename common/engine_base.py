@@ -27,6 +27,10 @@ class RequestEngine(Generic[S]):
     def cache_len(self, request_id: str) -> int:
         return self._state(request_id).cache.length  # type: ignore[attr-defined]
 
+    def holds(self, request_id: str) -> bool:
+        """Whether this engine keeps a cache for ``request_id``."""
+        return request_id in self._requests
+
     @property
     def active_requests(self) -> int:
         return len(self._requests)

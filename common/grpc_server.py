@@ -4,9 +4,11 @@ signal handling and graceful shutdown. Servicers stay thin; this module knows no
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -83,6 +85,64 @@ async def create_server(
     handle = ServerHandle(server, port, health_servicer, names)
     await handle.set_serving(True)
     return handle
+
+
+class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exception types a servicer lets through to a status code (instead of UNKNOWN), e.g.
+    ``{StoreUnavailable: UNAVAILABLE}``: Redis down is a retryable condition, not a server bug."""
+
+    def __init__(self, mapping: Mapping[type[BaseException], grpc.StatusCode]) -> None:
+        self.mapping = tuple(mapping.items())
+
+    def _status(self, exc: BaseException) -> grpc.StatusCode | None:
+        return next((code for kind, code in self.mapping if isinstance(exc, kind)), None)
+
+    async def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+
+        def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def wrapped(request_or_iterator: Any, context: Any) -> Any:
+                try:
+                    result = fn(request_or_iterator, context)
+                    return await result if inspect.isawaitable(result) else result
+                except Exception as exc:
+                    code = self._status(exc)
+                    if code is None:
+                        raise
+                    await context.abort(code, str(exc))
+            return wrapped
+
+        def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def wrapped(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
+                try:
+                    result = fn(request_or_iterator, context)
+                    if hasattr(result, "__aiter__"):
+                        async for item in result:
+                            yield item
+                    elif inspect.isawaitable(result):
+                        await result
+                except Exception as exc:
+                    code = self._status(exc)
+                    if code is None:
+                        raise
+                    await context.abort(code, str(exc))
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer,
+                                                        handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer,
+                                                        handler.response_serializer)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer,
+                                                         handler.response_serializer)
+        return handler
 
 
 def join_host_port(host: str, port: int) -> str:

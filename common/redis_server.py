@@ -1,4 +1,11 @@
-"""Start and stop a private redis-server on a free loopback port (tests, `cosine up`)."""
+"""Start and stop a private redis-server on a free loopback port (tests, `cosine up`).
+
+With ``persistent=True`` the server keeps an append-only file (``appendonly yes``,
+``appendfsync everysec``) in its own directory for as long as this object lives, so a server
+killed and started again on the same port (:meth:`RedisServer.kill`, :meth:`RedisServer.start`)
+comes back with its data: profiles, request state and membership. Redis writes the file before
+it answers, so a killed server loses no acknowledged write (a machine crash: up to a second).
+"""
 
 from __future__ import annotations
 
@@ -21,17 +28,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """A throw-away redis-server process: no persistence, loopback only.
+    """A throw-away redis-server process on loopback; persistent only when asked.
 
-    Use as a context manager or call start()/stop(). ``url`` is valid once started.
+    Use as a context manager or call start()/stop(). ``url`` is valid once started; after
+    :meth:`kill`, :meth:`start` brings it back on the same port with the same directory.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, binary: str | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, binary: str | None = None,
+                 persistent: bool = False):
         self.host = host
         self.port = port
         self.binary = binary or shutil.which("redis-server")
+        self.persistent = persistent
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    @property
+    def log_path(self) -> Path | None:
+        return Path(self._dir.name) / "redis.log" if self._dir else None
 
     @property
     def url(self) -> str:
@@ -40,14 +58,16 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         if not self.binary:
             raise RedisServerError("redis-server is not installed (Debian: apt-get install redis-server; `make setup` does it)")
+        persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.persistent else ["--appendonly", "no"]
         for _attempt in range(5):
             port = self.port or free_port(self.host)
-            self._dir = tempfile.TemporaryDirectory(prefix="cosine-redis-")
+            if self._dir is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="cosine-redis-")
             cmd = [
-                self.binary, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no",
+                self.binary, "--port", str(port), "--bind", self.host, "--save", "", *persistence,
                 "--dir", self._dir.name, "--protected-mode", "no", "--loglevel", "warning",
             ]
-            log = open(Path(self._dir.name) / "redis.log", "wb")
+            log = open(Path(self._dir.name) / "redis.log", "ab")
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             log.close()
             deadline = time.monotonic() + timeout_s
@@ -58,12 +78,12 @@ class RedisServer:
                     self.port = port
                     return self
                 time.sleep(0.02)
-            self._kill()
-            if self.port:  # fixed port requested: do not retry elsewhere
+            self._end(keep_dir=bool(self.port))
+            if self.port:  # fixed port requested (or a restart): do not retry elsewhere
                 break
         raise RedisServerError(f"redis-server did not start on {self.host}")
 
-    def _kill(self) -> None:
+    def _end(self, keep_dir: bool = False) -> None:
         if self._proc and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -72,12 +92,18 @@ class RedisServer:
                 self._proc.kill()
                 self._proc.wait(5)
         self._proc = None
-        if self._dir:
+        if self._dir and not keep_dir:
             self._dir.cleanup()
             self._dir = None
 
+    def kill(self) -> None:
+        """SIGKILL the server, keeping its port and directory for :meth:`start`."""
+        if self._proc and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(5)
+
     def stop(self) -> None:
-        self._kill()
+        self._end()
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -3,8 +3,9 @@
 ``python -m services.<name>`` calls :func:`run_service` with the service's settings class and a
 factory for its app. The path is: parse settings (flags + ``COSINE_*``) -> configure logging ->
 reach Redis -> build the app (load models, connect peers) -> serve gRPC with health and
-reflection -> register in Redis with a heartbeat -> wait for SIGTERM/SIGINT -> NOT_SERVING ->
-stop with a grace period -> deregister. Any expected failure on that path (bad settings,
+reflection -> register in Redis with a heartbeat -> wait for SIGTERM/SIGINT -> NOT_SERVING and
+deregister (peers stop sending work) -> the app's own drain, if it has one -> stop with a grace
+period. Any expected failure on that path (bad settings,
 unreachable Redis, a port in use, a bad checkpoint) ends the process with one line on stderr and
 a non-zero exit status; no traceback.
 """
@@ -23,7 +24,14 @@ from typing import Any, Protocol
 
 import grpc
 
-from common.grpc_server import PortInUse, ServerHandle, create_server, join_host_port, wait_for_shutdown_signal
+from common.grpc_server import (
+    ErrorStatusInterceptor,
+    PortInUse,
+    ServerHandle,
+    create_server,
+    join_host_port,
+    wait_for_shutdown_signal,
+)
 from common.metrics import ServiceMetrics
 from common.logs import LEVELS, configure_logging, get_logger
 from common.settings import SettingsError, load_settings, port_check, positive, redis_url_check, setting, settings_as_dict
@@ -133,7 +141,9 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
         try:
             address = join_host_port(settings.host, settings.port)
             handle = await create_server(address, app.register, app.service_names,
-                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ())], tls=tls)
+                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ()),
+                                                       ErrorStatusInterceptor({StoreUnavailable: grpc.StatusCode.UNAVAILABLE})],
+                                         tls=tls)
             try:
                 metrics_port = metrics.serve(settings.host, settings.metrics_port)
             except OSError as exc:
@@ -145,7 +155,10 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
             if metrics_port is not None:
                 info["metrics_port"] = metrics_port
             member = Member(app.role, settings.member_id or default_member_id(), advertised, info, time.time())
-            await store.register(member, settings.member_ttl_s)
+            try:
+                await store.register(member, settings.member_ttl_s)
+            except StoreUnavailable as exc:  # Redis restarting: the heartbeat registers us when it is back
+                log.warning("not registered yet; the heartbeat will retry", error=str(exc))
             heartbeat = asyncio.create_task(_heartbeat(store, member, settings.heartbeat_s, settings.member_ttl_s, log))
             log.info("serving", address=advertised, port=handle.port, role=app.role, member_id=member.member_id,
                      metrics_port=metrics_port, tls=tls.describe())
@@ -160,12 +173,17 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
                     signame = "stop-event"
                 log.info("shutting down", signal=signame, grace_s=settings.shutdown_grace_s)
             finally:
+                # peers stop sending work at once: health NOT_SERVING, membership entry gone
                 heartbeat.cancel()
-                await handle.stop(settings.shutdown_grace_s)
+                await handle.set_serving(False)
                 try:
                     await store.deregister(member.role, member.member_id)
                 except Exception as exc:  # Redis gone during shutdown: the TTL will clean up
                     log.warning("deregister failed", error=str(exc))
+                drain = getattr(app, "drain", None)
+                if drain is not None:  # an app that can finish its in-flight work first (the drafter)
+                    await drain()
+                await handle.stop(settings.shutdown_grace_s)
         finally:
             await app.stop()
             metrics.close()

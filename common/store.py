@@ -22,29 +22,86 @@ Key layout (every key starts with the configurable prefix, ``cosine`` by default
     verifier, router or gateway; the value holds the address and what the member serves. It
     carries a TTL renewed by the member's heartbeat, so a crashed member disappears by itself;
     a clean shutdown deletes it.
+
+Outages (Redis restarting, unreachable for a while): every method raises
+:class:`StoreUnavailable` (never a raw redis or socket error), except the two writes a running
+request makes, which must not fail the request: :meth:`Store.append_tokens` keeps tokens it
+could not write and writes them, in order and exactly once, with the next call that reaches
+Redis; :meth:`Store.delete_request` remembers a delete it could not make and makes it then.
+Both return whether Redis is up to date. A reconnect after a Redis restart is transparent (one
+immediate retry on a stale pooled connection). What survives a Redis restart is Redis's own
+persistence (``appendonly yes``: see the deployment notes).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+
+from common.logs import get_logger
 
 DEFAULT_PREFIX = "cosine"
 
 PROFILE_FIELDS = ("prior", "prior_weight", "rounds", "accepted", "proposed")
 
 
+log = get_logger("store")
+
+OUTAGE_ERRORS = (RedisError, OSError)
+
+
 class StoreUnavailable(RuntimeError):
-    """Redis could not be reached or answered with an error."""
+    """Redis could not be reached or answered with an error. A servicer maps it to UNAVAILABLE
+    (``common.grpc_server.StoreOutageInterceptor`` does it for any it lets through)."""
 
 
-# What a Redis outage raises through the Store: callers that must survive one catch these.
+T = TypeVar("T")
+
+
+def _outage(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Turn redis and socket errors of a Store method into :class:`StoreUnavailable`."""
+
+    @functools.wraps(fn)
+    async def wrapped(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except OUTAGE_ERRORS as exc:
+            raise StoreUnavailable(f"Redis unavailable: {exc or type(exc).__name__}") from exc
+
+    return wrapped
+
+
+# Append a running request's new tokens exactly once. KEYS: request hash, token list. ARGV: the
+# offset of the first token (tokens already in the list are skipped: a retried write is
+# harmless), status, now, ttl, tokens... Returns the list length, or -1 when the request's state
+# is gone (Redis lost it: nothing partial is written), -2 when tokens before the offset are missing.
+_APPEND_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local have = redis.call('LLEN', KEYS[2])
+local start = tonumber(ARGV[1])
+if start < 0 then start = have end
+if have < start then return -2 end
+for i = have - start + 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+local total = redis.call('LLEN', KEYS[2])
+redis.call('HSET', KEYS[1], 'committed', total, 'status', ARGV[2], 'updated_at', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+if total > 0 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
+return total
+"""
+
+
+# What a Redis outage raises through the Store. Every Store method now raises StoreUnavailable
+# alone (append_tokens and delete_request raise nothing for an outage); catching this tuple
+# stays correct.
 STORE_ERRORS: tuple[type[BaseException], ...] = (StoreUnavailable, RedisError, OSError)
 
 
@@ -94,18 +151,30 @@ class Store:
         self._r = client
         self.prefix = prefix
         self.request_ttl_s = request_ttl_s
+        self._append = client.register_script(_APPEND_SCRIPT)
+        self._written: dict[str, int] = {}  # request id -> tokens known to be in Redis
+        self._unwritten: dict[str, list[int]] = {}  # request id -> tokens not written yet (outage)
+        self._undeleted: set[str] = set()  # requests whose delete failed (outage)
+        self.outage_writes = 0  # writes deferred by an outage (figures for logs and tests)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, request_ttl_s: int = 3600) -> Store:
-        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3, socket_timeout=10)
+        # one immediate retry: after a Redis restart the first command meets a stale pooled connection
+        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3, socket_timeout=10,
+                                         retry=Retry(NoBackoff(), 1))
         return cls(client, prefix, request_ttl_s)
 
     async def ping(self) -> None:
         """Raise StoreUnavailable with a readable reason when Redis is not reachable."""
         try:
             await self._r.ping()
-        except (RedisError, OSError) as exc:
+        except OUTAGE_ERRORS as exc:
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
+
+    def backlog(self) -> dict[str, int]:
+        """Writes an outage deferred: requests with unwritten tokens, and deletes not made yet."""
+        return {"requests": len(self._unwritten), "tokens": sum(map(len, self._unwritten.values())),
+                "deletes": len(self._undeleted)}
 
     async def close(self) -> None:
         await self._r.aclose()
@@ -126,6 +195,7 @@ class Store:
 
     # ---- expertise profiles ----------------------------------------------------------------
 
+    @_outage
     async def seed_profile(self, drafter_id: str, priors: Mapping[str, float], prior_weight: float, reset: bool = False) -> None:
         """Write offline acceptance figures (domain -> mean accepted per round) as priors."""
         key = self.profile_key(drafter_id)
@@ -142,14 +212,20 @@ class Store:
 
     async def record_acceptance(self, updates: Iterable[tuple[str, str, float, float]]) -> None:
         """Add online figures: (drafter_id, domain, accepted tokens, proposed tokens), one round each."""
+        await self.add_acceptance_totals(sum_acceptance(updates))
+
+    @_outage
+    async def add_acceptance_totals(self, totals: Mapping[tuple[str, str], tuple[float, float, float]]) -> None:
+        """Add summed online figures: (drafter_id, domain) -> (rounds, accepted, proposed)."""
         async with self._r.pipeline(transaction=False) as pipe:
-            for drafter_id, domain, accepted, proposed in updates:
+            for (drafter_id, domain), (rounds, accepted, proposed) in totals.items():
                 key = self.profile_key(drafter_id)
-                pipe.hincrbyfloat(key, f"{domain}|rounds", 1.0)
+                pipe.hincrbyfloat(key, f"{domain}|rounds", float(rounds))
                 pipe.hincrbyfloat(key, f"{domain}|accepted", float(accepted))
                 pipe.hincrbyfloat(key, f"{domain}|proposed", float(proposed))
             await pipe.execute()
 
+    @_outage
     async def load_profiles(self, drafter_ids: Iterable[str]) -> dict[str, DrafterProfile]:
         ids = list(drafter_ids)
         async with self._r.pipeline(transaction=False) as pipe:
@@ -158,15 +234,19 @@ class Store:
             raw = await pipe.execute()
         return {drafter_id: _parse_profile(drafter_id, fields) for drafter_id, fields in zip(ids, raw)}
 
+    @_outage
     async def profile_ids(self) -> list[str]:
         prefix = self.profile_key("")
         return sorted([key[len(prefix) :] async for key in self._r.scan_iter(match=prefix + "*", count=200)])
 
     # ---- request state ---------------------------------------------------------------------
 
+    @_outage
     async def create_request(self, request_id: str, prompt_ids: list[int], params: Mapping[str, Any], owner: str) -> None:
         """Claim ``request_id`` cluster-wide and write its state. Raises :class:`RequestExists`
-        (touching nothing) when a request with that id is already running."""
+        (touching nothing) when a request with that id is already running, and
+        :class:`StoreUnavailable` when Redis cannot take the state (the request must not start)."""
+        await self._flush_deletes()
         now = time.time()
         key = self.request_key(request_id)
         if not await self._r.hsetnx(key, "owner", owner):  # atomic claim: one writer per id in the cluster
@@ -186,18 +266,36 @@ class Store:
             )
             pipe.expire(key, self.request_ttl_s)
             await pipe.execute()
+        self._written[request_id] = 0
 
-    async def append_tokens(self, request_id: str, token_ids: list[int], status: str = "running") -> None:
-        key, tokens = self.request_key(request_id), self.tokens_key(request_id)
-        async with self._r.pipeline(transaction=True) as pipe:
-            if token_ids:
-                pipe.rpush(tokens, *token_ids)
-                pipe.hincrby(key, "committed", len(token_ids))
-            pipe.hset(key, mapping={"status": status, "updated_at": time.time()})
-            pipe.expire(key, self.request_ttl_s)
-            pipe.expire(tokens, self.request_ttl_s)
-            await pipe.execute()
+    async def append_tokens(self, request_id: str, token_ids: list[int], status: str = "running") -> bool:
+        """Append a running request's new tokens and set its status. Never raises for an outage:
+        returns False and keeps the tokens, which the next call for the request writes first (each
+        token lands exactly once, in order). False also when Redis lost the request's state."""
+        pending = self._unwritten.setdefault(request_id, [])
+        pending.extend(int(t) for t in token_ids)
+        start = self._written.get(request_id, -1)
+        try:
+            total = await self._append(keys=[self.request_key(request_id), self.tokens_key(request_id)],
+                                       args=[start, status, time.time(), self.request_ttl_s, *pending])
+        except OUTAGE_ERRORS as exc:
+            self.outage_writes += 1
+            if self.outage_writes in (1, 10) or self.outage_writes % 100 == 0:
+                log.warning("request state not written; kept for the next write", request_id=request_id,
+                            unwritten=len(pending), error=str(exc) or type(exc).__name__, deferred=self.outage_writes)
+            return False
+        del self._unwritten[request_id]
+        if total < 0:
+            log.warning("request state lost by Redis; not rewritten", request_id=request_id,
+                        reason="gone" if total == -1 else "tokens missing")
+            self._written.pop(request_id, None)
+            return False
+        if start >= 0:
+            self._written[request_id] = int(total)
+        await self._flush_deletes()
+        return True
 
+    @_outage
     async def get_request(self, request_id: str) -> dict[str, Any] | None:
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hgetall(self.request_key(request_id))
@@ -212,9 +310,29 @@ class Store:
         out["tokens"] = [int(t) for t in tokens]
         return out
 
-    async def delete_request(self, request_id: str) -> None:
-        await self._r.delete(self.request_key(request_id), self.tokens_key(request_id))
+    async def delete_request(self, request_id: str) -> bool:
+        """Remove a request's state. Never raises for an outage: returns False and makes the
+        delete with the next Store write that reaches Redis (or the keys expire by themselves)."""
+        self._unwritten.pop(request_id, None)
+        self._written.pop(request_id, None)
+        self._undeleted.add(request_id)
+        try:
+            await self._flush_deletes()
+        except StoreUnavailable:
+            return False
+        return True
 
+    async def _flush_deletes(self) -> None:
+        if not self._undeleted:
+            return
+        ids = sorted(self._undeleted)
+        try:
+            await self._r.delete(*(k for rid in ids for k in (self.request_key(rid), self.tokens_key(rid))))
+        except OUTAGE_ERRORS as exc:
+            raise StoreUnavailable(f"Redis unavailable: {exc or type(exc).__name__}") from exc
+        self._undeleted.difference_update(ids)
+
+    @_outage
     async def request_ids(self) -> list[str]:
         prefix = self.request_key("")
         ids = []
@@ -226,6 +344,7 @@ class Store:
 
     # ---- membership ------------------------------------------------------------------------
 
+    @_outage
     async def register(self, member: Member, ttl_s: float) -> None:
         """Create or renew a membership entry (also the heartbeat)."""
         value = json.dumps(
@@ -234,9 +353,11 @@ class Store:
         )
         await self._r.set(self.member_key(member.role, member.member_id), value, px=max(1, int(ttl_s * 1000)))
 
+    @_outage
     async def deregister(self, role: str, member_id: str) -> None:
         await self._r.delete(self.member_key(role, member_id))
 
+    @_outage
     async def members(self, role: str) -> list[Member]:
         prefix = self.member_key(role, "")
         keys = sorted([key async for key in self._r.scan_iter(match=prefix + "*", count=200)])
@@ -250,6 +371,17 @@ class Store:
             data = json.loads(value)
             out.append(Member(role, key[len(prefix) :], data["address"], data.get("info", {}), data.get("started_at", 0.0)))
         return out
+
+
+def sum_acceptance(updates: Iterable[tuple[str, str, float, float]],
+                   into: dict[tuple[str, str], tuple[float, float, float]] | None = None) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """Per-round updates (drafter_id, domain, accepted, proposed) summed per (drafter_id, domain)
+    into (rounds, accepted, proposed), added to ``into`` when given."""
+    out = {} if into is None else into
+    for d, dom, accepted, proposed in updates:
+        r, a, p = out.get((d, dom), (0.0, 0.0, 0.0))
+        out[(d, dom)] = (r + 1.0, a + float(accepted), p + float(proposed))
+    return out
 
 
 def _parse_profile(drafter_id: str, fields: Mapping[str, str]) -> DrafterProfile:

@@ -91,6 +91,11 @@ class StreamClient:
         self._queue.put_nowait(msg)
         return fut
 
+    @property
+    def pending(self) -> int:
+        """Calls sent and not answered yet."""
+        return sum(1 for fut in self._pending if not fut.done())
+
     async def close(self) -> None:
         if self._queue is not None:
             self._queue.put_nowait(None)

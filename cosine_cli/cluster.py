@@ -106,6 +106,7 @@ class LocalCluster:
         self.router_address = ""
         self.verifier_address = ""
         self.supervisor: Any = None
+        self.redis_proc: Proc | None = None  # the private Redis, as the supervisor sees it
 
     # ---- processes ---------------------------------------------------------------------------
 
@@ -147,9 +148,12 @@ class LocalCluster:
         spec = self.spec
         say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
         if not self.redis_url:
-            self.redis = RedisServer(host="127.0.0.1").start()
+            # persistent: a Redis that dies is restarted on its port with its data (profiles, request state)
+            self.redis = RedisServer(host="127.0.0.1", persistent=True).start()
             self.redis_url = self.redis.url
-            say(f"redis      private redis-server at {self.redis_url}")
+            assert self.redis.popen is not None and self.redis.log_path is not None
+            self.redis_proc = Proc("redis", self.redis.popen, f"127.0.0.1:{self.redis.port}", self.redis.log_path)
+            say(f"redis      private redis-server at {self.redis_url} (append-only file)")
         cores = spec.cores or os.cpu_count() or 1
         groups = split_drafters(spec.drafters, spec.drafter_processes)
         v_threads, d_threads = thread_budget(cores, len(groups))
@@ -225,24 +229,39 @@ class LocalCluster:
     def start(self, progress: bool = True) -> str:
         return asyncio.run(self.start_async(progress))
 
+    def watched(self) -> list[Proc]:
+        """Every process the supervisor restarts: the services and the private Redis."""
+        return [*self.procs, *([self.redis_proc] if self.redis_proc is not None else [])]
+
     def alive(self) -> list[str]:
-        return [p.name for p in self.procs if p.popen.poll() is None]
+        return [p.name for p in self.watched() if p.popen.poll() is None]
 
     def dead(self) -> list[Proc]:
-        return [p for p in self.procs if p.popen.poll() is not None]
+        return [p for p in self.watched() if p.popen.poll() is not None]
 
     def proc(self, name: str) -> Proc:
-        return next(p for p in self.procs if p.name == name)
+        return next(p for p in self.watched() if p.name == name)
 
     def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to a process (``redis`` included); for SIGKILL, wait until it is gone."""
         p = self.proc(name)
-        p.popen.kill()
-        p.popen.wait(10)
+        if p.popen.poll() is None:
+            p.popen.send_signal(sig)
+        if sig == signal.SIGKILL:
+            p.popen.wait(10)
 
     def respawn(self, name: str) -> Proc:
         """Start a process again with its command line, address and log file (after it died)."""
         p = self.proc(name)
         if p.popen.poll() is None:
+            return p
+        if p is self.redis_proc and self.redis is not None:
+            self.redis.start()  # same port, same append-only file
+            assert self.redis.popen is not None
+            p.popen, p.started_at = self.redis.popen, time.monotonic()
             return p
         with open(p.log_path, "ab") as log:
             p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=p.env,
@@ -276,6 +295,7 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+            self.redis_proc = None
 
     def client_tls(self) -> dict[str, Any]:
         """Keyword arguments that give an SDK client this cluster's TLS (plaintext: tls=False)."""

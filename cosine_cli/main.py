@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "cosine_zoo.cli",
     "cosine_cli.commands",
     "cosine_cli.tls",
+    "cosine_cli.chaos",
     "benchmarks.bench",
 )
 

@@ -1,5 +1,5 @@
-"""Supervision of the local cluster's processes: one that dies is restarted, as compose's restart
-policy and Kubernetes do for theirs.
+"""Supervision of the local cluster's processes (the private Redis included): one that dies is
+restarted, as compose's restart policy and Kubernetes do for theirs.
 
 A watcher thread polls the processes; a dead one is respawned with the same command line, address
 and log file after a backoff that doubles per quick death (``initial_s`` .. ``max_s``) and resets
@@ -56,7 +56,7 @@ class Supervisor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for proc in list(self.cluster.procs):
+            for proc in list(self.cluster.watched()):
                 code = proc.popen.poll()
                 if code is None:
                     continue
@@ -67,6 +67,10 @@ class Supervisor:
                     self.say(f"restart    {proc.name} exited with status {code}; restarting in {delay:.1f} s")
                 if now >= self._due[proc.name] and not self._stop.is_set():
                     del self._due[proc.name]
-                    self.cluster.respawn(proc.name)
+                    try:
+                        self.cluster.respawn(proc.name)
+                    except Exception as exc:  # e.g. its port still taken: try again after the next backoff
+                        self.say(f"restart    {proc.name} did not start: {exc}")
+                        continue
                     self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
                     self.say(f"restart    {proc.name} restarted at {proc.address} (restart {self.restarts[proc.name]})")

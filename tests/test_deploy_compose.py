@@ -241,6 +241,16 @@ def test_redis_has_a_volume_a_password_and_a_health_check(doc):
     assert "--requirepass" in " ".join(redis["command"])
     assert redis["environment"]["REDIS_PASSWORD"] and redis["environment"]["REDISCLI_AUTH"] == redis["environment"]["REDIS_PASSWORD"]
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    # persistence: profiles and request state survive a Redis restart (append-only file on the volume)
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command and "--appendfsync everysec" in command and "--dir /data" in command
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+
+
+def test_drafters_have_time_to_drain(doc):
+    for name, svc in doc["services"].items():
+        if cosine_service(svc) == "drafter":
+            assert svc["stop_grace_period"] == "30s", name
 
 
 def test_only_the_gateway_publishes_a_port(doc):

@@ -257,6 +257,12 @@ def test_redis_statefulset_or_external_url():
     objects = render_objects(CHART)
     (sts,) = by_kind(objects, "StatefulSet").values()
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--dir") + 1] == "/data"  # the claim's mount: the append-only file survives the pod
+    for name, dep in by_kind(objects, "Deployment").items():
+        if "drafter" in name:
+            assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 20  # room for the drain
     secret = by_kind(objects, "Secret")["cosine-redis"]["stringData"]
     assert secret["redis-url"] == f"redis://:{secret['redis-password']}@cosine-redis:6379/0"
     external = render_objects(CHART, set_values=EXTERNAL)

@@ -3,6 +3,14 @@
 One process may host several drafter models; each is its own drafter identity to the router.
 Model work runs in a worker thread (one per process: the engines are not thread-safe and the
 cores are budgeted per process), so the event loop keeps serving health checks and streams.
+
+**Drain on SIGTERM** (:meth:`DrafterApp.drain`, called by the shared shutdown path after the
+health status has turned NOT_SERVING and the membership entry is deleted): the process takes no
+new work - a draft step carrying a request it does not hold is refused with UNAVAILABLE, which a
+router takes as "this replica is gone" and moves the request to another replica - while steps for
+the requests it holds, and the step running, are answered. It exits once every router has closed
+its stream or no step has come for ``drain_idle_s`` (routers drop a replica that left the
+membership within a discovery interval), and after ``drain_timeout_s`` at the latest.
 """
 
 from __future__ import annotations
@@ -77,14 +85,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
         owned: dict[str, set[str]] = {}  # drafter id -> live request ids this stream touched (bounded by live requests)
+        self.app.streams += 1
         try:
             async for step in request_iterator:
                 received = time.perf_counter_ns()
+                self.app.last_step = time.monotonic()
                 groups = [(g.drafter_id, draft_items_from_pb(g)) for g in step.groups] or [(step.drafter_id, draft_items_from_pb(step))]
                 unknown = sorted({d for d, _ in groups if d not in self.app.engines})
                 if unknown:
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"this process hosts no drafter {', '.join(map(repr, unknown))} "
                                         f"(it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
+                if self.app.draining:
+                    new = self.app.not_held(groups)
+                    if new:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"drafter process draining (shutting down): it takes no "
+                                            f"new requests ({len(new)} in this step, e.g. {new[0]!r}); use another replica")
                 for d, items in groups:
                     for item in items:
                         if item.release:
@@ -105,6 +120,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 reply.timings.queue_ns = max(0, reply.timings.total_ns - timings.total_ns)
                 yield reply
         finally:
+            self.app.streams -= 1
             # the router went away: free every cache it left behind
             leftovers = {d: ids for d, ids in owned.items() if ids}
             if any(leftovers.values()):
@@ -121,6 +137,30 @@ class DrafterApp:
         self.engines = engines
         self.servicer = DrafterServicer(self)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+        self.draining = False
+        self.streams = 0  # open Draft streams
+        self.in_flight = 0  # draft steps on the model thread or waiting for it
+        self.last_step = time.monotonic()
+
+    def not_held(self, groups: Sequence[tuple[str, Sequence[DraftItem]]]) -> list[str]:
+        """Request ids of a step that this process holds no cache for (releases aside)."""
+        return [item.request_id for d, items in groups for item in items
+                if not item.release and not self.engines[d].holds(item.request_id)]
+
+    async def drain(self) -> None:
+        """Answer what is in flight and let the routers move away; return when done (see the module doc)."""
+        self.draining = True
+        t0 = time.monotonic()
+        held = sum(e.active_requests for e in self.engines.values())
+        log.info("draining", streams=self.streams, in_flight=self.in_flight, requests_held=held,
+                 timeout_s=self.settings.drain_timeout_s)
+        while time.monotonic() - t0 < self.settings.drain_timeout_s:
+            idle = time.monotonic() - max(self.last_step, t0) >= self.settings.drain_idle_s
+            if self.in_flight == 0 and (self.streams == 0 or idle):
+                break
+            await asyncio.sleep(0.05)
+        log.info("drained", seconds=round(time.monotonic() - t0, 3), streams=self.streams, in_flight=self.in_flight,
+                 requests_held=sum(e.active_requests for e in self.engines.values()))
 
     async def run_groups(self, groups: Sequence[tuple[str, Sequence[DraftItem]]]) -> tuple[list[list[DraftResult]], StageTimings]:
         """Every group's step on the model thread, in one hop; timings summed."""
@@ -132,7 +172,12 @@ class DrafterApp:
                 stages.append(timings)
             return answers, StageTimings.sum(stages)
 
-        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        self.in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        finally:
+            self.in_flight -= 1
+            self.last_step = time.monotonic()
 
     async def release(self, leftovers: dict[str, set[str]]) -> None:
         def work() -> int:

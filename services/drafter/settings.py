@@ -29,6 +29,10 @@ class DrafterSettings(ServiceSettings):
     torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
     kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests, per drafter model", check=positive)
     max_top_n: int = setting(8, help="largest number of candidates a step may ask for", check=positive)
+    drain_timeout_s: float = setting(15.0, help="on SIGTERM: most seconds to wait for in-flight draft steps and for the "
+                                     "routers to move their requests away before exiting", check=positive)
+    drain_idle_s: float = setting(1.5, help="on SIGTERM: the drain ends once no draft step has arrived for this long "
+                                  "(or every router has closed its stream)", check=positive)
 
     def parsed_drafters(self) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -50,7 +50,12 @@ class GrpcDrafterPool:
     tokenizer fingerprint. A drafter id may be hosted by several processes (replicas); each request
     is served by one replica chosen by :func:`pick_replica`, so replicas share the load. A process
     whose stream breaks is marked failed; the mark expires after ``retry_failed_s`` (or when its
-    process is seen again under a new membership entry) and the process is reconnected."""
+    process is seen again under a new membership entry) and the process is reconnected.
+
+    A process that leaves the membership (a draining replica deregisters at once) gets no new
+    draft step from that moment; its stream is closed once the steps already sent are answered,
+    so a drain loses no answer. Its requests move to the remaining replicas by rendezvous
+    hashing and are re-synced there from the committed sequence."""
 
     def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0, allow: Sequence[str] = (),
                  retry_failed_s: float = 5.0, clock: Callable[[], float] = time.monotonic, tls: TlsConfig | None = None):
@@ -64,6 +69,7 @@ class GrpcDrafterPool:
         self.endpoints: dict[str, DrafterEndpoint] = {}  # address -> endpoint
         self.refused: dict[str, str] = {}  # address -> reason
         self._step = 0
+        self._closing: set[asyncio.Task[None]] = set()  # streams of departed processes, closed once answered
         self.calls = 0  # draft steps answered
         self.busy_ns = 0  # drafter model time of those steps (from the drafters' own timings)
         self._task: asyncio.Task[None] | None = None
@@ -162,8 +168,19 @@ class GrpcDrafterPool:
             if ep is None and m.address not in self.refused:
                 await self._connect(m.address, m.member_id)
         for address in list(self.endpoints):
-            if address not in seen:
-                await self._drop(address)
+            if address not in seen:  # left the membership (drain or crash): no new steps from now on
+                ep = self.endpoints.pop(address)
+                task = asyncio.create_task(self._close_when_answered(ep), name=f"drafter-close-{address}")
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+
+    async def _close_when_answered(self, ep: DrafterEndpoint, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while ep.stream.pending and not ep.stream.broken and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await ep.stream.close()
+        await ep.channel.close()
+        log.info("drafters left", address=ep.address, drafters=sorted(ep.drafters))
 
     async def _connect(self, address: str, member_id: str) -> None:
         channel = open_channel(address, self.tls, CHANNEL_OPTIONS)
@@ -221,6 +238,8 @@ class GrpcDrafterPool:
             await asyncio.gather(self._task, return_exceptions=True)
         for address in list(self.endpoints):
             await self._drop(address)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 class GrpcVerifier:

@@ -12,13 +12,14 @@ from common.grpc_server import ServerHandle
 from common.logs import get_logger, request_context
 from common.metrics import ServiceMetrics
 from common.service import StartupError
-from common.store import Store
+from common.store import Store, StoreUnavailable
 from common.tls import TlsConfig
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.convert import sampling_from_pb
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
 from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterConfig, RouterCore
 from services.router.metrics import RouterMetrics
+from services.router.profiles import ProfileStore
 from services.router.settings import RouterSettings
 
 SERVICE_NAME = "cosine.v1.Router"
@@ -136,7 +137,11 @@ class RouterApp:
         while True:
             address = self.settings.verifier_address
             if not address:
-                members = await self.store.members("verifier")
+                try:
+                    members = await self.store.members("verifier")
+                except StoreUnavailable as exc:  # Redis restarting: look again
+                    log.warning("cannot read the membership; retrying", error=str(exc))
+                    members = []
                 address = members[0].address if members else ""
             if address:
                 verifier = GrpcVerifier(address, self.tls)
@@ -154,16 +159,15 @@ class RouterApp:
             await asyncio.sleep(0.5)
         self.verifier = verifier
         self.pool.fingerprint = info.tokenizer_fingerprint
-        await self.pool.refresh()
+        try:
+            await self.pool.refresh()
+        except StoreUnavailable as exc:  # the discovery loop tries again every interval
+            log.warning("drafter discovery failed", error=str(exc))
         self.pool.start()
         prior_weight = self.settings.profile_prior_weight
-
-        async def profiles(drafters: Sequence[str], domain: str) -> dict[str, float]:
-            loaded = await self.store.load_profiles(drafters)
-            return {d: p.score(domain) for d, p in loaded.items() if domain in p.domains}
-
+        profiles = ProfileStore(self.store)  # a Redis outage costs priors for a while, never a request
         self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier, metrics=self.spec_metrics,
-                               profiles=profiles, record=self.store.record_acceptance)
+                               profiles=profiles.priors, record=profiles.record)
         self.core.start()
         self.verifier_ready = True
         log.info("verifier connected", address=address, model=info.model_name, vocab=info.vocab_size,

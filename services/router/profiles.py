@@ -1,0 +1,56 @@
+"""The router's side of the expertise profiles in Redis, outage-proof.
+
+Reads (the priors of a new request's domain) fall back to no prior while Redis is unreachable:
+routing starts uniform and learns from the verdicts as usual, output is unchanged. Writes (the
+online acceptance of every round) are summed per (drafter, domain) while Redis is unreachable and
+added with the first write that gets through, so a Redis restart loses no online evidence; the
+backlog is bounded by drafters x domains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from common.logs import get_logger
+from common.store import Store, StoreUnavailable, sum_acceptance
+
+log = get_logger("router.profiles")
+
+
+class ProfileStore:
+    def __init__(self, store: Store):
+        self.store = store
+        self._backlog: dict[tuple[str, str], tuple[float, float, float]] = {}
+        self._lock = asyncio.Lock()
+        self.failed_reads = 0
+        self.failed_writes = 0
+
+    async def priors(self, drafters: Sequence[str], domain: str) -> dict[str, float]:
+        """Each drafter's expected accepted tokens per round on ``domain``; {} while Redis is out."""
+        try:
+            loaded = await self.store.load_profiles(drafters)
+        except StoreUnavailable as exc:
+            self.failed_reads += 1
+            if self.failed_reads in (1, 10) or self.failed_reads % 100 == 0:
+                log.warning("profiles unreadable; routing without priors", error=str(exc), failures=self.failed_reads)
+            return {}
+        return {d: p.score(domain) for d, p in loaded.items() if domain in p.domains}
+
+    async def record(self, updates: list[tuple[str, str, float, float]]) -> None:
+        """Add one round's figures (with whatever an outage held back)."""
+        async with self._lock:  # one write at a time: the backlog is taken and given back whole
+            totals = sum_acceptance(updates, self._backlog)
+            self._backlog = {}
+            try:
+                await self.store.add_acceptance_totals(totals)
+            except StoreUnavailable as exc:
+                self._backlog = totals
+                self.failed_writes += 1
+                if self.failed_writes in (1, 10) or self.failed_writes % 100 == 0:
+                    log.warning("profile update kept for later; Redis unavailable", error=str(exc),
+                                pending=len(totals), failures=self.failed_writes)
+                return
+            if self.failed_writes:
+                log.info("profile updates written after an outage", pending=len(totals))
+                self.failed_writes = 0
