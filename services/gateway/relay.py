@@ -117,12 +117,11 @@ class RouterRelay:
                             if clock is not None:
                                 clock.tokens_out(len(ids))
                             text = self._text(ids, chunk.finished)
-                            try:
-                                await app.store.append_tokens(gen.request_id, ids, status="done" if chunk.finished else "running")
-                            except STORE_ERRORS as exc:  # an outage must not fail a running request
+                            # an outage must not fail a running request: the store keeps what it could not write
+                            if not await app.store.append_tokens(gen.request_id, ids, status="done" if chunk.finished else "running"):
                                 store_failures += 1
                                 if store_failures == 1:
-                                    log.warning("request state not written; the request goes on", error=str(exc))
+                                    log.warning("request state not written yet (Redis away); the request goes on")
                             if self.stops is not None:
                                 text = self.stops.feed(text) + (self.stops.flush() if chunk.finished else "")
                                 if self.stops.stopped:
@@ -154,7 +153,4 @@ class RouterRelay:
             finally:
                 if clock is not None:
                     clock.end(outcome)
-                try:
-                    await app.store.delete_request(gen.request_id)
-                except STORE_ERRORS as exc:  # the key's TTL removes it
-                    log.warning("request state not removed", error=str(exc))
+                await app.store.delete_request(gen.request_id)  # retried later by the store while Redis is away
