@@ -130,19 +130,23 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(code, str(exc))
             return wrapped
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer,
-                                                       handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer,
-                                                        handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer,
-                                                        handler.response_serializer)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer,
-                                                         handler.response_serializer)
-        return handler
+        return rewrap_handler(handler, unary, streaming)
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, unary: Callable[[Callable[..., Any]], Callable[..., Any]],
+                   streaming: Callable[[Callable[..., Any]], Callable[..., Any]]) -> grpc.RpcMethodHandler:
+    """The same method with its behaviour wrapped: ``unary`` wraps handlers that answer once,
+    ``streaming`` those that answer with a stream (what server interceptors need)."""
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+    return handler
 
 
 def join_host_port(host: str, port: int) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from common.grpc_server import rewrap_handler
 from common.logs import get_logger
 
 log = get_logger(__name__)
@@ -130,19 +131,7 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
                         await result
             return wrapped
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer,
-                                                       handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer,
-                                                        handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer,
-                                                        handler.response_serializer)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer,
-                                                         handler.response_serializer)
-        return handler
+        return rewrap_handler(handler, unary, streaming)
 
 
 def bind_engine_metrics(metrics: ServiceMetrics, engine: Callable[[], Any], model: str = "") -> None:
