@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.wire import MalformedMessageInterceptor
+
 # Generous limits: a verify batch of many trees with logits-free payloads stays far below this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVER_OPTIONS = [
@@ -58,8 +60,10 @@ async def create_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> ServerHandle:
     """Create an aio server bound to ``address`` ("host:port"; port 0 picks a free one) with the
-    standard health service and server reflection. Returns a started handle with its port."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+    standard health service and server reflection. Returns a started handle with its port.
+    A request that does not parse ends with INVALID_ARGUMENT naming the field (innermost
+    interceptor, so the others see that status like any other)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedMessageInterceptor()])
     register(server)
     names = tuple(service_names)
     health_servicer = health.aio.HealthServicer()
