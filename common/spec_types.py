@@ -17,6 +17,7 @@ Glossary (used the same way in every module):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -78,12 +79,13 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise InvalidInput(f"temperature must be >= 0, got {self.temperature}")
+        """Raise :class:`InvalidInput` naming the field (``sampling.temperature: ...``)."""
+        if not 0.0 <= self.temperature < math.inf:  # also catches NaN
+            raise InvalidInput(f"sampling.temperature: must be a finite number >= 0, got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidInput(f"top_p must be within [0, 1], got {self.top_p}")
+            raise InvalidInput(f"sampling.top_p: must be within [0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise InvalidInput(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidInput(f"sampling.top_k: must be >= 0, got {self.top_k}")
 
 
 GREEDY = SamplingParams()

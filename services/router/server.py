@@ -15,6 +15,7 @@ from common.service import StartupError
 from common.store import Store
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.convert import sampling_from_pb
+from services.router.admission import SubmitLimits
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
 from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterConfig, RouterCore
 from services.router.metrics import RouterMetrics
@@ -161,7 +162,8 @@ class RouterApp:
             return {d: p.score(domain) for d, p in loaded.items() if domain in p.domains}
 
         self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier, metrics=self.spec_metrics,
-                               profiles=profiles, record=self.store.record_acceptance)
+                               profiles=profiles, record=self.store.record_acceptance,
+                               limits=SubmitLimits(info.vocab_size, info.max_context) if info.vocab_size and info.max_context else None)
         self.core.start()
         self.verifier_ready = True
         log.info("verifier connected", address=address, model=info.model_name, vocab=info.vocab_size,
