@@ -96,7 +96,7 @@ def _depth(tree: common_pb2.TokenTree) -> int:
 
 
 def _sampling_problem(s: common_pb2.SamplingParams) -> bool:
-    top_p = s.top_p if s.top_p > 0 else 1.0  # 0 (unset) means off
+    top_p = s.top_p if s.top_p != 0 else 1.0  # 0 (unset) means off
     return not (0.0 <= s.temperature < math.inf) or not (0.0 <= top_p <= 1.0)
 
 

@@ -185,7 +185,7 @@ RAW_GENERATE = mutated(VALID_GENERATE.map(GenerateSpec.to_pb))
 
 # ---- router: SubmitRequest -------------------------------------------------------------------
 
-SUBMIT_FIELDS = frozenset({"request", "request_id", "prompt_ids", "max_new_tokens", "sampling.temperature", "sampling.top_p",
+SUBMIT_FIELDS = frozenset({"request", "request_id", "prompt_ids", "max_new_tokens", "sampling", "sampling.temperature", "sampling.top_p",
                            "sampling.top_k", "sampling.seed", "stop_token_ids", "domain_hint"})
 
 
