@@ -78,7 +78,12 @@ VERIFY_ITEM = st.builds(verifier_pb2.VerifyItem, request_id=IDS, append_ids=APPE
                         release=st.sampled_from([False] * 5 + [True]))
 VERIFY_SCRIPT = st.lists(st.lists(VERIFY_ITEM, max_size=5), min_size=1, max_size=4).map(
     lambda batches: [verifier_pb2.VerifyBatch(batch_id=i + 1, items=items) for i, items in enumerate(batches)])
-RAW_VERIFY = st.lists(mutated(VERIFY_SCRIPT.map(lambda s: s[0].SerializeToString())), min_size=1, max_size=3)
+_SMALL_VERIFY_ITEM = st.builds(verifier_pb2.VerifyItem, request_id=IDS, append_ids=PROMPT,
+                               tree=st.builds(common_pb2.TokenTree, tokens=st.lists(TOKEN, max_size=4),
+                                              parents=st.lists(st.integers(-1, 3), max_size=4)),
+                               sampling=SAMPLING, release=st.booleans())
+RAW_VERIFY = st.lists(mutated(st.builds(verifier_pb2.VerifyBatch, batch_id=UINT64, items=st.lists(_SMALL_VERIFY_ITEM, max_size=3))
+                              .map(lambda b: b.SerializeToString())), min_size=1, max_size=3)
 
 
 def _tree_problem(tree: common_pb2.TokenTree) -> bool:
@@ -176,7 +181,7 @@ def draft_steps(draw, step_id: int) -> drafter_pb2.DraftStep:
 
 
 DRAFT_SCRIPT = st.integers(1, 4).flatmap(lambda n: st.tuples(*(draft_steps(i + 1) for i in range(n)))).map(list)
-RAW_DRAFT = st.lists(mutated(DRAFT_SCRIPT.map(lambda s: s[0].SerializeToString())), min_size=1, max_size=3)
+RAW_DRAFT = st.lists(mutated(draft_steps(1).map(lambda s: s.SerializeToString())), min_size=1, max_size=3)
 
 
 def step_groups(step: drafter_pb2.DraftStep) -> list[tuple[str, list[drafter_pb2.DraftItem]]]:

@@ -61,7 +61,26 @@ def unknown_field(number: int, payload: bytes) -> bytes:
     return varint((number << 3) | 2) + varint(len(payload)) + payload
 
 
-UNKNOWN_FIELDS = st.lists(st.tuples(st.integers(11, 2**29 - 1), st.binary(max_size=16)), min_size=1, max_size=3).map(tuple)
+def unknown_fields(message: type) -> st.SearchStrategy[tuple[tuple[int, bytes], ...]]:
+    """Fields ``message`` does not know (numbers outside its schema and the reserved range)."""
+    known = set(message.DESCRIPTOR.fields_by_number)
+    number = st.integers(1, 2**29 - 1).filter(lambda n: n not in known and not 19000 <= n <= 19999)
+    return st.lists(st.tuples(number, st.binary(max_size=16)), min_size=1, max_size=3).map(tuple)
+
+
+def field_paths(message: type) -> frozenset[str]:
+    """Every field path of ``message`` (``items``, ``items.tree.parents``...): what a refusal of
+    bytes that do not parse may name, besides ``request``."""
+    def walk(desc, prefix: str) -> set[str]:
+        out: set[str] = set()
+        for f in desc.fields:
+            path = f"{prefix}{f.name}"
+            out.add(path)
+            if f.message_type is not None and not f.message_type.GetOptions().map_entry:
+                out |= walk(f.message_type, path + ".")
+        return out
+
+    return frozenset({"request", *walk(message.DESCRIPTOR, "")})
 
 
 def mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
@@ -84,8 +103,7 @@ def mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
 
 # ---- gateway: GenerateRequest ----------------------------------------------------------------
 
-GATEWAY_FIELDS = frozenset({"request", "request_id", "prompt", "prompt_ids", "prompt_ids.ids", "max_new_tokens", "temperature",
-                            "top_p", "top_k", "seed", "stop", "domain_hint"})
+GATEWAY_FIELDS = field_paths(gateway_pb2.GenerateRequest)
 
 
 @dataclass(frozen=True)
@@ -157,7 +175,7 @@ _bad_generate_fields = {
     "stop": st.one_of(st.lists(st.text(min_size=1, max_size=3), min_size=GATEWAY_LIMITS["max_stop_strings"] + 1, max_size=10),
                       st.lists(st.text(min_size=1, max_size=3), max_size=2).map(lambda s: [*s, ""])).map(lambda s: dict(stop=tuple(s))),
     "request_id": BAD_REQUEST_ID.map(lambda r: dict(request_id=r)),
-    "request": UNKNOWN_FIELDS.map(lambda u: dict(unknown=u)),
+    "request": unknown_fields(gateway_pb2.GenerateRequest).map(lambda u: dict(unknown=u)),
 }
 BAD_GENERATE_FIELDS = sorted(_bad_generate_fields)
 
@@ -178,15 +196,14 @@ WILD_GENERATE = st.builds(
     stop=st.lists(TEXT, max_size=6).map(tuple),
     request_id=st.one_of(TEXT, REQUEST_ID),
     domain_hint=st.one_of(TEXT, DOMAIN_HINT),
-    unknown=st.one_of(st.just(()), UNKNOWN_FIELDS),
+    unknown=st.one_of(st.just(()), unknown_fields(gateway_pb2.GenerateRequest)),
 )
 RAW_GENERATE = mutated(VALID_GENERATE.map(GenerateSpec.to_pb))
 
 
 # ---- router: SubmitRequest -------------------------------------------------------------------
 
-SUBMIT_FIELDS = frozenset({"request", "request_id", "prompt_ids", "max_new_tokens", "sampling", "sampling.temperature", "sampling.top_p",
-                           "sampling.top_k", "sampling.seed", "stop_token_ids", "domain_hint"})
+SUBMIT_FIELDS = field_paths(router_pb2.SubmitRequest)
 
 
 @dataclass(frozen=True)

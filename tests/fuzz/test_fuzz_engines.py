@@ -14,14 +14,10 @@ from cosine.v1 import drafter_pb2, verifier_pb2
 
 from .engine_cases import DRAFT_SCRIPT, RAW_DRAFT, RAW_VERIFY, VERIFY_SCRIPT, DrafterModel, VerifierModel
 from .harness import RawRpc, check_status, fuzz_targets
+from .strategies import field_paths
 
-VERIFY_BATCH_FIELDS = {"request", "items", "items.request_id", "items.append_ids", "items.tree", "items.tree.tokens",
-                       "items.tree.parents", "items.tree.draft_probs", "items.tree.source_masks", "items.tree.drafter_ids",
-                       "items.sampling", "items.sampling.temperature", "items.sampling.top_p", "items.sampling.top_k",
-                       "items.sampling.seed", "items.release"}
-DRAFT_STEP_FIELDS = {"request", "drafter_id", "items", "groups", "groups.drafter_id", "groups.items",
-                     *(f"{prefix}items.{f}" for prefix in ("", "groups.") for f in
-                       ("request_id", "truncate_to", "append_ids", "top_n", "release", "chain_len", "score_append"))}
+VERIFY_BATCH_FIELDS = field_paths(verifier_pb2.VerifyBatch)
+DRAFT_STEP_FIELDS = field_paths(drafter_pb2.DraftStep)
 
 
 @pytest.fixture(scope="module")
