@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.tls import TlsConfig, add_port, open_channel
+from common.wire import MalformedMessageInterceptor
 
 # Generous limits: a verify batch of many trees with logits-free payloads stays far below this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -68,8 +69,10 @@ async def create_server(
 ) -> ServerHandle:
     """Create an aio server bound to ``address`` ("host:port"; port 0 picks a free one) with the
     standard health service and server reflection, serving TLS (or mTLS) when ``tls`` has a
-    certificate, plaintext otherwise. Returns a started handle with its port."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+    certificate, plaintext otherwise. Returns a started handle with its port. A request that
+    does not parse ends with INVALID_ARGUMENT naming the field (innermost interceptor, so the
+    others see that status like any other)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedMessageInterceptor()])
     register(server)
     names = tuple(service_names)
     health_servicer = health.aio.HealthServicer()

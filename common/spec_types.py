@@ -17,6 +17,7 @@ Glossary (used the same way in every module):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -78,12 +79,13 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise InvalidInput(f"temperature must be >= 0, got {self.temperature}")
+        """Raise :class:`InvalidInput` naming the field (``sampling.temperature: ...``)."""
+        if not 0.0 <= self.temperature < math.inf:  # also catches NaN
+            raise InvalidInput(f"sampling.temperature: must be a finite number >= 0, got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidInput(f"top_p must be within [0, 1], got {self.top_p}")
+            raise InvalidInput(f"sampling.top_p: must be within [0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise InvalidInput(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidInput(f"sampling.top_k: must be >= 0, got {self.top_k}")
 
 
 GREEDY = SamplingParams()
@@ -115,20 +117,21 @@ class TokenTree:
         return cls(tokens=tuple(tokens), parents=tuple(range(-1, len(tokens) - 1)))
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise :class:`InvalidInput` unless parents precede children and tokens are in range."""
+        """Raise :class:`InvalidInput` (naming the field, ``tree.parents[3]: ...``) unless parents
+        precede children, tokens are in range and the optional per-node arrays have one entry per node."""
         if len(self.tokens) != len(self.parents):
-            raise InvalidInput(f"tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+            raise InvalidInput(f"tree.parents: the tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
         for i, p in enumerate(self.parents):
-            if not -1 <= p < i:
-                raise InvalidInput(f"tree node {i}: parent {p} must be -1 or an earlier node index (< {i})")
+            if not -1 <= p < i:  # an earlier node only: no forward references, hence no cycles
+                raise InvalidInput(f"tree.parents[{i}]: parent {p} must be -1 or an earlier node index (< {i})")
         if vocab_size is not None:
             for i, t in enumerate(self.tokens):
                 if not 0 <= t < vocab_size:
-                    raise InvalidInput(f"tree node {i}: token id {t} outside the vocabulary [0, {vocab_size})")
+                    raise InvalidInput(f"tree.tokens[{i}]: token id {t} outside the vocabulary [0, {vocab_size})")
         if self.draft_probs and len(self.draft_probs) != len(self.tokens):
-            raise InvalidInput("draft_probs must be empty or have one entry per node")
+            raise InvalidInput("tree.draft_probs: must be empty or have one entry per node")
         if self.source_masks and len(self.source_masks) != len(self.tokens):
-            raise InvalidInput("source_masks must be empty or have one entry per node")
+            raise InvalidInput("tree.source_masks: must be empty or have one entry per node")
 
     @cached_property
     def depths(self) -> tuple[int, ...]:

@@ -18,7 +18,8 @@ def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.top_p > 0 else 1.0, top_k=int(pb.top_k),
+        # only an unset (0) top_p means "off": NaN or a negative value must reach validation, not become 1
+        temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.top_p != 0 else 1.0, top_k=int(pb.top_k),
         seed=int(pb.seed) if pb.HasField("seed") else None,
     )
 

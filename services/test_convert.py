@@ -53,3 +53,15 @@ def test_grouped_draft_steps_survive_the_wire():
     reply.groups.add(drafter_id="prose", results=[draft_result_to_pb(DraftResult("a", error="x")), draft_result_to_pb(DraftResult("b"))])
     back = draft_group_results_from_pb(roundtrip(reply, drafter_pb2.DraftStepResult))
     assert back["code"][0].token_ids == (4, 5) and not back["prose"][0].ok and back["prose"][1].request_id == "b"
+
+
+def test_only_an_unset_top_p_means_off():
+    """Found by tests/fuzz: a NaN or negative top_p was read as 1.0 (off) instead of being refused."""
+    import math
+
+    from cosine.v1 import common_pb2
+    from services.convert import sampling_from_pb
+
+    assert sampling_from_pb(common_pb2.SamplingParams()).top_p == 1.0
+    assert math.isnan(sampling_from_pb(common_pb2.SamplingParams(top_p=float("nan"))).top_p)
+    assert sampling_from_pb(common_pb2.SamplingParams(top_p=-0.5)).top_p == -0.5

@@ -65,9 +65,12 @@ class _Planned:
 class DrafterEngine(RequestEngine[DraftState]):
     """A drafter model plus per-request caches. Not thread-safe: call from one worker."""
 
-    def __init__(self, runner: LMRunner, *, kv_token_budget: int | None = None, domains: Sequence[str] = ()) -> None:
+    def __init__(self, runner: LMRunner, *, kv_token_budget: int | None = None, domains: Sequence[str] = (),
+                 max_top_n: int | None = None, max_chain_len: int | None = None) -> None:
         super().__init__(runner, kv_token_budget, "drafter")
         self.domains = tuple(domains)
+        self.max_top_n = max_top_n  # most candidates one item may ask for
+        self.max_chain_len = max_chain_len  # most positions one item may draft on its own (chunk drafting)
 
     @classmethod
     def from_checkpoint(
@@ -79,9 +82,11 @@ class DrafterEngine(RequestEngine[DraftState]):
         attention_backend: str = "auto",
         kv_token_budget: int | None = None,
         domains: Sequence[str] = (),
+        max_top_n: int | None = None,
+        max_chain_len: int | None = None,
     ) -> DrafterEngine:
         runner = LMRunner.from_checkpoint(path, dtype=dtype, device=device, backend=attention_backend)
-        return cls(runner, kv_token_budget=kv_token_budget, domains=domains)
+        return cls(runner, kv_token_budget=kv_token_budget, domains=domains, max_top_n=max_top_n, max_chain_len=max_chain_len)
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -141,7 +146,7 @@ class DrafterEngine(RequestEngine[DraftState]):
         for i, item in enumerate(items):
             try:
                 if item.request_id in seen:
-                    raise InvalidInput(f"request {item.request_id!r} appears twice in one draft step")
+                    raise InvalidInput(f"request_id: request {item.request_id!r} appears twice in one draft step")
                 seen.add(item.request_id)
                 if item.release:
                     self.release(item.request_id)
@@ -202,8 +207,12 @@ class DrafterEngine(RequestEngine[DraftState]):
         Raises :class:`SpecError` before changing anything when the item is invalid.
         """
         vocab = self.runner.vocab_size
-        if item.top_n < 0:
-            raise InvalidInput(f"top_n must be >= 0, got {item.top_n}")
+        if not 0 <= item.top_n <= (self.max_top_n if self.max_top_n is not None else item.top_n):
+            raise InvalidInput(f"top_n: must be between 0 and {self.max_top_n}, got {item.top_n}")
+        if not 0 <= item.chain_len <= (self.max_chain_len if self.max_chain_len is not None else item.chain_len):
+            raise InvalidInput(f"chain_len: must be between 0 and {self.max_chain_len}, got {item.chain_len}")
+        if item.truncate_to < -1:
+            raise InvalidInput(f"truncate_to: must be -1 (keep the cache) or a length >= 0, got {item.truncate_to}")
         for t in item.append_ids:
             if not 0 <= t < vocab:
                 raise InvalidInput(f"append_ids: token id {t} outside the vocabulary [0, {vocab})")
@@ -211,20 +220,20 @@ class DrafterEngine(RequestEngine[DraftState]):
         new = state is None
         if new:
             if not item.append_ids:
-                raise UnknownRequest(f"unknown request {item.request_id!r}: the first draft item must carry the prompt in append_ids")
+                raise UnknownRequest(f"request_id: unknown request {item.request_id!r}: the first draft item must carry the prompt in append_ids")
             if item.truncate_to > 0:
-                raise InvalidInput(f"request {item.request_id!r} is new: cannot truncate to {item.truncate_to}")
+                raise InvalidInput(f"truncate_to: request {item.request_id!r} is new: cannot truncate to {item.truncate_to}")
             state = DraftState(item.request_id, [], self.pool.new_cache())
         keep = len(state.tokens) if item.truncate_to < 0 else item.truncate_to
         if keep > len(state.tokens):
-            raise InvalidInput(f"cannot truncate request {item.request_id!r} to {keep} tokens: its cache holds {len(state.tokens)}")
+            raise InvalidInput(f"truncate_to: cannot truncate request {item.request_id!r} to {keep} tokens: its cache holds {len(state.tokens)}")
         total = keep + len(item.append_ids)
         if total > self.runner.max_context:
             raise ContextTooLong(
-                f"request {item.request_id!r}: {total} tokens exceed the model's maximum context of {self.runner.max_context}"
+                f"append_ids: request {item.request_id!r}: {total} tokens exceed the model's maximum context of {self.runner.max_context}"
             )
         if keep == 0 and not item.append_ids and item.top_n > 0:
-            raise InvalidInput(f"request {item.request_id!r}: no tokens to propose from")
+            raise InvalidInput(f"top_n: request {item.request_id!r} has no tokens to propose from")
 
         # What must run through the model: the appended tokens; and when candidates are wanted after a
         # rollback that discarded the stored distribution, the last kept token again (one token).

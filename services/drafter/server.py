@@ -93,7 +93,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 groups = [(g.drafter_id, draft_items_from_pb(g)) for g in step.groups] or [(step.drafter_id, draft_items_from_pb(step))]
                 unknown = sorted({d for d, _ in groups if d not in self.app.engines})
                 if unknown:
-                    await context.abort(grpc.StatusCode.NOT_FOUND, f"this process hosts no drafter {', '.join(map(repr, unknown))} "
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"drafter_id: this process hosts no drafter {', '.join(map(repr, unknown))} "
                                         f"(it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
                 if self.app.draining:
                     new = self.app.not_held(groups)
@@ -216,6 +216,7 @@ async def build_app(settings: DrafterSettings, store: Store) -> DrafterApp:
             engine = await asyncio.to_thread(
                 DrafterEngine.from_checkpoint, path, device=settings.device, dtype=settings.dtype,
                 kv_token_budget=settings.kv_budget_tokens, domains=_domains_of(path, name),
+                max_top_n=settings.max_top_n, max_chain_len=settings.max_chain_len,
             )
         except (CheckpointError, ValueError) as exc:
             raise StartupError(f"drafter {name}: {exc}") from None

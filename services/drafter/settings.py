@@ -29,6 +29,7 @@ class DrafterSettings(ServiceSettings):
     torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
     kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests, per drafter model", check=positive)
     max_top_n: int = setting(8, help="largest number of candidates a step may ask for", check=positive)
+    max_chain_len: int = setting(64, help="most positions one item may draft on its own (chunk drafting)", check=positive)
     drain_timeout_s: float = setting(15.0, help="on SIGTERM: most seconds to wait for in-flight draft steps and for the "
                                      "routers to move their requests away before exiting", check=positive)
     drain_idle_s: float = setting(1.5, help="on SIGTERM: the drain ends once no draft step has arrived for this long "

@@ -135,3 +135,25 @@ def test_model_info(engine: DrafterEngine) -> None:
     info = engine.model_info()
     assert info.architecture == "LlamaForCausalLM" and info.vocab_size == 512
     assert info.attention_backend == "sdpa" and len(info.tokenizer_fingerprint) == 16
+
+
+def test_limits_and_refusals_name_the_field(llama_near: Path) -> None:
+    """top_n and chain_len above the service's limits and a truncate_to below -1 are refused
+    (they used to be served: a chain as long as the context, or -5 read as "keep"); every refusal
+    starts with the field at fault, and a refused first-sight request leaves no cache."""
+    engine = DrafterEngine.from_checkpoint(llama_near, attention_backend="sdpa", max_top_n=4, max_chain_len=8)
+    engine.run_step([DraftItem("x", append_ids=(1, 2))])
+    out = engine.run_step([
+        DraftItem("a", append_ids=(1,), top_n=5),
+        DraftItem("b", append_ids=(1,), top_n=1, chain_len=9),
+        DraftItem("x", truncate_to=-5, top_n=1),
+        DraftItem("c", append_ids=(1, -1)),
+        DraftItem("d", top_n=1),
+        DraftItem("e", truncate_to=2, append_ids=(1,)),
+        DraftItem("f", append_ids=(1,) * 1025),
+    ]).results + engine.run_step([DraftItem("x", truncate_to=0, top_n=1)]).results
+    fields = ["top_n", "chain_len", "truncate_to", "append_ids", "request_id", "truncate_to", "append_ids", "top_n"]
+    for field, r in zip(fields, out):
+        assert r.error.startswith(f"{field}: "), r.error
+    assert engine.tokens("x") == (1, 2) and set(engine._requests) == {"x"}
+    assert engine.run_step([DraftItem("a", append_ids=(1,), top_n=4)]).results[0].ok

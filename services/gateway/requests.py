@@ -91,7 +91,8 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     else:
         raise InvalidRequest("prompt", "give either prompt (text) or prompt_ids")
     if len(prompt_ids) > limits.max_prompt_tokens:
-        raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens is more than the limit of {limits.max_prompt_tokens}")
+        name = "prompt" if raw.prompt is not None else "prompt_ids"
+        raise InvalidRequest(name, f"{len(prompt_ids)} tokens is more than the limit of {limits.max_prompt_tokens}")
     max_new = raw.max_new_tokens or limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens_limit:
         raise InvalidRequest("max_new_tokens", f"must be between 1 and {limits.max_new_tokens_limit} (got {max_new})")

@@ -32,6 +32,7 @@ def test_defaults_are_filled():
         (dict(prompt=None), "prompt"),
         (dict(prompt=None, prompt_ids=[1, 100]), "prompt_ids"),
         (dict(prompt="x" * 9), "prompt"),
+        (dict(prompt=None, prompt_ids=[1] * 9), "prompt_ids"),  # found by tests/fuzz: was blamed on "prompt"
         (dict(max_new_tokens=65), "max_new_tokens"),
         (dict(max_new_tokens=39), "max_new_tokens"),  # 5 + 39 > context 40
         (dict(temperature=-0.1), "temperature"),

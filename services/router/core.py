@@ -37,6 +37,7 @@ from typing import Any
 
 from common.logs import get_logger
 from common.spec_types import SamplingParams, TokenTree, Verdict, VerifyItem
+from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
 from services.router.domain import detect_domains, infer_domain
 from services.router.lexicon import DomainLexicon
@@ -83,8 +84,10 @@ class RouterCore:
         record: ProfileSink | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: Any = None,
+        limits: SubmitLimits | None = None,
     ):
         self.config = config
+        self.limits = limits  # the target's vocabulary and context, for checking submissions
         self.drafters = drafters
         self.verifier = verifier
         self.profiles = profiles
@@ -125,14 +128,11 @@ class RouterCore:
                stop_ids: Sequence[int] = (), domain_hint: str = "") -> Request:
         if self._closed:
             raise RequestFailed("router shutting down", "unavailable")
+        check_submission(request_id, prompt, max_new_tokens, sampling, stop_ids, domain_hint, self.limits)
         if request_id in self.requests:
-            raise RequestFailed(f"request {request_id} is already running", "already_exists")
+            raise RequestFailed(f"request_id: request {request_id} is already running", "already_exists")
         if len(self.requests) >= self.config.max_queue:
             raise RequestFailed(f"router queue is full ({self.config.max_queue} requests)", "resource_exhausted")
-        if not prompt:
-            raise RequestFailed("empty prompt", "invalid")
-        if max_new_tokens < 1:
-            raise RequestFailed("max_new_tokens must be >= 1", "invalid")
         req = Request(
             request_id=request_id, prompt=tuple(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
             stop_ids=frozenset(stop_ids), domain=domain_hint,

@@ -16,6 +16,7 @@ from common.store import Store, StoreUnavailable
 from common.tls import TlsConfig
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.convert import sampling_from_pb
+from services.router.admission import SubmitLimits
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
 from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterConfig, RouterCore
 from services.router.metrics import RouterMetrics
@@ -167,7 +168,8 @@ class RouterApp:
         prior_weight = self.settings.profile_prior_weight
         profiles = ProfileStore(self.store)  # a Redis outage costs priors for a while, never a request
         self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier, metrics=self.spec_metrics,
-                               profiles=profiles.priors, record=profiles.record)
+                               profiles=profiles.priors, record=profiles.record,
+                               limits=SubmitLimits(info.vocab_size, info.max_context) if info.vocab_size and info.max_context else None)
         self.core.start()
         self.verifier_ready = True
         log.info("verifier connected", address=address, model=info.model_name, vocab=info.vocab_size,

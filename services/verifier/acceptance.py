@@ -72,7 +72,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     ``logits: [vocab]`` -> float64 probabilities ``[vocab]`` on the CPU. Top-p keeps the smallest
     prefix of the sorted distribution whose mass reaches ``top_p`` (at least one token).
     """
-    x = logits.detach().to("cpu", torch.float64) / params.temperature
+    x = logits.detach().to("cpu", torch.float64)
+    # shift first (softmax does not change): the best logit is 0 and stays 0 at any temperature, so
+    # a tiny one (even subnormal) gives -inf to the others, never inf - inf = NaN
+    x = (x - x.max()) / params.temperature
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

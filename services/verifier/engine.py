@@ -83,9 +83,11 @@ class VerifierEngine(RequestEngine[RequestState]):
         kv_token_budget: int | None = None,
         rule_factory: RuleFactory = default_rule_factory,
         seed: int | None = None,
+        max_tree_nodes: int | None = None,
     ) -> None:
         super().__init__(runner, kv_token_budget, "verifier")
         self.rule_factory = rule_factory
+        self.max_tree_nodes = max_tree_nodes  # a larger tree is refused (its attention mask grows with nodes^2)
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -103,9 +105,10 @@ class VerifierEngine(RequestEngine[RequestState]):
         kv_token_budget: int | None = None,
         rule_factory: RuleFactory = default_rule_factory,
         seed: int | None = None,
+        max_tree_nodes: int | None = None,
     ) -> VerifierEngine:
         runner = LMRunner.from_checkpoint(path, dtype=dtype, device=device, backend=attention_backend)
-        return cls(runner, kv_token_budget=kv_token_budget, rule_factory=rule_factory, seed=seed)
+        return cls(runner, kv_token_budget=kv_token_budget, rule_factory=rule_factory, seed=seed, max_tree_nodes=max_tree_nodes)
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -127,7 +130,8 @@ class VerifierEngine(RequestEngine[RequestState]):
         seen: set[str] = set()
         for i, item in enumerate(items):
             if item.request_id in seen:
-                verdicts[i] = Verdict(item.request_id, error=f"request {item.request_id!r} appears twice in one batch", error_kind="invalid")
+                verdicts[i] = Verdict(item.request_id, error=f"request_id: request {item.request_id!r} appears twice in one batch",
+                                      error_kind="invalid")
                 continue
             seen.add(item.request_id)
             if item.release:
@@ -154,7 +158,14 @@ class VerifierEngine(RequestEngine[RequestState]):
         t2 = time.perf_counter_ns()
 
         for p, lg in zip(planned, logits):
-            verdicts[p.index] = self._decide(p, lg)
+            try:
+                verdicts[p.index] = self._decide(p, lg)
+            except Exception as exc:  # a bug in one request's decision must not take the batch down
+                log.error("verify_decide_failed", error=repr(exc), request_id=p.item.request_id)
+                p.state.cache.discard_pending()
+                if p.new:
+                    self._drop(p.state)
+                verdicts[p.index] = Verdict(p.item.request_id, error=f"verify decision failed: {exc}", error_kind="internal")
         t3 = time.perf_counter_ns()
         timings = StageTimings(prefill_ns=t1 - t0, forward_ns=t2 - t1, decode_ns=t3 - t2, total_ns=t3 - t0)
         batch_tokens = sum(len(s.token_ids) for s in seqs)
@@ -164,6 +175,8 @@ class VerifierEngine(RequestEngine[RequestState]):
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""
         vocab = self.runner.vocab_size
         item.sampling.validate()
+        if self.max_tree_nodes is not None and len(item.tree) > self.max_tree_nodes:
+            raise InvalidInput(f"tree: {len(item.tree)} nodes is more than this verifier's limit of {self.max_tree_nodes}")
         item.tree.validate(vocab)
         for t in item.append_ids:
             if not 0 <= t < vocab:
@@ -171,13 +184,14 @@ class VerifierEngine(RequestEngine[RequestState]):
         state = self._requests.get(item.request_id)
         new = state is None
         if new and not item.append_ids:
-            raise UnknownRequest(f"unknown request {item.request_id!r}: the first verify item must carry the prompt in append_ids")
+            raise UnknownRequest(f"request_id: unknown request {item.request_id!r}: the first verify item must carry the prompt in append_ids")
         committed = (0 if new else len(state.tokens)) + len(item.append_ids)
         after = committed + item.tree.depth + 1
         if after > self.runner.max_context:
             raise ContextTooLong(
-                f"request {item.request_id!r}: {committed} committed tokens + tree depth {item.tree.depth} + 1 "
-                f"exceeds the model's maximum context of {self.runner.max_context}"
+                f"{'append_ids' if committed + 1 > self.runner.max_context else 'tree'}: request {item.request_id!r}: "
+                f"{committed} committed tokens + tree depth {item.tree.depth} + 1 exceeds the model's maximum context of "
+                f"{self.runner.max_context}"
             )
         if new:
             gen = None

@@ -21,42 +21,17 @@ from common.logs import get_logger
 from common.metrics import ServiceMetrics, bind_engine_metrics
 from common.runtime import configure_torch_threads
 from common.service import StartupError
-from common.spec_types import StageTimings, VerifyItem, VerifyOutcome
+from common.spec_types import VerifyItem, VerifyOutcome
 from common.store import Store
 from cosine.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.convert import model_info_to_pb, verdict_to_pb, verify_items_from_pb
+from services.verifier.batching import merge_outcomes, repeated_items, split_by_tokens
 from services.verifier.engine import VerifierEngine
 from services.verifier.settings import VerifierSettings
 
 SERVICE_NAME = "cosine.v1.Verifier"
 VERSION = "0.1.0"
 log = get_logger("verifier")
-
-
-def item_tokens(item: VerifyItem) -> int:
-    return len(item.append_ids) + len(item.tree) + 1
-
-
-def split_by_tokens(items: Sequence[VerifyItem], budget: int) -> list[list[VerifyItem]]:
-    """Consecutive slices whose tokens stay within ``budget`` (an item larger than the budget
-    goes alone: the engine's KV budget decides whether it fits at all)."""
-    parts: list[list[VerifyItem]] = []
-    used = 0
-    for item in items:
-        cost = item_tokens(item)
-        if not parts or used + cost > budget:
-            parts.append([])
-            used = 0
-        parts[-1].append(item)
-        used += cost
-    return parts or [[]]
-
-
-def merge_outcomes(outcomes: Sequence[VerifyOutcome]) -> VerifyOutcome:
-    if len(outcomes) == 1:
-        return outcomes[0]
-    timings = StageTimings.sum(o.timings for o in outcomes)
-    return VerifyOutcome(tuple(v for o in outcomes for v in o.verdicts), sum(o.batch_tokens for o in outcomes), timings)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -111,9 +86,11 @@ class VerifierApp:
         """Verify a batch; one forward pass per slice of at most --max-batch-tokens tokens."""
         assert self.engine is not None
         loop = asyncio.get_running_loop()
+        repeats = repeated_items(items)  # refused here: the split below could put them in different passes
+        todo = [item for i, item in enumerate(items) if i not in repeats]
         outcomes = [await loop.run_in_executor(self.executor, self.engine.verify, part)
-                    for part in split_by_tokens(items, self.settings.max_batch_tokens)]
-        outcome = merge_outcomes(outcomes)
+                    for part in split_by_tokens(todo, self.settings.max_batch_tokens)]
+        outcome = merge_outcomes(outcomes, repeats)
         self.busy_ns += outcome.timings.total_ns
         if self.passes is not None:
             self.passes.inc()
@@ -162,6 +139,7 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
             engine = await asyncio.to_thread(
                 VerifierEngine.from_checkpoint, settings.target, device=settings.device, dtype=settings.dtype,
                 attention_backend=settings.attention, kv_token_budget=settings.kv_budget_tokens,
+                max_tree_nodes=settings.max_tree_nodes,
             )
         except (CheckpointError, ValueError) as exc:
             raise StartupError(f"target: {exc}") from None

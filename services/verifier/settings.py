@@ -22,4 +22,5 @@ class VerifierSettings(ServiceSettings):
     )
     torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
     kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests; a request that would exceed it is refused", check=positive)
+    max_tree_nodes: int = setting(1024, help="most nodes one request's token tree may have (a larger tree is refused as invalid)", check=positive)
     max_batch_tokens: int = setting(4096, help="most tokens (tree nodes + appended tokens) one verify forward pass takes", check=positive)

@@ -159,3 +159,15 @@ def test_sampling_is_reproducible_with_a_seeded_generator() -> None:
     a = [rule.decide(SAMPLING_TREE, logits, g) for g in [torch.Generator().manual_seed(7)] for _ in range(50)]
     b = [rule.decide(SAMPLING_TREE, logits, g) for g in [torch.Generator().manual_seed(7)] for _ in range(50)]
     assert a == b
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-300])
+def test_a_tiny_temperature_samples_the_argmax_instead_of_failing_on_nan(temperature) -> None:
+    """Found by tests/fuzz: logits / 5e-324 overflowed to inf, softmax gave NaN and multinomial
+    raised, which broke the verifier's whole stream."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.9], [0.5, 0.1, 0.2, 0.3]])
+    p = target_probs(logits[0], SamplingParams(temperature=temperature))
+    assert torch.equal(p, torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64))
+    rule = SamplingRule(SamplingParams(temperature=temperature))
+    assert rule.decide(TokenTree.chain([1]), logits, torch.Generator().manual_seed(0)) == Decision((0,), 0)
+    assert rule.decide(TokenTree.chain([2]), logits, torch.Generator().manual_seed(0)) == Decision((), 1)

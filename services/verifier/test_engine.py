@@ -156,3 +156,29 @@ def test_timings_are_reported(engine: VerifierEngine) -> None:
     out = engine.verify([VerifyItem("a", append_ids=PROMPT, tree=TokenTree.chain([1, 2]))])
     t = out.timings
     assert t.forward_ns > 0 and t.total_ns >= t.prefill_ns + t.forward_ns + t.decode_ns
+
+
+def test_refusals_name_the_field_and_absurd_trees_are_refused(llama_target: Path) -> None:
+    """Every refusal starts with the field at fault; a tree larger than max_tree_nodes is refused
+    before any work (its attention mask grows with the square of its nodes), and a refused
+    first-sight request leaves no KV cache behind."""
+    engine = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa", max_tree_nodes=16)
+    wide = TokenTree(tokens=(1,) * 17, parents=(-1,) * 17)
+    items = [
+        VerifyItem("wide", append_ids=PROMPT, tree=wide),
+        VerifyItem("cycle", append_ids=PROMPT, tree=TokenTree(tokens=(1, 2), parents=(1, 0))),
+        VerifyItem("lengths", append_ids=PROMPT, tree=TokenTree(tokens=(1, 2), parents=(-1,))),
+        VerifyItem("token", append_ids=PROMPT, tree=TokenTree(tokens=(1, 600), parents=(-1, 0))),
+        VerifyItem("probs", append_ids=PROMPT, tree=TokenTree(tokens=(1,), parents=(-1,), draft_probs=(0.5, 0.5))),
+        VerifyItem("temp", append_ids=PROMPT, sampling=SamplingParams(temperature=float("inf"))),
+        VerifyItem("unknown"),
+        VerifyItem("context", append_ids=(1,) * 1024),
+        VerifyItem("deep", append_ids=(1,) * 1016, tree=TokenTree.chain([1] * 16)),
+    ]
+    fields = ["tree", "tree.parents[0]", "tree.parents", "tree.tokens[1]", "tree.draft_probs", "sampling.temperature",
+              "request_id", "append_ids", "tree"]
+    verdicts = engine.verify(items).verdicts
+    for field, v in zip(fields, verdicts):
+        assert v.error.startswith(f"{field}: "), v.error
+    assert [v.error_kind for v in verdicts][-3:] == ["unknown_request", "context", "context"]
+    assert engine.active_requests == 0 and engine.kv_reserved_tokens == 0
