@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
 from common.logs import get_logger
@@ -81,10 +82,20 @@ def create_http_app(gateway: GatewayApp) -> FastAPI:
     @api.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request body"))
+        loc = list(first.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        # a body that is not JSON, or not an object, is the request as a whole (no field to name)
+        whole = first.get("type") == "json_invalid" or not loc or not isinstance(loc[0], str)
+        param = None if whole else ".".join(str(p) for p in loc)
+        what = "the request body is not a valid JSON object" if whole and first.get("type") in ("json_invalid", "model_attributes_type", "dict_type") else ""
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else (what or str(first.get("msg", "invalid request body")))
         return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_argument"), status_code=400)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return JSONResponse(error_body(str(exc.detail), kind, None, None), status_code=exc.status_code, headers=exc.headers)
 
     def authorize(request: Request) -> None:
         if gateway.keys and not key_is_valid(bearer_token(request.headers.get("authorization")), gateway.keys):

@@ -75,7 +75,7 @@ class FuzzStack:
             stack._run("router", router_app, RouterSettings, common, verifier_address=stack.address("verifier"),
                        discovery_interval_s=0.2)
             stack._run("gateway", gateway_app, GatewaySettings, common, router_address=stack.address("router"),
-                       tokenizer=zoo.target.path, **GATEWAY_LIMITS)
+                       tokenizer=zoo.target.path, http_port=0, **GATEWAY_LIMITS)
             stack._wait_router_ready()
         except BaseException:
             stack.stop()
