@@ -62,24 +62,33 @@ def _walk(desc: Descriptor, data: bytes, prefix: str) -> None:
         tag, pos = _varint(data, pos, where)
         number, wire = tag >> 3, tag & 7
         field = desc.fields_by_number.get(number)
-        name = field.name if field is not None else f"field {number}"
-        path = f"{prefix}.{name}" if prefix else name
+        # a field the schema does not know is blamed on the message that holds it
+        path = (f"{prefix}.{field.name}" if prefix else field.name) if field is not None else where
+        note = "" if field is not None else f"unknown field {number}: "
         if field is not None and field.is_repeated:
             path = f"{path}[{counts.get(number, 0)}]" if field.type == FieldDescriptor.TYPE_MESSAGE else path
             counts[number] = counts.get(number, 0) + 1
         if number == 0:
             raise _Bad(where, "field number 0 is not allowed")
+        if field is not None and wire != _expected_wire(field) and not (wire == LEN and field.is_repeated):
+            field = None  # protobuf keeps a field of the wrong wire type as an unknown field
         if wire == VARINT:
-            _, pos = _varint(data, pos, path)
+            try:
+                _, pos = _varint(data, pos, path)
+            except _Bad as bad:
+                raise _Bad(path, note + bad.reason) from None
         elif wire in (I64, I32):
             size = 8 if wire == I64 else 4
             if pos + size > len(data):
-                raise _Bad(path, f"truncated {size * 8}-bit value")
+                raise _Bad(path, note + f"truncated {size * 8}-bit value")
             pos += size
         elif wire == LEN:
-            size, pos = _varint(data, pos, path)
+            try:
+                size, pos = _varint(data, pos, path)
+            except _Bad as bad:
+                raise _Bad(path, note + bad.reason) from None
             if pos + size > len(data):
-                raise _Bad(path, f"length {size} runs past the end of the message")
+                raise _Bad(path, note + f"length {size} runs past the end of the message")
             payload, pos = data[pos : pos + size], pos + size
             if field is not None:
                 if field.type == FieldDescriptor.TYPE_STRING:
@@ -90,14 +99,9 @@ def _walk(desc: Descriptor, data: bytes, prefix: str) -> None:
                 elif field.type == FieldDescriptor.TYPE_MESSAGE:
                     _walk(field.message_type, payload, path)
         elif wire in (SGROUP, EGROUP):
-            raise _Bad(path, "groups are not part of this API")
+            raise _Bad(path, note + "groups are not part of this API")
         else:
-            raise _Bad(path, f"unknown wire type {wire}")
-        if field is not None:
-            expected = _expected_wire(field)
-            packed = wire == LEN and field.is_repeated and expected != LEN
-            if wire != expected and not packed:
-                raise _Bad(path, f"wire type {wire} does not match the field's type (expected {expected})")
+            raise _Bad(path, note + f"unknown wire type {wire}")
 
 
 def locate_decode_error(desc: Descriptor, data: bytes) -> tuple[str, str]:
