@@ -108,8 +108,8 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise InvalidRequest("top_p", f"must be in (0, 1] (got {raw.top_p})")
     top_k = 0 if raw.top_k is None else int(raw.top_k)
-    if not 0 <= top_k < 2**31:
-        raise InvalidRequest("top_k", f"must be between 0 and 2^31 - 1 (got {raw.top_k})")
+    if not 0 <= top_k < 2**32:
+        raise InvalidRequest("top_k", f"must be between 0 and 2^32 - 1 (got {raw.top_k})")
     if raw.seed is not None and not 0 <= int(raw.seed) < 2**64:
         raise InvalidRequest("seed", f"must be between 0 and 2^64 - 1 (got {raw.seed})")
     resume_ids = tuple(int(t) for t in raw.resume_ids)

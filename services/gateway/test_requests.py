@@ -88,7 +88,7 @@ def test_resume_ids_are_checked_and_kept():
     assert err.value.field == "resume_ids"
 
 
-@pytest.mark.parametrize("kw,field", [(dict(top_k=2**31), "top_k"), (dict(seed=2**64), "seed"), (dict(seed=-1), "seed")])
+@pytest.mark.parametrize("kw,field", [(dict(top_k=2**32), "top_k"), (dict(seed=2**64), "seed"), (dict(seed=-1), "seed")])
 def test_numbers_beyond_the_wire_types_are_refused(kw, field):
     """The HTTP front takes JSON integers of any size; the router's fields are 32/64-bit."""
     with pytest.raises(InvalidRequest) as err:
