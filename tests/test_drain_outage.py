@@ -18,11 +18,11 @@ import time
 import pytest
 
 from common.store import Store
-from cosine_cli.cluster import LocalCluster, free_port
+from cosine_cli.cluster import LocalCluster
 from cosine_cli.commands import seed_profiles
 from cosine_client import AsyncClient, Unavailable
 from tests.test_cluster import MAX_NEW, reference, spec_for, workload  # noqa: F401  (fixtures)
-from tests.test_replicas_cluster import router_drafters
+from tests.test_replicas_cluster import router_drafters, start_drafter_replica
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +42,7 @@ def test_sigterm_drains_a_drafter_replica_without_failing_a_request(tiny_zoo, tm
     c = LocalCluster(spec_for(tiny_zoo, tmp_path))
     c.start(progress=False)
     try:
-        args = [a for name, path in c.spec.drafters.items() for a in ("--drafters", f"{name}={path}")]
-        replica = c._spawn("drafter-replica", "services.drafter", free_port(c.spec.host), args, 1)
-        asyncio.run(c._wait([replica], "replica"))
-        time.sleep(3)  # a discovery interval or more: the router connects the replica
+        start_drafter_replica(c)
         work = workload * 4
         victim = c.proc("drafter-0")
 

@@ -26,14 +26,19 @@ def router_drafters(address: str) -> dict[str, bool]:
     return asyncio.run(body())
 
 
+def start_drafter_replica(c: LocalCluster) -> None:
+    """A second drafter process hosting every drafter of the cluster, connected by the router."""
+    args = [a for name, path in c.spec.drafters.items() for a in ("--drafters", f"{name}={path}")]
+    replica = c._spawn("drafter-replica", "services.drafter", free_port(c.spec.host), args, 1)
+    asyncio.run(c._wait([replica], "replica"))
+    time.sleep(3)  # a discovery interval or more: the router connects the replica
+
+
 def test_replica_takes_over_when_a_drafter_process_dies(tiny_zoo, tmp_path, workload, reference):  # noqa: F811
     c = LocalCluster(spec_for(tiny_zoo, tmp_path))
     c.start(progress=False)
     try:
-        args = [a for name, path in c.spec.drafters.items() for a in ("--drafters", f"{name}={path}")]
-        replica = c._spawn("drafter-replica", "services.drafter", free_port(c.spec.host), args, 1)
-        asyncio.run(c._wait([replica], "replica"))
-        time.sleep(3)  # a discovery interval or more: the router connects the replica
+        start_drafter_replica(c)
 
         results = generate_while_killing(c, workload, "drafter-0", 0.3)
         for (_, prompt), res in zip(workload, results):
