@@ -100,6 +100,13 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
     def _status(self, exc: BaseException) -> grpc.StatusCode | None:
         return next((code for kind, code in self.mapping if isinstance(exc, kind)), None)
 
+    async def _abort_or_raise(self, exc: Exception, context: Any) -> None:
+        """End the call with the mapped status, or let an unmapped exception through."""
+        code = self._status(exc)
+        if code is None:
+            raise exc
+        await context.abort(code, str(exc))
+
     async def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None:
@@ -111,10 +118,7 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
                     result = fn(request_or_iterator, context)
                     return await result if inspect.isawaitable(result) else result
                 except Exception as exc:
-                    code = self._status(exc)
-                    if code is None:
-                        raise
-                    await context.abort(code, str(exc))
+                    await self._abort_or_raise(exc, context)
             return wrapped
 
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,10 +131,7 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
                     elif inspect.isawaitable(result):
                         await result
                 except Exception as exc:
-                    code = self._status(exc)
-                    if code is None:
-                        raise
-                    await context.abort(code, str(exc))
+                    await self._abort_or_raise(exc, context)
             return wrapped
 
         return rewrap_handler(handler, unary, streaming)
