@@ -26,6 +26,7 @@ import grpc
 
 from common.checkpoints import CheckpointError
 from common.grpc_server import ServerHandle
+from common.live_requests import LiveRequests
 from common.logs import get_logger
 from common.metrics import ServiceMetrics, bind_engine_metrics
 from common.runtime import configure_torch_threads
@@ -84,7 +85,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return reply
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
-        owned: dict[str, set[str]] = {}  # drafter id -> live request ids this stream touched (bounded by live requests)
+        live = LiveRequests()  # (drafter id, request id) this stream holds caches for (see common/live_requests.py)
         self.app.streams += 1
         try:
             async for step in request_iterator:
@@ -100,13 +101,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     if new:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"drafter process draining (shutting down): it takes no "
                                             f"new requests ({len(new)} in this step, e.g. {new[0]!r}); use another replica")
-                for d, items in groups:
-                    for item in items:
-                        if item.release:
-                            owned.get(d, set()).discard(item.request_id)
-                        else:
-                            owned.setdefault(d, set()).add(item.request_id)
+                before = live.begin(((d, item.request_id), item.release) for d, items in groups for item in items)
                 answers, timings = await self.app.run_groups(groups)
+                live.settle(before, (((d, item.request_id), item.release, r.ok)
+                                     for (d, items), results in zip(groups, answers) for item, r in zip(items, results)))
                 reply = drafter_pb2.DraftStepResult(step_id=step.step_id, drafter_id=step.drafter_id)
                 if step.groups:
                     for (d, _), results in zip(groups, answers):
@@ -121,10 +119,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 yield reply
         finally:
             self.app.streams -= 1
-            # the router went away: free every cache it left behind
-            leftovers = {d: ids for d, ids in owned.items() if ids}
-            if any(leftovers.values()):
-                await self.app.release(leftovers)
+            # the router went away: free every cache it left behind (shielded: a second cancellation
+            # must not drop the release queued behind a running step)
+            if live:
+                leftovers: dict[str, set[str]] = {}
+                for d, rid in live.ids:
+                    leftovers.setdefault(d, set()).add(rid)
+                await asyncio.shield(self.app.release(leftovers))
 
 
 class DrafterApp:

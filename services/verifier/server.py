@@ -17,6 +17,7 @@ import grpc
 
 from common.checkpoints import CheckpointError
 from common.grpc_server import ServerHandle
+from common.live_requests import LiveRequests
 from common.logs import get_logger
 from common.metrics import ServiceMetrics, bind_engine_metrics
 from common.runtime import configure_torch_threads
@@ -48,14 +49,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         engine = self.app.engine
         if engine is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verifier hosts no target model (start it with --target PATH)")
-        seen: set[str] = set()  # live request ids of this stream (released ones leave: bounded by live requests)
+        live = LiveRequests()  # request ids this stream holds caches for (see common/live_requests.py)
         try:
             async for batch in request_iterator:
                 received = time.perf_counter_ns()
                 items = verify_items_from_pb(batch)
-                for item in items:
-                    (seen.discard if item.release else seen.add)(item.request_id)
+                before = live.begin((item.request_id, item.release) for item in items)
                 outcome = await self.app.verify(items)
+                live.settle(before, ((i.request_id, i.release, v.ok) for i, v in zip(items, outcome.verdicts)))
                 reply = verifier_pb2.VerifyResult(batch_id=batch.batch_id, verdicts=[verdict_to_pb(v) for v in outcome.verdicts],
                                                   batch_tokens=outcome.batch_tokens)
                 t = outcome.timings
@@ -64,9 +65,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 reply.timings.queue_ns = max(0, reply.timings.total_ns - t.total_ns)
                 yield reply
         finally:
-            leftovers = set(seen)
-            if leftovers:
-                await self.app.release(leftovers)
+            if live:  # shielded: a second cancellation must not drop the release queued behind a running pass
+                await asyncio.shield(self.app.release(set(live.ids)))
 
 
 class VerifierApp:

@@ -150,7 +150,7 @@ class VerifierModel:
         assert list(verdict.node_accepted) == [i in nodes for i in range(len(tree.tokens))]
         assert 0 <= verdict.next_token < VOCAB_SIZE
         before = self.committed.get(item.request_id, 0)
-        assert verdict.committed_len == before + len(item.append_ids) + len(nodes) + 1
+        assert verdict.committed_len == before + len(item.append_ids) + len(nodes) + 1, (before, item, verdict)
         self.committed[item.request_id] = verdict.committed_len
 
 
