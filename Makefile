@@ -13,7 +13,7 @@ PB_STAMP := pb/.generated
 help:
 	@echo "make run    - set up, start the local cluster and serve a demo workload"
 	@echo "make test   - set up and run the test suite"
-	@echo "make fuzz   - set up and fuzz every service's gRPC inputs at length (over 10,000 cases)"
+	@echo "make fuzz   - set up and fuzz every service's gRPC and HTTP inputs at length (over 15,000 cases)"
 	@echo "make bench  - set up, build the default zoo if absent, run every system and write bench-out/report.json + plots"
 	@echo "make proto  - regenerate the gRPC/protobuf code (pb/) from protos/"
 	@echo "make clean  - remove the virtual environment and generated code"
