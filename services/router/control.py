@@ -21,8 +21,13 @@ speculation shrinks, down to plain decoding (no node at all) when no node pays. 
 two-sided negative feedback of the design: verification the bottleneck -> verify less.
 
 Drafting is priced the same way: one more fused draft step for the batch costs the drafters'
-step time; it is taken only while the expected tokens it can add repay that time. When drafting
-takes longer than verifying (drafters the bottleneck), requests are drafted by one drafter
+step time; it is taken only while the expected tokens it can add repay that time. The first step
+of a round is priced per request before it is sent (:meth:`SpeculationControl.first_node_threshold`):
+a request drafts only when its first node's acceptance rate repays its verify row *and* its share of
+the first step's time (:attr:`SpeculationControl.first_step`, a fixed + per-request fit like the
+verifier's). At one client nothing overlaps the drafters' time, so weak drafters are turned off and
+the request decodes plainly; with a full batch the step's time is shared and drafting goes on. When
+drafting takes longer than verifying (drafters the bottleneck), requests are drafted by one drafter
 instead of several: draft less.
 
 Lossless by construction: control only decides which proposals are verified; acceptance is
@@ -115,6 +120,7 @@ class SpeculationControl:
     cost: CostModel = field(default_factory=CostModel)
     throughput: float = 0.0  # tokens committed per verifier-busy second (EWMA)
     draft_step_s: float = 0.0  # one fused draft step for a batch (EWMA)
+    first_step: CostModel = field(default_factory=CostModel)  # a round's first draft step: seconds ~ requests drafted
     draft_round_s: float = 0.0
     verify_round_s: float = 0.0
 
@@ -125,6 +131,16 @@ class SpeculationControl:
         if not self.enabled or self.cost.observed == 0 or self.throughput <= 0:
             return self.min_threshold
         return max(self.min_threshold, self.throughput * self.cost.slope())
+
+    def first_node_threshold(self, requests: int, pipelined: bool) -> float:
+        """Expected tokens a request's first node must bring for the request to draft this round:
+        its verify row plus its share of the first draft step of ``requests`` requests (half of
+        it when another round is in flight, as in :meth:`worth_a_step`)."""
+        theta = self.threshold()
+        if not self.enabled or self.throughput <= 0 or self.first_step.observed == 0 or requests <= 0:
+            return theta
+        share = 0.5 if pipelined else 1.0
+        return theta + self.throughput * share * self.first_step.predict(requests) / requests
 
     def node_value(self, parent_value: float, confidence: float) -> float:
         return parent_value * self.calibration(confidence)
@@ -182,8 +198,11 @@ class SpeculationControl:
         if busy_s > 0:
             self.throughput = self._ewma(self.throughput, committed / busy_s)
 
-    def observe_draft_step(self, seconds: float) -> None:
+    def observe_draft_step(self, seconds: float, first_of: int = 0) -> None:
+        """One draft step took ``seconds``; ``first_of``: it was a round's first, for that many requests."""
         self.draft_step_s = self._ewma(self.draft_step_s, seconds)
+        if first_of:
+            self.first_step.observe(first_of, seconds)
 
     def observe_round(self, draft_s: float, verify_s: float) -> None:
         self.draft_round_s = self._ewma(self.draft_round_s, draft_s)

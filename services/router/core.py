@@ -207,7 +207,7 @@ class RouterCore:
         t0 = self.clock()
         live = list(self.drafters.live()) if self.config.speculate else []
         await self._route(batch, live)
-        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if self._drafts_pay(r) else 0
+        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if self._drafts_pay(r, len(batch)) else 0
               for r in batch}
         if self.config.fusion == "chunk":
             trees, selected = await self.drafting.chunks(batch, ks)
@@ -297,15 +297,21 @@ class RouterCore:
             for r in to_score:
                 self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
 
-    def _drafts_pay(self, r: Request) -> bool:
+    def _drafts_pay(self, r: Request, batch_size: int) -> bool:
         """Whether drafting for ``r`` this round is expected to pay: its first node's acceptance
-        rate against the control threshold; a request turned down to plain decoding is probed
-        with a draft every eighth round, so a change of load or of text turns it back on."""
+        rate against what its verify row costs and (with draft pricing) its share of the first draft
+        step of a batch this size; a request turned down to plain decoding is probed with a draft
+        every eighth round, so a change of load or of text turns it back on."""
         if not self.config.speculate:
             return False
         if not self.config.cost_control:
             return True
-        return r.first_accept >= self.control.threshold() or r.stats.rounds % 8 == 0
+        if self.config.draft_pricing:
+            # another round in flight overlaps this one's drafting (this round counts itself)
+            theta = self.control.first_node_threshold(batch_size, pipelined=self.rounds_in_flight > 1)
+        else:
+            theta = self.control.threshold()
+        return r.first_accept >= theta or r.stats.rounds % 8 == 0
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
                updates: list[tuple[str, str, float, float]], round_ns: int) -> None:

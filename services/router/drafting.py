@@ -95,7 +95,7 @@ class Drafting:
                     per_drafter.setdefault(d, []).append((rid, replace(item, request_id=rid)))
             t_step = self.clock()
             answers = await self.call(per_drafter)
-            self.control.observe_draft_step(self.clock() - t_step)
+            self.control.observe_draft_step(self.clock() - t_step, first_of=len(active) if step == 0 else 0)
             proposals: dict[str, list[Proposal]] = {rid: [] for rid in active}
             for d, pairs in per_drafter.items():
                 results = match_draft_results([rid for rid, _ in pairs], answers.get(d))
@@ -139,7 +139,10 @@ class Drafting:
                 item, after = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=1, chain_len=ks[r.request_id])
                 r.drafter_cache[d] = after
                 per_drafter.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
+        t_call = self.clock()
         answers = await self.call(per_drafter)
+        if per_drafter:  # the whole chunk is the round's first (and only) draft message
+            self.control.observe_draft_step(self.clock() - t_call, first_of=sum(1 for s in selected.values() if s))
         chains: dict[str, dict[str, tuple[list[int], list[float]]]] = {r.request_id: {} for r in batch}
         for d, pairs in per_drafter.items():
             results = answers.get(d)

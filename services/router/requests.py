@@ -67,6 +67,7 @@ class RouterConfig:
     adaptive_k: bool = True
     all_drafters: bool = False  # every live drafter drafts every request (SpecInfer-style)
     cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
+    draft_pricing: bool = True  # a request drafts only when its first node also repays the drafters' time
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
 
@@ -77,7 +78,7 @@ class RouterConfig:
             drafters_per_request=s.drafters_per_request, fusion=s.fusion, routing=s.routing,
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
-            adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control,
+            adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,
             speculate=s.speculate, domain_detection=s.domain_detection,
         )
 

@@ -101,3 +101,18 @@ def test_calibration_is_fed_by_the_nodes_the_verifier_tried():
     before = control.calibration.seen[8]
     control.observe_verdict(tree, [n0])
     assert control.calibration.seen[8] == before + 3  # n0 (accepted), its sibling and n2 (rejected)
+
+
+def test_the_first_draft_step_is_priced_per_request_so_a_lone_request_stops_paying_for_weak_drafters():
+    control = fed(SpeculationControl(), batch=1, accepted_per_request=0.5)
+    assert control.first_node_threshold(1, pipelined=False) == control.threshold()  # no step measured yet
+    for n in (1, 4, 16, 2, 8):  # a first step costs 10 ms + 1 ms per request drafted
+        control.observe_draft_step(0.010 + 0.001 * n, first_of=n)
+    control.observe_draft_step(0.5)  # a later step: not a first one, the fit ignores it
+    alone, batched = control.first_node_threshold(1, pipelined=False), control.first_node_threshold(16, pipelined=False)
+    assert control.threshold() < batched < alone
+    # a lone request pays the whole step: 11 ms at the verifier's throughput, on top of its row
+    assert alone == pytest.approx(control.threshold() + control.throughput * 0.011, rel=0.05)
+    overlapped = control.first_node_threshold(1, pipelined=True)
+    assert overlapped == pytest.approx(control.threshold() + (alone - control.threshold()) / 2)
+    assert SpeculationControl(enabled=False).first_node_threshold(1, pipelined=False) == SpeculationControl().min_threshold

@@ -108,6 +108,44 @@ def test_no_drafter_falls_back_to_plain_decoding(engines, reference):
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
 
 
+class SlowDrafterPool(LocalDrafterPool):
+    """Drafters whose every step takes ``delay_s`` (a drafter far slower than the verifier)."""
+
+    def __init__(self, engines, delay_s: float):
+        super().__init__(engines)
+        self.delay_s = delay_s
+        self.rounds_drafted: list[int] = []  # the round count when each step was sent
+        self.core: RouterCore | None = None
+
+    async def draft_many(self, calls):
+        self.rounds_drafted.append(self.core.counters.rounds)
+        await asyncio.sleep(self.delay_s)
+        return await super().draft_many(calls)
+
+
+@pytest.mark.parametrize("pricing", [True, False])
+def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engines, reference, pricing):
+    """One request, a drafter that always agrees with the target but whose step costs 50 ms against
+    a verify pass of a few: with the drafters' time priced, the request decodes plainly and drafts
+    only on its probes (every eighth round), since plain decoding commits more per second; without,
+    every node pays its verify row and the request drafts every round. Output is the target's own
+    either way."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    rid = sorted(prompts)[0]
+    pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
+    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing)
+    core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
+    assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
+    rounds = core.counters.rounds
+    drafted = sorted(set(pool.rounds_drafted))
+    if pricing:  # once the first rounds have measured both sides, only the probes draft
+        assert [r for r in drafted if r >= 4 and r % 8] == [], (drafted, rounds)
+        assert len(drafted) < rounds / 2
+    else:
+        assert drafted == list(range(rounds)), (drafted, rounds)
+
+
 def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference):
     """A prompt written by the target is most likely under the target-like drafters."""
     verifier, drafters = engines
