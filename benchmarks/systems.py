@@ -511,13 +511,15 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "cosine_no_control": (("--no-cost-control",), (), "cosine with cost-aware control off (every drafted node verified)"),
     "cosine_drafter_domains": (("--domain-detection", "drafters"), (),
                                "cosine with every live drafter scoring each new prompt for its domain (no lexicon)"),
+    "cosine_fixed_pipeline": (("--no-pipeline-control",), (),
+                              "cosine keeping --rounds-in-flight rounds in flight whatever drafting and verifying cost"),
     "cosine_unpriced_drafting": (("--no-draft-pricing",), (),
                                  "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)"),
 }
 IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
                "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
-               "cosine_unpriced_drafting")
+               "cosine_unpriced_drafting", "cosine_fixed_pipeline")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
 DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control")

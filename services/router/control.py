@@ -30,6 +30,14 @@ the request decodes plainly; with a full batch the step's time is shared and dra
 drafting takes longer than verifying (drafters the bottleneck), requests are drafted by one drafter
 instead of several: draft less.
 
+Pipelining is priced too (:meth:`SpeculationControl.pipeline_pays`). A second round in flight
+lets one batch draft while another verifies, but it splits the pool into two batches, and each
+verify pass pays the pass's fixed cost again (on a CPU target, the weights read once per pass):
+when verification takes longer than drafting, the verifier is the bottleneck and the second pass
+is pure loss. So a second round starts only while a round's drafting takes at least as long as
+its verifier time (with hysteresis: it stops below 0.8 of it); otherwise one round with the whole
+pool is in flight, and the verifier sees full batches.
+
 Lossless by construction: control only decides which proposals are verified; acceptance is
 decided by the verifier from the target alone.
 """
@@ -123,6 +131,8 @@ class SpeculationControl:
     first_step: CostModel = field(default_factory=CostModel)  # a round's first draft step: seconds ~ requests drafted
     draft_round_s: float = 0.0
     verify_round_s: float = 0.0
+    verify_pass_s: float = 0.0  # verifier busy time of one round's pass (EWMA): no queueing in it
+    pipelining: bool = True  # whether a second round in flight currently pays (see pipeline_pays)
 
     # ---- decisions -------------------------------------------------------------------------------
 
@@ -154,6 +164,18 @@ class SpeculationControl:
         share = 0.5 if pipelined else 1.0
         verify_rows = self.cost.slope() * len(next_values)
         return sum(next_values) >= self.throughput * (share * self.draft_step_s + verify_rows)
+
+    def pipeline_pays(self) -> bool:
+        """Whether a second round in flight pays: while drafting takes at least as long as the
+        verifier's pass (on below 1.0x, off below 0.8x: hysteresis). Unmeasured or disabled: yes."""
+        if not self.enabled or self.draft_round_s <= 0 or self.verify_pass_s <= 0:
+            return True
+        ratio = self.draft_round_s / self.verify_pass_s
+        if self.pipelining and ratio < 0.8:
+            self.pipelining = False
+        elif not self.pipelining and ratio >= 1.0:
+            self.pipelining = True
+        return self.pipelining
 
     def drafters_per_request(self, configured: int) -> int:
         """Draft less when drafting is the bottleneck: one drafter per request while a round's
@@ -197,6 +219,7 @@ class SpeculationControl:
         self.cost.observe(tokens, busy_s)
         if busy_s > 0:
             self.throughput = self._ewma(self.throughput, committed / busy_s)
+            self.verify_pass_s = self._ewma(self.verify_pass_s, busy_s)
 
     def observe_draft_step(self, seconds: float, first_of: int = 0) -> None:
         """One draft step took ``seconds``; ``first_of``: it was a round's first, for that many requests."""

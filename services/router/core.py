@@ -19,7 +19,10 @@ A **round** for a batch of requests (see DESIGN.md):
    updated; the tokens are streamed to the request's submitter.
 
 ``rounds_in_flight`` workers run rounds concurrently over disjoint batches, so one batch drafts
-while another verifies; a request is in at most one round at a time.
+while another verifies; a request is in at most one round at a time. With cost control they do so
+only while pipelining pays (``SpeculationControl.pipeline_pays``: drafting outlasts the verify
+pass), each round then taking its share of the pool; otherwise one round carries the whole pool,
+so the verifier pays its fixed cost per pass once.
 
 Where each part lives: this module runs the rounds and applies verdicts; ``requests.py`` holds the
 request pool's types and the contracts of the drafter pool and verifier; ``scheduler.py`` picks
@@ -153,9 +156,21 @@ class RouterCore:
 
     # ---- rounds ------------------------------------------------------------------------------
 
+    def _rounds_allowed(self) -> int:
+        """Rounds that may be in flight now: the configured number while pipelining pays (see
+        ``SpeculationControl.pipeline_pays``), else one round with the whole pool."""
+        configured = max(1, self.config.rounds_in_flight)
+        if configured > 1 and self.config.cost_control and self.config.pipeline_control and not self.control.pipeline_pays():
+            return 1
+        return configured
+
     async def _worker(self, index: int) -> None:
         while True:
             await asyncio.sleep(0)  # let submissions and cancellations in between rounds
+            if self.rounds_in_flight >= self._rounds_allowed():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
             batch = self._pick()
             if not batch:
                 self._wakeup.clear()
@@ -193,7 +208,12 @@ class RouterCore:
             )
             for r in waiting
         ]
-        chosen = pick_batch(cands, self.config.verify_token_budget, self.config.max_batch_requests, self.config.max_k)
+        cap = self.config.max_batch_requests
+        allowed = self._rounds_allowed()
+        if self.config.pipeline_control and allowed > 1:
+            # rounds overlap: a round takes its share of the pool, so the others have a batch to draft
+            cap = min(cap, max(1, -(-len(self.requests) // allowed)))
+        chosen = pick_batch(cands, self.config.verify_token_budget, cap, self.config.max_k)
         batch = [self.requests[c.request_id] for c in chosen]
         for r in batch:
             r.in_round = True
@@ -301,7 +321,8 @@ class RouterCore:
         """Whether drafting for ``r`` this round is expected to pay: its first node's acceptance
         rate against what its verify row costs and (with draft pricing) its share of the first draft
         step of a batch this size; a request turned down to plain decoding is probed with a draft
-        every eighth round, so a change of load or of text turns it back on."""
+        every eighth round of the router (the same round for every request, so probes share one draft
+        step instead of costing one in most rounds), so a change of load or of text turns it back on."""
         if not self.config.speculate:
             return False
         if not self.config.cost_control:
@@ -311,7 +332,7 @@ class RouterCore:
             theta = self.control.first_node_threshold(batch_size, pipelined=self.rounds_in_flight > 1)
         else:
             theta = self.control.threshold()
-        return r.first_accept >= theta or r.stats.rounds % 8 == 0
+        return r.first_accept >= theta or r.stats.rounds == 0 or self.counters.rounds % 8 == 0
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
                updates: list[tuple[str, str, float, float]], round_ns: int) -> None:

@@ -79,7 +79,7 @@ class Drafting:
         active = {rid for rid, sel in selected.items() if sel}
         values = {rid: 1.0 for rid in active}  # expected acceptance of each request's fused tip
         theta = self.control.threshold() if self.config.cost_control else 0.0
-        pipelined = self.config.rounds_in_flight > 1
+        pipelined = self.config.rounds_in_flight > 1 and self.control.pipelining
         step = 0
         while active:
             per_drafter: dict[str, list[tuple[str, DraftItem]]] = {}

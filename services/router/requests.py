@@ -68,6 +68,7 @@ class RouterConfig:
     all_drafters: bool = False  # every live drafter drafts every request (SpecInfer-style)
     cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
     draft_pricing: bool = True  # a request drafts only when its first node also repays the drafters' time
+    pipeline_control: bool = True  # a second round in flight only while drafting outlasts the verifier's pass
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
 
@@ -79,6 +80,7 @@ class RouterConfig:
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,
+            pipeline_control=s.pipeline_control,
             speculate=s.speculate, domain_detection=s.domain_detection,
         )
 

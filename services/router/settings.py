@@ -36,6 +36,8 @@ class RouterSettings(ServiceSettings):
     explore_threshold: float = setting(0.5, help="when a request's recent acceptance rate falls under this, try a less-used drafter", check=in_range(0.0, 1.0))
     # batching and pipelining
     rounds_in_flight: int = setting(2, help="rounds kept in flight (>= 2 lets one batch draft while another verifies; 1 disables pipelining)", check=positive)
+    pipeline_control: bool = setting(True, help="with cost control, keep more than one round in flight only while a round's drafting takes "
+                                                   "as long as its verify pass (measured online); otherwise one round verifies the whole pool. Off: always --rounds-in-flight")
     max_batch_requests: int = setting(16, help="most requests in one round", check=positive)
     verify_token_budget: int = setting(1024, help="most tree tokens one verify batch may carry", check=positive)
     max_queue: int = setting(1024, help="most requests waiting; beyond it Submit answers RESOURCE_EXHAUSTED", check=positive)

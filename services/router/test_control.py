@@ -116,3 +116,19 @@ def test_the_first_draft_step_is_priced_per_request_so_a_lone_request_stops_payi
     overlapped = control.first_node_threshold(1, pipelined=True)
     assert overlapped == pytest.approx(control.threshold() + (alone - control.threshold()) / 2)
     assert SpeculationControl(enabled=False).first_node_threshold(1, pipelined=False) == SpeculationControl().min_threshold
+
+
+def test_a_second_round_in_flight_pays_only_while_drafting_outlasts_the_verify_pass():
+    control = SpeculationControl()
+    assert control.pipeline_pays()  # nothing measured yet: as configured
+    for _ in range(30):  # verifier-bound: 60 ms passes, 20 ms of drafting per round
+        control.observe_pass(16, 0.060, 16)
+        control.observe_round(draft_s=0.020, verify_s=0.060)
+    assert not control.pipeline_pays() and not control.pipelining
+    for _ in range(30):  # drafting now takes 0.9x the pass: inside the hysteresis band, stays off
+        control.observe_round(draft_s=0.054, verify_s=0.060)
+    assert not control.pipeline_pays()
+    for _ in range(30):  # drafter-bound: overlap pays
+        control.observe_round(draft_s=0.120, verify_s=0.060)
+    assert control.pipeline_pays()
+    assert SpeculationControl(enabled=False).pipeline_pays()

@@ -146,6 +146,47 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
         assert len(drafted) > rounds / 2, (drafted, rounds)
 
 
+class SlowVerifier(LocalVerifier):
+    """A verifier whose every pass takes ``delay_s`` more (and reports it as busy time); it
+    records how many rounds were in flight at each call."""
+
+    def __init__(self, engine, delay_s: float):
+        super().__init__(engine)
+        self.delay_s = delay_s
+        self.in_flight: list[int] = []
+        self.core: RouterCore | None = None
+
+    async def verify(self, items):
+        self.in_flight.append(self.core.rounds_in_flight)
+        await asyncio.sleep(self.delay_s)
+        verdicts, busy_ns = await super().verify(items)
+        return verdicts, busy_ns + int(self.delay_s * 1e9)
+
+
+@pytest.mark.parametrize("bound", ["verifier", "drafters"])
+def test_a_second_round_is_in_flight_only_while_drafting_outlasts_verifying(engines, reference, bound):
+    """Verifier-bound (a 40 ms pass, quick drafters): after the first rounds one round carries the
+    whole pool, since a second would only pay the pass's fixed cost again. Drafter-bound (40 ms
+    draft steps, a quick pass): two rounds overlap. Output is the target's own either way."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    slow_verifier = bound == "verifier"
+    # a weak drafter where the verifier is slow (many rounds), a perfect one where drafting is
+    pool = SlowDrafterPool({"small" if slow_verifier else "self": drafters["small" if slow_verifier else "self"]},
+                           delay_s=0.0 if slow_verifier else 0.04)
+    backend = SlowVerifier(verifier, delay_s=0.04 if slow_verifier else 0.0)
+    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=2, draft_pricing=False)
+    core = pool.core = backend.core = RouterCore(config, pool, backend)
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    later = backend.in_flight[6:]
+    if slow_verifier:
+        assert later and max(later) == 1, backend.in_flight
+        assert not core.control.pipelining
+    else:
+        assert max(later) == 2, backend.in_flight
+        assert core.control.pipelining
+
+
 def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference):
     """A prompt written by the target is most likely under the target-like drafters."""
     verifier, drafters = engines
