@@ -31,7 +31,10 @@ def spec_for(zoo, tmp_path, **kw) -> ClusterSpec:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_zoo, tmp_path_factory):
-    c = LocalCluster(spec_for(tiny_zoo, tmp_path_factory.mktemp("cluster")))
+    # On the tiny zoo a verify pass costs less than one draft message, so priced drafting would
+    # (rightly) turn speculation off; these tests are about the speculative path, so they keep
+    # the drafters' time unpriced and every request drafts whenever its nodes pay their rows.
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path_factory.mktemp("cluster"), router_args=("--no-draft-pricing",)))
     c.start(progress=False)
     asyncio.run(seed_profiles(c.redis_url, c.spec.prefix, tiny_zoo.acceptance, 20.0))
     yield c
@@ -103,8 +106,8 @@ def test_stream_yields_the_same_tokens_as_unary(cluster, workload, reference):
         unary = client.generate(prompt, max_new_tokens=MAX_NEW)
     assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids) == reference[prompt]
     assert "".join(c.text for c in chunks) == unary.text
-    assert chunks[-1].finished and chunks[-1].stats.rounds == unary.stats.rounds
-    assert sum(1 for c in chunks if c.token_ids) > 1  # really streamed, round by round
+    # really streamed, round by round (the two requests' round counts may differ: control state moves)
+    assert chunks[-1].finished and chunks[-1].stats.rounds >= sum(1 for c in chunks if c.token_ids) > 1
 
 
 def test_stop_strings_cut_the_text(cluster, workload):
