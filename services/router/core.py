@@ -160,7 +160,7 @@ class RouterCore:
         """Rounds that may be in flight now: the configured number while pipelining pays (see
         ``SpeculationControl.pipeline_pays``), else one round with the whole pool."""
         configured = max(1, self.config.rounds_in_flight)
-        if configured > 1 and self.config.cost_control and self.config.pipeline_control and not self.control.pipeline_pays():
+        if configured > 1 and self.config.pipeline_control and not self.control.pipeline_pays():  # always pays without cost control
             return 1
         return configured
 

@@ -3,7 +3,7 @@
 A batch may carry more tokens than one pass should take (``--max-batch-tokens``): it is served
 as consecutive slices, one pass each, and the verdicts are put back in item order. A request may
 appear only once per batch; a repeat is refused before the split, since the slices are verified
-separately and the engine sees repeats only within one pass.
+separately (the engine refuses repeats within one pass with the same :func:`repeated_items`).
 """
 
 from __future__ import annotations

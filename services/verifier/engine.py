@@ -49,6 +49,7 @@ from common.spec_types import (
     VerifyOutcome,
 )
 from services.verifier.acceptance import RuleFactory, default_rule_factory
+from services.verifier.batching import repeated_items
 
 log = get_logger(__name__)
 
@@ -127,13 +128,11 @@ class VerifierEngine(RequestEngine[RequestState]):
         t0 = time.perf_counter_ns()
         verdicts: list[Verdict | None] = [None] * len(items)
         planned: list[_Planned] = []
-        seen: set[str] = set()
+        repeats = repeated_items(items)
         for i, item in enumerate(items):
-            if item.request_id in seen:
-                verdicts[i] = Verdict(item.request_id, error=f"request_id: request {item.request_id!r} appears twice in one batch",
-                                      error_kind="invalid")
+            if i in repeats:
+                verdicts[i] = repeats[i]
                 continue
-            seen.add(item.request_id)
             if item.release:
                 self.release(item.request_id)
                 verdicts[i] = Verdict(item.request_id)
