@@ -4,7 +4,6 @@ signal handling and graceful shutdown. Servicers stay thin; this module knows no
 from __future__ import annotations
 
 import asyncio
-import inspect
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.tls import TlsConfig, add_port, open_channel
-from common.wire import MalformedMessageInterceptor
+from common.wire import MalformedMessageInterceptor, handler_replies, handler_reply
 
 # Generous limits: a verify batch of many trees with logits-free payloads stays far below this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -115,8 +114,7 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
         def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request_or_iterator: Any, context: Any) -> Any:
                 try:
-                    result = fn(request_or_iterator, context)
-                    return await result if inspect.isawaitable(result) else result
+                    return await handler_reply(fn, request_or_iterator, context)
                 except Exception as exc:
                     await self._abort_or_raise(exc, context)
             return wrapped
@@ -124,12 +122,8 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
                 try:
-                    result = fn(request_or_iterator, context)
-                    if hasattr(result, "__aiter__"):
-                        async for item in result:
-                            yield item
-                    elif inspect.isawaitable(result):
-                        await result
+                    async for item in handler_replies(fn, request_or_iterator, context):
+                        yield item
                 except Exception as exc:
                     await self._abort_or_raise(exc, context)
             return wrapped

@@ -15,7 +15,6 @@ interceptor that every service shares:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from common.grpc_server import rewrap_handler
 from common.logs import get_logger
+from common.wire import handler_replies, handler_reply
 
 log = get_logger(__name__)
 
@@ -116,19 +116,14 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
         def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request_or_iterator: Any, context: Any) -> Any:
                 with observed(context):
-                    result = fn(request_or_iterator, context)
-                    return await result if inspect.isawaitable(result) else result
+                    return await handler_reply(fn, request_or_iterator, context)
             return wrapped
 
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
                 with observed(context):
-                    result = fn(request_or_iterator, context)
-                    if hasattr(result, "__aiter__"):
-                        async for item in result:
-                            yield item
-                    elif inspect.isawaitable(result):  # a handler that writes with context.write()
-                        await result
+                    async for item in handler_replies(fn, request_or_iterator, context):
+                        yield item
             return wrapped
 
         return rewrap_handler(handler, unary, streaming)

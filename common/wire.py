@@ -136,6 +136,23 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any]) -> Callable[[bytes],
     return safe
 
 
+async def handler_reply(fn: Callable[..., Any], request: Any, context: Any) -> Any:
+    """Call a servicer method that answers once (plain or async), as grpc.aio does; for interceptors."""
+    result = fn(request, context)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def handler_replies(fn: Callable[..., Any], request: Any, context: Any) -> AsyncIterator[Any]:
+    """The replies of a servicer method that answers with a stream, as grpc.aio calls it: an async
+    generator, or a coroutine that writes with ``context.write()``; for interceptors."""
+    result = fn(request, context)
+    if hasattr(result, "__aiter__"):
+        async for reply in result:
+            yield reply
+    elif inspect.isawaitable(result):
+        await result
+
+
 class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
     """Ends a call whose request (or any message of a request stream) does not parse with
     INVALID_ARGUMENT naming the field, before the servicer sees it. A stream that already ran
@@ -146,18 +163,6 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         safe = _safe_deserializer(handler.request_deserializer)
-
-        async def reply_of(fn: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext) -> Any:
-            result = fn(request, context)
-            return await result if inspect.isawaitable(result) else result
-
-        async def replies_of(fn: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            result = fn(request, context)
-            if hasattr(result, "__aiter__"):
-                async for reply in result:
-                    yield reply
-            elif inspect.isawaitable(result):  # a handler that writes with context.write()
-                await result
 
         def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async def gen() -> AsyncIterator[Any]:
@@ -171,25 +176,25 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                return await reply_of(fn, request, context)
+                return await handler_reply(fn, request, context)
             return call
 
         def unary_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                async for reply in replies_of(fn, request, context):
+                async for reply in handler_replies(fn, request, context):
                     yield reply
             return call
 
         def stream_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-                return await reply_of(fn, checked(requests, context), context)
+                return await handler_reply(fn, checked(requests, context), context)
             return call
 
         def stream_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async for reply in replies_of(fn, checked(requests, context), context):
+                async for reply in handler_replies(fn, checked(requests, context), context):
                     yield reply
             return call
 
