@@ -1,0 +1,161 @@
+"""Lookup drafting: free draft tokens from a request's own text (no model, no gRPC).
+
+Text repeats itself: records repeat their field names, code its identifiers, and a small target's
+greedy continuation often loops. The lookup drafter finds the longest suffix of a request's
+committed sequence (at most ``max_ngram`` tokens) that occurred earlier in it and proposes the
+tokens that followed that occurrence (continuing through the proposal itself when the occurrence
+runs into the suffix, so a loop of period ``p`` is proposed as a loop).
+
+It costs no drafter time, only verify rows, so its nodes are priced by their verify rows alone
+(:meth:`~services.router.control.SpeculationControl.threshold`): a request whose model drafting does
+not pay this round still gets the lookup nodes that do. Its proposals join the round's tree as one
+more chain beside the drafters' (a node both propose is shared), and the verifier treats them like
+any draft: a deterministic proposal, so acceptance stays the target's own (lossless).
+
+How likely a lookup token is accepted depends on how long the match was and how deep the token
+is (a token after an accepted lookup token is far likelier right). :class:`LookupCalibration` learns
+that online from every verdict, per (greedy or sampling, match length, depth), from Beta priors.
+Measured on the default zoo's prompts (greedy, 40 new tokens): a first token after a 1-token match
+is right a third of the time, after a 4-token match 95% of the time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.router.fusion import DraftTree
+
+LOOKUP_ID = "lookup"  # the drafter id lookup nodes are credited to (in stats, metrics and trees)
+
+
+@dataclass
+class LookupIndex:
+    """The latest end of every n-gram (n <= ``max_ngram``) of one request's committed sequence.
+
+    Built incrementally: the sequence only grows, so each round indexes only its new tokens."""
+
+    max_ngram: int = 4
+    _last: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _indexed: int = 0  # n-grams ending at positions < _indexed are in the index
+
+    def propose(self, sequence: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the longest earlier occurrence of the sequence's suffix,
+        and the length of the match (0 and no tokens when no suffix occurred before)."""
+        length = len(sequence)
+        if k <= 0 or length < 2:
+            return [], 0
+        for end in range(max(self._indexed, 1), length):  # every end before the suffix's own
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self._last[tuple(sequence[end - n:end])] = end
+        self._indexed = max(self._indexed, length)
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            start = self._last.get(tuple(sequence[length - n:]))
+            if start is None:
+                continue
+            out: list[int] = []
+            for j in range(k):  # past the end of the sequence, the proposal continues itself
+                i = start + j
+                out.append(sequence[i] if i < length else out[i - length])
+            return out, n
+        return [], 0
+
+
+@dataclass
+class LookupCalibration:
+    """P(a lookup token is accepted | its parent was), per (greedy, match length, depth), online."""
+
+    max_ngram: int = 4
+    max_depth: int = 3  # depths from here on share one estimate
+    prior_weight: float = 4.0
+    _counts: dict[tuple[bool, int, int], list[float]] = field(default_factory=dict)
+
+    def _key(self, greedy: bool, n: int, depth: int) -> tuple[bool, int, int]:
+        return greedy, max(1, min(n, self.max_ngram)), min(depth, self.max_depth)
+
+    @staticmethod
+    def prior(n: int, depth: int) -> float:
+        """Before any verdict: a first token is as good as its match is long; one after an accepted
+        lookup token is likely right (the text is repeating)."""
+        if depth > 0:
+            return 0.7
+        return {1: 0.3, 2: 0.4}.get(n, 0.6)
+
+    def _entry(self, key: tuple[bool, int, int]) -> list[float]:
+        entry = self._counts.get(key)
+        if entry is None:
+            p = self.prior(key[1], key[2])
+            entry = self._counts[key] = [p * self.prior_weight, self.prior_weight]
+        return entry
+
+    def __call__(self, greedy: bool, n: int, depth: int) -> float:
+        accepted, seen = self._entry(self._key(greedy, n, depth))
+        return accepted / seen
+
+    def observe(self, greedy: bool, n: int, depth: int, accepted: bool) -> None:
+        entry = self._entry(self._key(greedy, n, depth))
+        entry[0] += 1.0 if accepted else 0.0
+        entry[1] += 1.0
+
+
+@dataclass(frozen=True)
+class LookupNodes:
+    """The nodes of one tree that the lookup chain proposed (``nodes[j]`` at depth ``j``)."""
+
+    greedy: bool
+    match: int
+    nodes: tuple[int, ...] = ()
+    rates: tuple[float, ...] = ()  # each node's calibrated acceptance rate when it was proposed
+
+
+def add_lookup_chain(tree: DraftTree, chain: Sequence[int], match: int, greedy: bool, calibration: LookupCalibration,
+                     threshold: float, width: int) -> LookupNodes:
+    """Merge a lookup chain into ``tree`` while each node's expected tokens (the product of the
+    calibrated rates along its path) repay a verify row (``threshold``). A node the drafters
+    proposed too is shared (and credited to both); a new one becomes a sibling, so a level may hold
+    one node more than ``width``."""
+    parent, value, nodes, rates = -1, 1.0, [], []
+    for depth, token in enumerate(chain):
+        rate = calibration(greedy, match, depth)
+        value *= rate
+        if value < threshold:
+            break
+        siblings = tree.children(parent)
+        node = next((c for c in siblings if tree.tokens[c] == token), None)
+        if node is None:
+            if len(siblings) > width:
+                break
+            node = tree.add(parent, token, rate, frozenset({LOOKUP_ID}), frozenset({LOOKUP_ID}))
+        else:
+            tree.source_masks[node] |= tree.mask_of({LOOKUP_ID})
+            tree.top1[node] = tree.top1[node] | {LOOKUP_ID}
+        nodes.append(node)
+        rates.append(rate)
+        parent = node
+    return LookupNodes(greedy, match, tuple(nodes), tuple(rates))
+
+
+def observe_lookup(calibration: LookupCalibration, tree: DraftTree, lookup: LookupNodes,
+                   accepted_nodes: Sequence[int]) -> int:
+    """Calibrate from one verdict: each lookup node whose parent was accepted was tried. Returns
+    how many lookup nodes were accepted."""
+    accepted = set(accepted_nodes)
+    got = 0
+    for depth, node in enumerate(lookup.nodes):
+        parent = tree.parents[node]
+        if parent >= 0 and parent not in accepted:
+            break
+        hit = node in accepted
+        calibration.observe(lookup.greedy, lookup.match, depth, hit)
+        if not hit:
+            break
+        got += 1
+    return got
+
+
+def lookup_only(tree: DraftTree, lookup: LookupNodes | None) -> frozenset[int]:
+    """The nodes of ``tree`` that only the lookup drafter proposed (no drafter model shares them)."""
+    if lookup is None or not lookup.nodes:
+        return frozenset()
+    bit = 1 << tree.drafter_ids.index(LOOKUP_ID)
+    return frozenset(n for n in lookup.nodes if tree.source_masks[n] == bit)

@@ -1,0 +1,118 @@
+"""The lookup drafter: proposals from a request's own text, their calibration and their place in the tree."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.router.fusion import DraftTree
+from services.router.lookup import (
+    LOOKUP_ID,
+    LookupCalibration,
+    LookupIndex,
+    add_lookup_chain,
+    lookup_only,
+    observe_lookup,
+)
+
+
+def naive_propose(seq: list[int], k: int, max_ngram: int) -> tuple[list[int], int]:
+    """The longest suffix (<= max_ngram) seen earlier, its latest earlier occurrence, continued."""
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        suffix = seq[-n:]
+        for end in range(len(seq) - 1, n - 1, -1):
+            if seq[end - n:end] == suffix:
+                out: list[int] = []
+                for j in range(k):
+                    i = end + j
+                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+                return out, n
+    return [], 0
+
+
+def test_proposes_what_followed_the_longest_earlier_match():
+    index = LookupIndex(max_ngram=4)
+    # "7 8 9" occurred before and was followed by 4 5; "9" alone was followed by 1 later
+    seq = [7, 8, 9, 4, 5, 9, 1, 2, 7, 8, 9]
+    assert index.propose(seq, 2) == ([4, 5], 3)
+    assert LookupIndex().propose([1, 2, 3], 4) == ([], 0)  # nothing repeats
+    assert LookupIndex().propose([5], 4) == ([], 0)
+
+
+def test_a_loop_is_proposed_as_a_loop():
+    # the match runs into the suffix itself: the proposal goes on with its own tokens
+    assert LookupIndex(max_ngram=4).propose([1, 2, 3, 1, 2, 3, 1, 2], 7) == ([3, 1, 2, 3, 1, 2, 3], 4)
+    assert LookupIndex(max_ngram=2).propose([6, 6, 6], 3) == ([6, 6, 6], 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=60), cuts=st.lists(st.integers(1, 60), max_size=4),
+       k=st.integers(1, 6), max_ngram=st.integers(1, 5))
+def test_incremental_index_agrees_with_a_scan_of_the_whole_sequence(seq, cuts, k, max_ngram):
+    """The index grows round by round; every proposal equals a brute-force scan of the sequence so far."""
+    index = LookupIndex(max_ngram=max_ngram)
+    for cut in sorted(c for c in cuts if c <= len(seq)) + [len(seq)]:
+        assert index.propose(seq[:cut], k) == naive_propose(seq[:cut], k, max_ngram)
+
+
+def test_calibration_starts_from_priors_and_learns_per_match_length_and_depth():
+    cal = LookupCalibration(max_ngram=4)
+    assert cal(True, 1, 0) < cal(True, 2, 0) < cal(True, 4, 0)  # a longer match is likelier right
+    assert cal(True, 9, 0) == cal(True, 4, 0)  # matches beyond max_ngram share the longest's estimate
+    for _ in range(200):
+        cal.observe(True, 4, 0, True)
+        cal.observe(True, 1, 0, False)
+    assert cal(True, 4, 0) > 0.95 and cal(True, 1, 0) < 0.05
+    assert cal(False, 4, 0) == pytest.approx(LookupCalibration.prior(4, 0))  # sampling learns on its own
+    assert cal(True, 4, 7) == cal(True, 4, 3)  # deep nodes share one estimate
+
+
+def drafted_tree() -> DraftTree:
+    """The drafters' fused chain 10 -> 11 with a runner-up 20 at the root."""
+    tree = DraftTree(drafter_ids=["a"])
+    n0 = tree.add(-1, 10, 0.9, frozenset({"a"}), frozenset({"a"}))
+    tree.add(-1, 20, 0.2, frozenset({"a"}), frozenset({"a"}))
+    tree.add(n0, 11, 0.8, frozenset({"a"}), frozenset({"a"}))
+    return tree
+
+
+def test_a_lookup_chain_shares_the_drafters_nodes_and_branches_where_it_differs():
+    tree = drafted_tree()
+    cal = LookupCalibration()
+    for _ in range(50):  # a trusted 3-token match
+        for depth in range(4):
+            cal.observe(True, 3, depth, True)
+    got = add_lookup_chain(tree, [10, 12, 13], 3, True, cal, threshold=0.1, width=2)
+    assert got.nodes[0] == 0  # shared with the drafters' node: credited to both
+    assert tree.top1[0] == {"a", LOOKUP_ID} and tree.source_masks[0] == 0b11
+    assert [tree.tokens[n] for n in got.nodes] == [10, 12, 13]
+    assert tree.parents[got.nodes[1]] == 0 and tree.parents[got.nodes[2]] == got.nodes[1]
+    assert lookup_only(tree, got) == {got.nodes[1], got.nodes[2]}
+    assert tree.depth() == 3 and tree.depth(without=lookup_only(tree, got)) == 2
+
+
+def test_a_lookup_chain_stops_where_it_no_longer_pays_or_its_level_is_full():
+    cal = LookupCalibration()  # priors: a first token after a 1-token match is right 30% of the time
+    tree = drafted_tree()
+    assert add_lookup_chain(tree, [30, 31], 1, True, cal, threshold=0.5, width=2).nodes == ()
+    assert len(tree) == 3
+    got = add_lookup_chain(tree, [30, 31, 32], 1, True, cal, threshold=0.2, width=2)
+    assert [tree.tokens[n] for n in got.nodes] == [30, 31]  # 0.3, then 0.3 * 0.7 = 0.21, then 0.147 < 0.2
+    full = drafted_tree()
+    add_lookup_chain(full, [30], 4, True, cal, threshold=0.0, width=2)  # width + 1 siblings at the root now
+    assert add_lookup_chain(full, [40], 4, True, cal, threshold=0.0, width=2).nodes == ()
+
+
+def test_observe_counts_the_accepted_prefix_and_calibrates_only_tried_nodes():
+    cal = LookupCalibration()
+    tree = drafted_tree()
+    got = add_lookup_chain(tree, [10, 12, 13], 2, True, cal, threshold=0.0, width=2)
+    before = {d: cal(True, 2, d) for d in range(3)}
+    # the target took 10 then 12, and rejected 13
+    assert observe_lookup(cal, tree, got, [got.nodes[0], got.nodes[1]]) == 2
+    assert cal(True, 2, 0) > before[0] and cal(True, 2, 1) > before[1] and cal(True, 2, 2) < before[2]
+    # the target rejected 10: nothing deeper was tried, so only depth 0 learns
+    seen = {d: cal(True, 2, d) for d in range(3)}
+    assert observe_lookup(cal, tree, got, [1]) == 0
+    assert cal(True, 2, 0) < seen[0] and cal(True, 2, 1) == seen[1] and cal(True, 2, 2) == seen[2]
