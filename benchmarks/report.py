@@ -62,6 +62,9 @@ HEADLINE = (
     ("cosine_vs_cosine_unpriced_drafting_latency", "cosine", "cosine_unpriced_drafting", "latency_mean_s", "low"),
     ("cosine_vs_cosine_fixed_pipeline_throughput", "cosine", "cosine_fixed_pipeline", "tokens_per_s", "high"),
     ("cosine_vs_cosine_fixed_pipeline_latency", "cosine", "cosine_fixed_pipeline", "latency_mean_s", "low"),
+    ("cosine_vs_cosine_no_lookup_throughput_c1", "cosine", "cosine_no_lookup", "tokens_per_s", "c1"),
+    ("cosine_vs_cosine_no_lookup_throughput", "cosine", "cosine_no_lookup", "tokens_per_s", "high"),
+    ("cosine_vs_cosine_no_lookup_latency", "cosine", "cosine_no_lookup", "latency_mean_s", "low"),
 )
 # systems every other one is compared against in ratios.by_workload
 BASELINES = ("vanilla_sd", "autoregressive", "hf_assisted", "hf_generate", "specinfer_tree")

@@ -24,6 +24,8 @@ GOALS = (
     ("cosine_vs_cosine_unpriced_drafting_throughput_c1", "cosine / cosine without draft pricing, tokens/s, 1 client", ""),
     ("cosine_vs_cosine_unpriced_drafting_throughput", "cosine / cosine without draft pricing, tokens/s, high load", ""),
     ("cosine_vs_cosine_fixed_pipeline_throughput", "cosine / cosine with a fixed pipeline, tokens/s, high load", ""),
+    ("cosine_vs_cosine_no_lookup_throughput_c1", "cosine / cosine without the lookup drafter, tokens/s, 1 client", ""),
+    ("cosine_vs_cosine_no_lookup_throughput", "cosine / cosine without the lookup drafter, tokens/s, high load", ""),
 )
 
 

@@ -497,14 +497,15 @@ async def drive(workload: Workload, serve: Callable[[BenchRequest, RequestRecord
 # ---- the catalogue -------------------------------------------------------------------------------
 
 # router flags of each service system: the mechanisms are settings, never separate code
-FIXED_K = ("--no-adaptive-k", "--no-cost-control", "--initial-k", "4")
+FIXED_K = ("--no-adaptive-k", "--no-cost-control", "--initial-k", "4", "--no-lookup-drafts")
 SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     # name: (router flags, drafters used (empty: all), description)
     "vanilla_sd": (("--no-routing", "--fusion", "chunk", "--drafters-per-request", "1", "--rounds-in-flight", "1", *FIXED_K),
                    ("generalist",), "one generalist drafter, fixed k=4, no routing, no fusion, no pipelining (the paper's baseline)"),
     "specinfer_tree": (("--all-drafters", "--no-routing", "--fusion", "chunk", "--rounds-in-flight", "1", *FIXED_K), (),
                        "every drafter drafts every request; chains merged into one token tree; no routing, no fusion, no pipelining"),
-    "cosine": ((), (), "everything on: routing by expertise, token fusion, 2 rounds in flight, adaptive k, cost-aware control"),
+    "cosine": ((), (), "everything on: routing by expertise, token fusion, lookup drafting, pipelining while it pays, adaptive k, "
+                       "cost-aware control"),
     "cosine_no_routing": (("--no-routing",), (), "cosine with routing off (fixed first drafters)"),
     "cosine_no_fusion": (("--fusion", "chunk"), (), "cosine with chunk fusion instead of per-token fusion"),
     "cosine_no_pipeline": (("--rounds-in-flight", "1"), (), "cosine with one round in flight (no pipelining)"),
@@ -515,14 +516,15 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
                               "cosine keeping --rounds-in-flight rounds in flight whatever drafting and verifying cost"),
     "cosine_unpriced_drafting": (("--no-draft-pricing",), (),
                                  "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)"),
+    "cosine_no_lookup": (("--no-lookup-drafts",), (), "cosine without the lookup drafter (only the drafter models propose)"),
 }
 IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
                "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
-               "cosine_unpriced_drafting", "cosine_fixed_pipeline")
+               "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
-DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control")
+DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup")
 
 
 def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int | None, cores: int, log_dir: str,

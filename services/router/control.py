@@ -44,10 +44,11 @@ decided by the verifier from the target alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from services.router.fusion import DraftTree
+from services.router.pass_plan import PassCurve
 
 
 @dataclass
@@ -126,6 +127,7 @@ class SpeculationControl:
     min_threshold: float = 0.02  # below this a node is never worth a row, however cheap
     calibration: Calibration = field(default_factory=Calibration)
     cost: CostModel = field(default_factory=CostModel)
+    curve: PassCurve = field(default_factory=PassCurve)  # measured pass time by rows (not a line: see pass_plan)
     throughput: float = 0.0  # tokens committed per verifier-busy second (EWMA)
     draft_step_s: float = 0.0  # one fused draft step for a batch (EWMA)
     first_step: CostModel = field(default_factory=CostModel)  # a round's first draft step: seconds ~ requests drafted
@@ -142,11 +144,25 @@ class SpeculationControl:
             return self.min_threshold
         return max(self.min_threshold, self.throughput * self.cost.slope())
 
+    def pass_seconds(self, rows: int) -> float | None:
+        """Predicted seconds of a verify pass of ``rows`` rows, from the measured curve."""
+        return self.curve.predict(rows, self.cost.slope())
+
+    def first_row_threshold(self, requests: int) -> float:
+        """Expected tokens a request's first drafted node must bring to repay its verify row, when
+        each of ``requests`` requests adds one row to its plain one: the measured pass-time curve's
+        step from ``requests`` to twice as many rows (on a CPU the first rows beyond one per
+        request are the dearest), else the fitted line's slope."""
+        plain, doubled = self.pass_seconds(requests), self.pass_seconds(2 * requests)
+        if not self.enabled or self.throughput <= 0 or plain is None or doubled is None or requests <= 0:
+            return self.threshold()
+        return max(self.min_threshold, self.throughput * (doubled - plain) / requests)
+
     def first_node_threshold(self, requests: int, pipelined: bool) -> float:
         """Expected tokens a request's first node must bring for the request to draft this round:
-        its verify row plus its share of the first draft step of ``requests`` requests (half of
-        it when another round is in flight, as in :meth:`worth_a_step`)."""
-        theta = self.threshold()
+        its verify row (:meth:`first_row_threshold`) plus its share of the first draft step of
+        ``requests`` requests (half of it when another round is in flight, as in :meth:`worth_a_step`)."""
+        theta = self.first_row_threshold(requests)
         if not self.enabled or self.throughput <= 0 or self.first_step.observed == 0 or requests <= 0:
             return theta
         share = 0.5 if pipelined else 1.0
@@ -217,6 +233,7 @@ class SpeculationControl:
     def observe_pass(self, tokens: int, busy_s: float, committed: int) -> None:
         """One verify pass: ``tokens`` rows took ``busy_s`` of verifier time and committed ``committed``."""
         self.cost.observe(tokens, busy_s)
+        self.curve.observe(tokens, busy_s)
         if busy_s > 0:
             self.throughput = self._ewma(self.throughput, committed / busy_s)
             self.verify_pass_s = self._ewma(self.verify_pass_s, busy_s)
@@ -231,10 +248,13 @@ class SpeculationControl:
         self.draft_round_s = self._ewma(self.draft_round_s, draft_s)
         self.verify_round_s = self._ewma(self.verify_round_s, verify_s)
 
-    def observe_verdict(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
+    def observe_verdict(self, tree: DraftTree, accepted_nodes: Sequence[int], skip: Collection[int] = ()) -> None:
         """Calibration from one verdict: every node whose parent was accepted (or that hangs off the
-        committed sequence) was tried; it either was accepted or not."""
+        committed sequence) was tried; it either was accepted or not. ``skip``: nodes no drafter
+        model proposed (the lookup drafter's, calibrated on their own)."""
         accepted = set(accepted_nodes)
         for i, parent in enumerate(tree.parents):
+            if i in skip:
+                continue
             if parent < 0 or parent in accepted:
                 self.calibration.observe(tree.probs[i], i in accepted)

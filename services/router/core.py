@@ -44,6 +44,7 @@ from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
 from services.router.domain import detect_domains, infer_domain
 from services.router.lexicon import DomainLexicon
+from services.router.lookup import LOOKUP_ID, LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain, lookup_only, observe_lookup
 from services.router.drafting import Drafting, common_prefix, sync_item
 from services.router.fusion import DraftTree, credit
 from services.router.requests import (
@@ -63,6 +64,7 @@ from services.router.requests import (
     VerifierBackend,
 )
 from services.router.matching import match_verdicts
+from services.router.pass_plan import plan_pass
 from services.router.resume import backoff_s, lost_by_verifier, mark_for_resume
 from services.router.routing import RoutingVector
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
@@ -75,6 +77,8 @@ __all__ = [
 ]
 
 log = get_logger("router")
+
+PROBE_EVERY, MAX_PROBE_EVERY = 8, 64  # rounds between draft probes of the requests turned down to plain decoding
 
 
 class RouterCore:
@@ -102,11 +106,14 @@ class RouterCore:
         self.lexicon = DomainLexicon()
         self.load = LoadControl()
         self.control = SpeculationControl(enabled=config.cost_control)
+        self.lookup_calibration = LookupCalibration(max_ngram=config.lookup_max_ngram)
         self.drafting = Drafting(config, drafters, self.control, clock)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self.rounds_in_flight = 0
+        self.probe_every = PROBE_EVERY  # doubled after each probe round that did not pay (see _drafts_pay)
+        self._probe_theta = 0.0
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -140,7 +147,7 @@ class RouterCore:
             request_id=request_id, prompt=tuple(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
             stop_ids=frozenset(stop_ids), domain=domain_hint,
             spec=SpeculationLength(self.config.initial_k, self.config.min_k, self.config.max_k),
-            ready_since=self.clock(),
+            ready_since=self.clock(), lookup=LookupIndex(self.config.lookup_max_ngram),
         )
         self.requests[request_id] = req
         self._wakeup.set()
@@ -226,13 +233,20 @@ class RouterCore:
     async def _round(self, batch: list[Request]) -> None:
         t0 = self.clock()
         live = list(self.drafters.live()) if self.config.speculate else []
-        await self._route(batch, live)
         ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if self._drafts_pay(r, len(batch)) else 0
               for r in batch}
+        # only the requests that draft this round need a domain and a routing vector; the others are
+        # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)
+        await self._route([r for r in batch if ks[r.request_id] > 0], live)
         if self.config.fusion == "chunk":
             trees, selected = await self.drafting.chunks(batch, ks)
         else:
             trees, selected = await self.drafting.tokens(batch, ks)
+        lookups = {r.request_id: self._lookup(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
+        if self.config.cost_control and any(len(t) for t in trees.values()):
+            # the whole batch's nodes against the measured pass-time curve (pass_plan.py)
+            plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
+            trees, lookups = plan_pass(trees, lookups, plain_rows, self.control.calibration, self.control.pass_seconds)
         t1 = self.clock()
         items = [
             VerifyItem(
@@ -264,7 +278,14 @@ class RouterCore:
         committed_before = self.counters.tokens_committed
         matched = match_verdicts([(r.request_id, len(r.prompt) + len(r.generated)) for r in batch], verdicts)
         for r in batch:
-            self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9))
+            self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9),
+                        lookups.get(r.request_id))
+        probed = [r for r in batch if r.probing]
+        if probed:  # a probe round pays when as many first nodes were accepted as drafting needs
+            paid = sum(r.probe_hit for r in probed) >= self._probe_theta * len(probed)
+            self.probe_every = PROBE_EVERY if paid else min(MAX_PROBE_EVERY, 2 * self.probe_every)
+            for r in probed:
+                r.probing = r.probe_hit = False
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before)
         self.control.observe_round(t1 - t0, t2 - t1)
@@ -320,9 +341,11 @@ class RouterCore:
     def _drafts_pay(self, r: Request, batch_size: int) -> bool:
         """Whether drafting for ``r`` this round is expected to pay: its first node's acceptance
         rate against what its verify row costs and (with draft pricing) its share of the first draft
-        step of a batch this size; a request turned down to plain decoding is probed with a draft
-        every eighth round of the router (the same round for every request, so probes share one draft
-        step instead of costing one in most rounds), so a change of load or of text turns it back on."""
+        step of a batch this size. The requests turned down to plain decoding are probed with a draft
+        on the router's rounds that are multiples of the probe interval, all at once so they share
+        one draft step (8 rounds, doubled after each probe round that did not pay, up to 64; back to
+        8 after one that did), so a change of load or of text turns drafting back on without probes
+        costing more than they find."""
         if not self.config.speculate:
             return False
         if not self.config.cost_control:
@@ -332,10 +355,22 @@ class RouterCore:
             theta = self.control.first_node_threshold(batch_size, pipelined=self.rounds_in_flight > 1)
         else:
             theta = self.control.threshold()
-        return r.first_accept >= theta or r.stats.rounds == 0 or self.counters.rounds % 8 == 0
+        self._probe_theta = theta
+        r.probing = r.first_accept < theta and self.counters.rounds % self.probe_every == 0
+        return r.first_accept >= theta or r.probing
+
+    def _lookup(self, r: Request, tree: DraftTree) -> LookupNodes | None:
+        """Add the lookup drafter's chain to ``r``'s tree, its nodes priced by their verify rows alone
+        (the lookup drafter costs no drafter time)."""
+        chain, match = r.lookup.propose(r.sequence, min(self.config.max_k, r.max_new_tokens - len(r.generated) - 1))
+        if not chain:
+            return None
+        theta = self.control.threshold() if self.config.cost_control else 0.0
+        width = self.config.tree_width if self.config.fusion == "token" else max(1, self.config.drafters_per_request)
+        return add_lookup_chain(tree, chain, match, r.sampling.greedy, self.lookup_calibration, theta, width)
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
-               updates: list[tuple[str, str, float, float]], round_ns: int) -> None:
+               updates: list[tuple[str, str, float, float]], round_ns: int, lookup: LookupNodes | None = None) -> None:
         if r.done:
             return
         if not verdict.ok:
@@ -349,16 +384,33 @@ class RouterCore:
         r.verifier_synced = True
         r.resumes = 0
         accepted = len(verdict.accepted_nodes)
-        if len(tree):
-            self.control.observe_verdict(tree, verdict.accepted_nodes)
-            r.first_accept = 0.7 * r.first_accept + 0.3 * (1.0 if accepted else 0.0)
+        # the drafter models' own view of the round: the nodes only the lookup drafter proposed left out
+        only = lookup_only(tree, lookup)
+        model_accepted = sum(1 for n in verdict.accepted_nodes if n not in only)
+        if len(tree) > len(only):
+            self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only)
+            first = verdict.accepted_nodes[:1]
+            hit = bool(first) and first[0] not in only
+            r.first_accept = 0.7 * r.first_accept + 0.3 * (1.0 if hit else 0.0)
+        else:  # it drafted, but none of its nodes was worth a row of the pass: as good as rejected
+            hit = False
+            if selected:
+                r.first_accept *= 0.7
+        r.probe_hit = r.probing and bool(selected) and hit
+        if lookup is not None and lookup.nodes:
+            got = observe_lookup(self.lookup_calibration, tree, lookup, verdict.accepted_nodes)
+            self.counters.lookup_tokens += len(lookup.nodes)
+            self.counters.lookup_accepted += got
+            r.stats.drafters_used.add(LOOKUP_ID)
+            if got:
+                r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + got
         r.stats.rounds += 1
         r.stats.draft_tokens += len(tree)
         r.stats.accepted_tokens += accepted
         self.counters.draft_tokens += len(tree)
         self.counters.accepted_tokens += accepted
         credited = credit(tree, verdict.accepted_nodes)
-        depth = tree.depth()
+        depth = tree.depth(without=only)
         for d in selected:
             r.stats.drafters_used.add(d)
             got = credited.get(d, 0)
@@ -370,8 +422,8 @@ class RouterCore:
             if r.domain:
                 updates.append((d, r.domain, float(got), float(depth)))
         confidence = {d: _mean_confidence(tree, d) for d in selected}
-        r.routing.update(credited, confidence, selected, accepted, depth)
-        r.spec.update(accepted, depth)
+        r.routing.update(credited, confidence, selected, model_accepted, depth)
+        r.spec.update(model_accepted, depth)
         new: list[int] = []
         reason = ""
         for tok in verdict.new_tokens:

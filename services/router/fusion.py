@@ -20,7 +20,7 @@ committed token), parents before children.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -101,10 +101,11 @@ class DraftTree:
     def children(self, parent: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == parent]
 
-    def depth(self) -> int:
+    def depth(self, without: Collection[int] = ()) -> int:
+        """Nodes on the longest root-to-leaf path (``without``: leaving out these nodes' subtrees)."""
         depths: list[int] = []
-        for p in self.parents:
-            depths.append(1 if p < 0 else depths[p] + 1)
+        for i, p in enumerate(self.parents):
+            depths.append(0 if i in without or (p >= 0 and depths[p] == 0) else 1 if p < 0 else depths[p] + 1)
         return max(depths, default=0)
 
     def add_fused_step(self, parent: int, ranked: Sequence[FusedCandidate], width: int) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.spec_types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
+from services.router.lookup import LookupIndex
 from services.router.routing import RoutingVector
 from services.router.scheduler import SpeculationLength
 
@@ -69,6 +70,8 @@ class RouterConfig:
     cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
     draft_pricing: bool = True  # a request drafts only when its first node also repays the drafters' time
     pipeline_control: bool = True  # a second round in flight only while drafting outlasts the verifier's pass
+    lookup: bool = True  # the lookup drafter proposes from the request's own text (services.router.lookup)
+    lookup_max_ngram: int = 4
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
 
@@ -80,7 +83,7 @@ class RouterConfig:
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,
-            pipeline_control=s.pipeline_control,
+            pipeline_control=s.pipeline_control, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
             speculate=s.speculate, domain_detection=s.domain_detection,
         )
 
@@ -130,6 +133,9 @@ class Request:
     done: bool = False
     cancelled: bool = False
     first_accept: float = 0.7  # EWMA: how often this request's first draft node is accepted
+    lookup: LookupIndex = field(default_factory=LookupIndex)  # n-grams of the committed sequence
+    probing: bool = False  # this round's draft is a probe (see RouterCore._drafts_pay)
+    probe_hit: bool = False  # and its first drafted node was accepted
 
     @property
     def sequence(self) -> list[int]:
@@ -149,6 +155,8 @@ class Counters:
     verifier_busy_s: float = 0.0
     domains_by_lexicon: int = 0  # new requests whose domain the lexicon gave (no drafter pass)
     domains_by_drafters: int = 0  # new requests every live drafter scored
+    lookup_tokens: int = 0  # draft tokens the lookup drafter put in trees
+    lookup_accepted: int = 0  # of them, accepted by the target
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -159,4 +167,5 @@ class Counters:
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens, "draft_s": self.draft_s,
             "verify_s": self.verify_s, "apply_s": self.apply_s, "verifier_busy_s": self.verifier_busy_s, "wall_s": wall,
             "domains_by_lexicon": self.domains_by_lexicon, "domains_by_drafters": self.domains_by_drafters,
+            "lookup_tokens": self.lookup_tokens, "lookup_accepted": self.lookup_accepted,
         }

@@ -33,6 +33,9 @@ class RouterSettings(ServiceSettings):
     cost_control: bool = setting(True, help="verify and draft only the nodes whose expected tokens repay their verifier and drafter time (measured online); off: every drafted node is verified")
     draft_pricing: bool = setting(True, help="with cost control, a request drafts in a round only when its first node's expected "
                                                  "tokens also repay its share of the drafters' time (measured online); off: only its verify row is priced")
+    lookup_drafts: bool = setting(True, help="add the lookup drafter's free proposals to every request's tree: the tokens that followed the "
+                                             "longest earlier occurrence of the request's suffix in its own text, kept while they repay their verify rows")
+    lookup_max_ngram: int = setting(4, help="longest suffix (tokens) the lookup drafter matches", check=positive)
     explore_threshold: float = setting(0.5, help="when a request's recent acceptance rate falls under this, try a less-used drafter", check=in_range(0.0, 1.0))
     # batching and pipelining
     rounds_in_flight: int = setting(2, help="rounds kept in flight (>= 2 lets one batch draft while another verifies; 1 disables pipelining)", check=positive)

@@ -105,16 +105,18 @@ def test_calibration_is_fed_by_the_nodes_the_verifier_tried():
 
 def test_the_first_draft_step_is_priced_per_request_so_a_lone_request_stops_paying_for_weak_drafters():
     control = fed(SpeculationControl(), batch=1, accepted_per_request=0.5)
-    assert control.first_node_threshold(1, pipelined=False) == control.threshold()  # no step measured yet
+    row = control.first_row_threshold(1)  # a linear pass time here: the first row costs the line's slope
+    assert row == pytest.approx(control.threshold())
+    assert control.first_node_threshold(1, pipelined=False) == row  # no step measured yet
     for n in (1, 4, 16, 2, 8):  # a first step costs 10 ms + 1 ms per request drafted
         control.observe_draft_step(0.010 + 0.001 * n, first_of=n)
     control.observe_draft_step(0.5)  # a later step: not a first one, the fit ignores it
     alone, batched = control.first_node_threshold(1, pipelined=False), control.first_node_threshold(16, pipelined=False)
-    assert control.threshold() < batched < alone
+    assert control.first_row_threshold(16) < batched < alone
     # a lone request pays the whole step: 11 ms at the verifier's throughput, on top of its row
-    assert alone == pytest.approx(control.threshold() + control.throughput * 0.011, rel=0.05)
+    assert alone == pytest.approx(row + control.throughput * 0.011, rel=0.05)
     overlapped = control.first_node_threshold(1, pipelined=True)
-    assert overlapped == pytest.approx(control.threshold() + (alone - control.threshold()) / 2)
+    assert overlapped == pytest.approx(row + (alone - row) / 2)
     assert SpeculationControl(enabled=False).first_node_threshold(1, pipelined=False) == SpeculationControl().min_threshold
 
 
@@ -132,3 +134,23 @@ def test_a_second_round_in_flight_pays_only_while_drafting_outlasts_the_verify_p
         control.observe_round(draft_s=0.120, verify_s=0.060)
     assert control.pipeline_pays()
     assert SpeculationControl(enabled=False).pipeline_pays()
+
+
+def stepped(control: SpeculationControl, passes: int = 40) -> SpeculationControl:
+    """Passes as a one-thread CPU target runs them: 46 ms for one row, 77 ms for two, then 3 ms a row."""
+    for i in range(passes):
+        rows = (1, 2, 5, 9, 1, 1)[i % 6]
+        control.observe_pass(rows, 0.046 if rows == 1 else 0.077 + 0.003 * (rows - 2), 1 + rows // 3)
+    return control
+
+
+def test_the_pass_curve_prices_the_first_drafted_row_at_what_it_costs_not_at_the_line():
+    control = stepped(SpeculationControl())
+    assert control.pass_seconds(1) == pytest.approx(0.046)
+    assert control.pass_seconds(2) == pytest.approx(0.077)
+    assert control.pass_seconds(7) == pytest.approx(0.092)  # between the 5- and 9-row passes
+    assert control.pass_seconds(20) > control.pass_seconds(9)  # beyond: the line's slope
+    # the line through these passes says a row costs a few ms; the first one really costs 31
+    assert control.cost.slope() < 0.010
+    assert control.first_row_threshold(1) == pytest.approx(control.throughput * 0.031, rel=0.01)
+    assert control.first_row_threshold(1) > 3 * control.threshold()

@@ -66,6 +66,7 @@ CONFIGS = {
     "no-cost-control": RouterConfig(drafters_per_request=2, tree_width=3, cost_control=False),
     "chunk-no-cost-control": RouterConfig(drafters_per_request=2, fusion="chunk", cost_control=False),
     "no-speculation": RouterConfig(speculate=False),
+    "no-lookup": RouterConfig(drafters_per_request=2, tree_width=3, lookup=False),
 }
 
 
@@ -80,8 +81,10 @@ def test_router_output_equals_target_greedy(name, engines, reference):
     assert core.counters.rounds > 0
     if CONFIGS[name].speculate:
         assert core.counters.accepted_tokens > 0
-    else:  # plain decoding: no drafter was ever asked
+    else:  # plain decoding: no drafter was ever asked, and the lookup drafter proposed nothing
         assert core.counters.draft_tokens == 0 and not any(pool.calls.values())
+    if not CONFIGS[name].lookup or not CONFIGS[name].speculate:
+        assert core.counters.lookup_tokens == 0
     # every cache was freed
     assert verifier.active_requests == 0
     assert all(e.active_requests == 0 for e in drafters.values())
@@ -104,8 +107,26 @@ def test_dead_drafter_does_not_fail_its_requests(engines, reference):
 def test_no_drafter_falls_back_to_plain_decoding(engines, reference):
     verifier, _ = engines
     prompts, expected = reference
-    core = RouterCore(RouterConfig(), LocalDrafterPool({}), LocalVerifier(verifier))
+    core = RouterCore(RouterConfig(lookup=False), LocalDrafterPool({}), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    assert core.counters.draft_tokens == 0
+
+
+@pytest.mark.parametrize("rounds_in_flight", [1, 2])
+def test_the_lookup_drafter_alone_speeds_up_repetitive_text_losslessly(engines, llama_target, rounds_in_flight):
+    """No drafter model at all: the lookup drafter's proposals from each request's own text are the
+    whole tree. On prompts that repeat a phrase, where the target goes on repeating, they are
+    accepted (fewer rounds than tokens) and the output is the target's own."""
+    verifier, _ = engines
+    phrases = make_prompts(4, verifier.runner.vocab_size, seed=5)
+    prompts = {rid: (p[:5] * 4) for rid, p in phrases.items()}
+    expected = hf_greedy(llama_target, prompts, MAX_NEW)
+    core = RouterCore(RouterConfig(rounds_in_flight=rounds_in_flight), LocalDrafterPool({}), LocalVerifier(verifier))
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    assert core.counters.lookup_accepted > 0
+    assert core.counters.accepted_tokens == core.counters.lookup_accepted  # every accepted token was a lookup token
+    assert core.counters.rounds < len(prompts) * MAX_NEW
+    assert verifier.active_requests == 0
 
 
 class SlowDrafterPool(LocalDrafterPool):

@@ -1,0 +1,152 @@
+"""How many drafted nodes go into a verify pass: as many as raise its expected tokens per second.
+
+A verify pass's time is not linear in its rows. On a CPU target one row runs the weights as
+matrix-vector products; a second row switches every layer to matrix-matrix kernels that cost about
+as much again per row, and further rows then cost little each (the weights are reused). The
+default zoo's target, one thread, measured through the router: 46.6 ms for a plain decode row,
+76.7 ms for two rows, 101 ms for nine. A line through such passes (``CostModel``) prices the first
+drafted node at a few milliseconds when it really costs two thirds of a decode step.
+
+:class:`PassCurve` keeps the measured pass time by rows instead (one running mean per bin of rows,
+interpolated between bins, extrapolated with the fitted line beyond the largest measured pass, so
+a larger tree is tried and then measured). :func:`plan_pass` then keeps the drafted nodes of a
+whole batch, most likely first, up to the count that maximises
+
+    (plain tokens + sum of the kept nodes' expected tokens) / pass time(plain rows + kept nodes)
+
+A node's expected tokens are the product of its calibrated acceptance rates along its path, so the
+most likely nodes always include their parents and the kept nodes are whole subtrees. Dropping
+nodes only changes which proposals are verified, never what is accepted: lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from services.router.fusion import DraftTree
+from services.router.lookup import LOOKUP_ID, LookupNodes
+
+EXACT_ROWS = 8  # passes of up to this many rows have a bin each; larger ones share power-of-two bins
+
+
+def _bin(rows: int) -> int:
+    if rows <= EXACT_ROWS:
+        return rows
+    return 1 << (rows - 1).bit_length()
+
+
+@dataclass
+class PassCurve:
+    """Verify pass seconds by rows in the pass, measured (see the module docstring)."""
+
+    smoothing: float = 0.2
+    _points: dict[int, list[float]] = field(default_factory=dict)  # bin -> [mean rows, mean seconds]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        point = self._points.get(_bin(rows))
+        if point is None:
+            self._points[_bin(rows)] = [float(rows), seconds]
+            return
+        a = self.smoothing
+        point[0] = (1 - a) * point[0] + a * rows
+        point[1] = (1 - a) * point[1] + a * seconds
+
+    def predict(self, rows: int, slope: float) -> float | None:
+        """Seconds of a pass of ``rows`` rows; ``slope``: seconds per row beyond the measured
+        passes (the fitted line's). None before any pass was measured."""
+        if not self._points:
+            return None
+        points = sorted(self._points.values())
+        # the mean seconds never fall as rows grow (noise aside, a larger pass is not quicker)
+        xs, ys = [points[0][0]], [points[0][1]]
+        for x, y in points[1:]:
+            xs.append(x)
+            ys.append(max(y, ys[-1]))
+        if rows <= xs[0]:
+            return max(0.0, ys[0] - slope * (xs[0] - rows))
+        for i in range(1, len(xs)):
+            if rows <= xs[i]:
+                t = (rows - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
+                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        return ys[-1] + slope * (rows - xs[-1])
+
+
+def node_values(tree: DraftTree, rate: Callable[[float], float], lookup_rates: Mapping[int, float]) -> list[float]:
+    """Expected tokens of every node: the product of acceptance rates along its path. A drafter
+    node's rate is its calibrated confidence; a lookup node's its own calibrated rate (the higher
+    one where both proposed it)."""
+    only_lookup = 1 << tree.drafter_ids.index(LOOKUP_ID) if lookup_rates else -1
+    values: list[float] = []
+    for i, (parent, prob) in enumerate(zip(tree.parents, tree.probs)):
+        r = rate(prob)
+        if i in lookup_rates:
+            r = lookup_rates[i] if tree.source_masks[i] == only_lookup else max(r, lookup_rates[i])
+        values.append((1.0 if parent < 0 else values[parent]) * r)
+    return values
+
+
+def best_count(values: Sequence[float], plain_rows: int, plain_tokens: int, seconds: Callable[[int], float | None]) -> int:
+    """How many of ``values`` (sorted, highest first) to verify: the count with the most expected
+    tokens per second of the pass. All of them while the pass time cannot be predicted yet."""
+    base = seconds(plain_rows)
+    if base is None or base <= 0:
+        return len(values)
+    best_n, best_rate, tokens = 0, plain_tokens / base, float(plain_tokens)
+    for n, v in enumerate(values, 1):
+        tokens += v
+        t = seconds(plain_rows + n)
+        if t is not None and t > 0 and tokens / t > best_rate:
+            best_n, best_rate = n, tokens / t
+    return best_n
+
+
+def keep_nodes(tree: DraftTree, keep: set[int], lookup: LookupNodes | None) -> tuple[DraftTree, LookupNodes | None]:
+    """The tree with only ``keep`` (parent-closed), and its lookup nodes renumbered."""
+    if len(keep) == len(tree):
+        return tree, lookup
+    out = DraftTree(drafter_ids=list(tree.drafter_ids))
+    index: dict[int, int] = {}
+    for i in range(len(tree)):
+        if i in keep:
+            parent = tree.parents[i]
+            index[i] = len(out.tokens)
+            out.tokens.append(tree.tokens[i])
+            out.parents.append(-1 if parent < 0 else index[parent])
+            out.probs.append(tree.probs[i])
+            out.source_masks.append(tree.source_masks[i])
+            out.top1.append(tree.top1[i])
+    if lookup is not None:
+        kept = []
+        for n in lookup.nodes:  # a path: cut where the first node was dropped
+            if n not in index:
+                break
+            kept.append(index[n])
+        lookup = LookupNodes(lookup.greedy, lookup.match, tuple(kept), lookup.rates[:len(kept)])
+    return out, lookup
+
+
+def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, LookupNodes | None], plain_rows: int,
+              rate: Callable[[float], float], seconds: Callable[[int], float | None]) -> tuple[dict[str, DraftTree], dict[str, LookupNodes | None]]:
+    """The batch's trees cut to the nodes that raise the pass's expected tokens per second (see the
+    module docstring). ``plain_rows``: rows of the pass without any drafted node (a row per
+    request plus the prompts being prefilled)."""
+    ranked: list[tuple[float, int, str, int]] = []  # (-value, depth, request, node)
+    for rid, tree in trees.items():
+        lookup = lookups.get(rid)
+        rates = dict(zip(lookup.nodes, lookup.rates)) if lookup is not None else {}
+        depth: list[int] = []
+        for i, (v, p) in enumerate(zip(node_values(tree, rate, rates), tree.parents)):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            ranked.append((-v, depth[i], rid, i))
+    ranked.sort()
+    n = best_count([-v for v, *_ in ranked], plain_rows, len(trees), seconds)
+    keep: dict[str, set[int]] = {rid: set() for rid in trees}
+    for _, _, rid, i in ranked[:n]:
+        keep[rid].add(i)
+    out_trees, out_lookups = {}, {}
+    for rid, tree in trees.items():
+        out_trees[rid], out_lookups[rid] = keep_nodes(tree, keep[rid], lookups.get(rid))
+    return out_trees, out_lookups

@@ -1,0 +1,64 @@
+"""Which drafted nodes a verify pass carries: the measured pass-time curve and the plan over a batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.fusion import DraftTree
+from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
+from services.router.pass_plan import PassCurve, best_count, plan_pass
+
+
+def cpu_curve() -> PassCurve:
+    """46 ms for one row, 77 ms for two, 3 ms a row after (a one-thread CPU target)."""
+    curve = PassCurve()
+    for rows in (1, 2, 3, 4, 6, 9, 16):
+        curve.observe(rows, 0.046 if rows == 1 else 0.077 + 0.003 * (rows - 2))
+    return curve
+
+
+def seconds(rows: int) -> float | None:
+    return cpu_curve().predict(rows, 0.003)
+
+
+def test_the_curve_interpolates_never_falls_and_extends_with_the_slope():
+    curve = PassCurve()
+    assert curve.predict(3, 0.001) is None
+    curve.observe(1, 0.050)
+    curve.observe(4, 0.040)  # a noisy quick pass: a larger pass is not predicted quicker
+    curve.observe(12, 0.090)
+    curve.observe(13, 0.094)  # shares the 16-row bin with the 12-row pass
+    assert curve.predict(1, 0.001) == pytest.approx(0.050)
+    assert curve.predict(4, 0.001) == pytest.approx(0.050)
+    assert curve.predict(100, 0.001) > curve.predict(16, 0.001) > curve.predict(8, 0.001) >= 0.050
+
+
+def test_one_lone_request_verifies_a_tree_only_when_it_repays_the_jump_to_two_rows():
+    # one plain row commits 1 token in 46 ms (21.7 tokens/s); nodes must beat that per second
+    assert best_count([0.3, 0.2, 0.1], 1, 1, seconds) == 0  # 1.6 tokens in 83 ms: worse
+    assert best_count([0.95, 0.9, 0.85, 0.8], 1, 1, seconds) == 4  # 4.5 tokens in 89 ms: better
+    assert best_count([0.95, 0.9, 0.05], 1, 1, seconds) == 2  # the unlikely third is not worth its row
+    assert best_count([0.4], 1, 1, lambda rows: None) == 1  # nothing measured: verify all, and measure
+
+
+def chain(tokens: list[int], probs: list[float]) -> DraftTree:
+    tree = DraftTree(drafter_ids=["a"])
+    parent = -1
+    for t, p in zip(tokens, probs):
+        parent = tree.add(parent, t, p, frozenset({"a"}), frozenset({"a"}))
+    return tree
+
+
+def test_the_plan_keeps_the_likeliest_nodes_of_the_whole_batch_as_whole_subtrees():
+    trees = {"strong": chain([1, 2, 3], [0.95, 0.95, 0.95]), "weak": chain([7, 8], [0.15, 0.95])}
+    cal = LookupCalibration()
+    for _ in range(100):
+        for depth in range(4):
+            cal.observe(True, 4, depth, True)
+    lookups = {"strong": None, "weak": add_lookup_chain(trees["weak"], [9, 10], 4, True, cal, 0.0, width=2)}
+    out, lk = plan_pass(trees, lookups, plain_rows=2, rate=lambda p: p, seconds=seconds)
+    assert out["strong"].tokens == [1, 2, 3]
+    # the weak drafter's chain goes (0.15, then 0.14 below it); the lookup branch beside it stays
+    assert out["weak"].tokens == [9, 10] and out["weak"].parents == [-1, 0]
+    assert lk["weak"].nodes == (0, 1) and out["weak"].top1[0] == {LOOKUP_ID}
+    assert lk["weak"].rates == lookups["weak"].rates
