@@ -6,17 +6,22 @@ tests), so the whole round logic is unit-testable.
 
 A **round** for a batch of requests (see DESIGN.md):
 
-1. *sync + select*: every selected drafter's cache is brought to the committed sequence
-   (rolled back to the longest common prefix, the rest appended). On a request's first round every
-   live drafter scores the prompt; the best-scoring drafter's domain is the request's domain
-   signal, which seeds its routing vector from the expertise profiles.
-2. *draft*: token fusion (k steps; at each step every selected drafter proposes top-n, the
-   routing-weighted best becomes the next tree node and is appended by all of them, runners-up
-   become sibling leaves) or chunk fusion (each drafter drafts a k-chain, chains merged).
-3. *verify*: all trees of the batch go to the verifier in one message.
+1. *gate + route*: the draft gate decides which requests the drafter models draft for (their
+   first node must repay its verify row and its share of the draft step; the others decode
+   plainly and are probed now and then). A drafting request without a routing vector gets one:
+   its domain (the lexicon's, or the drafters' scores of the prompt) seeds it from the expertise
+   profiles.
+2. *draft*: every selected drafter's cache is brought to the committed sequence (rolled back to
+   the longest common prefix, the rest appended), then token fusion (k steps; at each step every
+   selected drafter proposes top-n, the routing-weighted best becomes the next tree node and is
+   appended by all of them, runners-up become sibling leaves) or chunk fusion (each drafter
+   drafts a k-chain, chains merged). The lookup drafter adds its chain from the request's own
+   text to every tree, for free.
+3. *plan + verify*: the batch's nodes are cut to the count that maximises expected tokens per
+   second of the pass on the measured pass-time curve; all trees go to the verifier in one message.
 4. *apply*: committed tokens grow by the accepted path + the next token; drafters that proposed
-   accepted tokens are credited; routing vectors, speculation length and the Redis profiles are
-   updated; the tokens are streamed to the request's submitter.
+   accepted tokens are credited; routing vectors, speculation length, calibrations and the Redis
+   profiles are updated; the tokens are streamed to the request's submitter.
 
 ``rounds_in_flight`` workers run rounds concurrently over disjoint batches, so one batch drafts
 while another verifies; a request is in at most one round at a time. With cost control they do so
@@ -26,9 +31,11 @@ so the verifier pays its fixed cost per pass once.
 
 Where each part lives: this module runs the rounds and applies verdicts; ``requests.py`` holds the
 request pool's types and the contracts of the drafter pool and verifier; ``scheduler.py`` picks
-batches and speculation lengths; ``routing.py`` keeps routing vectors; ``domain.py`` detects a new
-request's domain; ``drafting.py`` decides who drafts and runs token or chunk fusion
-(``fusion.py`` builds the trees); ``control.py`` prices nodes and steps against their cost.
+batches and speculation lengths; ``gate.py`` decides who drafts; ``domain.py`` detects a drafting
+request's domain and seeds its routing vector (``routing.py``); ``drafting.py`` selects drafters and
+runs token or chunk fusion (``fusion.py`` builds the trees); ``lookup.py`` is the lookup drafter;
+``pass_plan.py`` cuts the batch's trees to what pays on the pass-time curve; ``control.py`` prices
+nodes and steps against their cost.
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ from common.logs import get_logger
 from common.spec_types import SamplingParams, TokenTree, Verdict, VerifyItem
 from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
-from services.router.domain import detect_domains, infer_domain
+from services.router.domain import RequestRouting, infer_domain
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LOOKUP_ID, LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain, lookup_only, observe_lookup
 from services.router.drafting import Drafting, common_prefix, sync_item
 from services.router.fusion import DraftTree, credit
+from services.router.gate import DraftGate
 from services.router.requests import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -66,7 +74,6 @@ from services.router.requests import (
 from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
 from services.router.resume import backoff_s, lost_by_verifier, mark_for_resume
-from services.router.routing import RoutingVector
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
 
 # the names the servicer, the benchmarks and the tests import from here
@@ -78,7 +85,6 @@ __all__ = [
 
 log = get_logger("router")
 
-PROBE_EVERY, MAX_PROBE_EVERY = 8, 64  # rounds between draft probes of the requests turned down to plain decoding
 
 
 class RouterCore:
@@ -103,17 +109,16 @@ class RouterCore:
         self.metrics = metrics  # services.router.metrics.RouterMetrics, or None
         self.requests: dict[str, Request] = {}
         self.counters = Counters()
-        self.lexicon = DomainLexicon()
         self.load = LoadControl()
         self.control = SpeculationControl(enabled=config.cost_control)
         self.lookup_calibration = LookupCalibration(max_ngram=config.lookup_max_ngram)
         self.drafting = Drafting(config, drafters, self.control, clock)
+        self.gate = DraftGate(config, self.control)
+        self.routing = RequestRouting(config, self.drafting, DomainLexicon(), self.counters, profiles)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self.rounds_in_flight = 0
-        self.probe_every = PROBE_EVERY  # doubled after each probe round that did not pay (see _drafts_pay)
-        self._probe_theta = 0.0
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -233,11 +238,12 @@ class RouterCore:
     async def _round(self, batch: list[Request]) -> None:
         t0 = self.clock()
         live = list(self.drafters.live()) if self.config.speculate else []
-        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if self._drafts_pay(r, len(batch)) else 0
-              for r in batch}
+        # another round in flight overlaps this one's drafting (this round counts itself)
+        drafts = {r.request_id: self.gate.drafts(r, len(batch), self.counters.rounds, self.rounds_in_flight > 1) for r in batch}
+        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if drafts[r.request_id] else 0 for r in batch}
         # only the requests that draft this round need a domain and a routing vector; the others are
         # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)
-        await self._route([r for r in batch if ks[r.request_id] > 0], live)
+        await self.routing.route([r for r in batch if ks[r.request_id] > 0], live)
         if self.config.fusion == "chunk":
             trees, selected = await self.drafting.chunks(batch, ks)
         else:
@@ -280,12 +286,7 @@ class RouterCore:
         for r in batch:
             self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9),
                         lookups.get(r.request_id))
-        probed = [r for r in batch if r.probing]
-        if probed:  # a probe round pays when as many first nodes were accepted as drafting needs
-            paid = sum(r.probe_hit for r in probed) >= self._probe_theta * len(probed)
-            self.probe_every = PROBE_EVERY if paid else min(MAX_PROBE_EVERY, 2 * self.probe_every)
-            for r in probed:
-                r.probing = r.probe_hit = False
+        self.gate.settle(batch)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before)
         self.control.observe_round(t1 - t0, t2 - t1)
@@ -300,64 +301,6 @@ class RouterCore:
         if updates and self.record is not None:
             self._background(self.record(updates))
         self.counters.apply_s += self.clock() - t2
-
-    async def _route(self, batch: list[Request], live: list[str]) -> None:
-        """Seed routing vectors of new requests (domain signal + profiles); follow membership."""
-        new = [r for r in batch if not r.routing.scores]
-        if new and live and self.config.routing:
-            unknown = [r for r in new if not r.domain]
-            if unknown:
-                await self._detect_domains(unknown, live)
-            priors: dict[str, dict[str, float]] = {}
-            for domain in sorted({r.domain for r in new}):  # one profile read per domain, not per request
-                priors[domain] = await self.profiles(live, domain) if self.profiles else {}
-            for r in new:
-                r.routing = RoutingVector.seeded(live, priors[r.domain])
-        for r in batch:
-            if not r.routing.scores:
-                r.routing = RoutingVector.seeded(live, {})
-            else:
-                r.routing.sync(live, {})
-
-    async def _detect_domains(self, reqs: list[Request], live: list[str]) -> None:
-        """The lexicon's domain where it is trusted, else every live drafter scores the prompt
-        (and the lexicon learns from the answer)."""
-        guesses: dict[str, str | None] = {}
-        to_score = []
-        for r in reqs:
-            use, guess = self.lexicon.decide(r.prompt) if self.config.domain_detection == "lexicon" else (None, None)
-            if use is not None:
-                r.domain = use
-                self.counters.domains_by_lexicon += 1
-            else:
-                guesses[r.request_id] = guess
-                to_score.append(r)
-        if to_score:
-            await detect_domains(self.drafting, to_score, live)
-            self.counters.domains_by_drafters += len(to_score)
-            for r in to_score:
-                self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
-
-    def _drafts_pay(self, r: Request, batch_size: int) -> bool:
-        """Whether drafting for ``r`` this round is expected to pay: its first node's acceptance
-        rate against what its verify row costs and (with draft pricing) its share of the first draft
-        step of a batch this size. The requests turned down to plain decoding are probed with a draft
-        on the router's rounds that are multiples of the probe interval, all at once so they share
-        one draft step (8 rounds, doubled after each probe round that did not pay, up to 64; back to
-        8 after one that did), so a change of load or of text turns drafting back on without probes
-        costing more than they find."""
-        if not self.config.speculate:
-            return False
-        if not self.config.cost_control:
-            return True
-        if self.config.draft_pricing:
-            # another round in flight overlaps this one's drafting (this round counts itself)
-            theta = self.control.first_node_threshold(batch_size, pipelined=self.rounds_in_flight > 1)
-        else:
-            theta = self.control.threshold()
-        self._probe_theta = theta
-        r.probing = r.first_accept < theta and self.counters.rounds % self.probe_every == 0
-        return r.first_accept >= theta or r.probing
 
     def _lookup(self, r: Request, tree: DraftTree) -> LookupNodes | None:
         """Add the lookup drafter's chain to ``r``'s tree, its nodes priced by their verify rows alone
@@ -389,14 +332,8 @@ class RouterCore:
         model_accepted = sum(1 for n in verdict.accepted_nodes if n not in only)
         if len(tree) > len(only):
             self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only)
-            first = verdict.accepted_nodes[:1]
-            hit = bool(first) and first[0] not in only
-            r.first_accept = 0.7 * r.first_accept + 0.3 * (1.0 if hit else 0.0)
-        else:  # it drafted, but none of its nodes was worth a row of the pass: as good as rejected
-            hit = False
-            if selected:
-                r.first_accept *= 0.7
-        r.probe_hit = r.probing and bool(selected) and hit
+        first = verdict.accepted_nodes[:1]
+        self.gate.observe(r, bool(selected), len(tree) > len(only), bool(first) and first[0] not in only)
         if lookup is not None and lookup.nodes:
             got = observe_lookup(self.lookup_calibration, tree, lookup, verdict.accepted_nodes)
             self.counters.lookup_tokens += len(lookup.nodes)

@@ -1,6 +1,9 @@
-"""Domain detection for routing (no gRPC here): which domain a new request belongs to.
+"""Domain detection and routing vectors for a round (no gRPC here): which domain a new request
+belongs to, and the routing vector it starts from.
 
-The domain signal seeds a request's routing vector from the expertise profiles of that domain.
+The domain signal seeds a request's routing vector from the expertise profiles of that domain. Only
+the requests that draft in a round are routed: a request decoded plainly needs no domain, and no
+drafter scores a prompt that is never drafted for.
 """
 
 from __future__ import annotations
@@ -10,8 +13,59 @@ from dataclasses import replace
 
 from common.spec_types import DraftItem
 from services.router.drafting import Drafting, sync_item
+from services.router.lexicon import DomainLexicon
 from services.router.matching import match_draft_results
-from services.router.requests import Request
+from services.router.requests import Counters, ProfileSource, Request, RouterConfig
+from services.router.routing import RoutingVector
+
+
+class RequestRouting:
+    """Seeds the routing vectors of new drafting requests (domain signal + expertise profiles) and
+    follows drafter membership for the others."""
+
+    def __init__(self, config: RouterConfig, drafting: Drafting, lexicon: DomainLexicon, counters: Counters,
+                 profiles: ProfileSource | None) -> None:
+        self.config = config
+        self.drafting = drafting
+        self.lexicon = lexicon
+        self.counters = counters
+        self.profiles = profiles
+
+    async def route(self, batch: list[Request], live: list[str]) -> None:
+        new = [r for r in batch if not r.routing.scores]
+        if new and live and self.config.routing:
+            unknown = [r for r in new if not r.domain]
+            if unknown:
+                await self.detect(unknown, live)
+            priors: dict[str, dict[str, float]] = {}
+            for domain in sorted({r.domain for r in new}):  # one profile read per domain, not per request
+                priors[domain] = await self.profiles(live, domain) if self.profiles else {}
+            for r in new:
+                r.routing = RoutingVector.seeded(live, priors[r.domain])
+        for r in batch:
+            if not r.routing.scores:
+                r.routing = RoutingVector.seeded(live, {})
+            else:
+                r.routing.sync(live, {})
+
+    async def detect(self, reqs: list[Request], live: list[str]) -> None:
+        """The lexicon's domain where it is trusted, else every live drafter scores the prompt
+        (and the lexicon learns from the answer)."""
+        guesses: dict[str, str | None] = {}
+        to_score = []
+        for r in reqs:
+            use, guess = self.lexicon.decide(r.prompt) if self.config.domain_detection == "lexicon" else (None, None)
+            if use is not None:
+                r.domain = use
+                self.counters.domains_by_lexicon += 1
+            else:
+                guesses[r.request_id] = guess
+                to_score.append(r)
+        if to_score:
+            await detect_domains(self.drafting, to_score, live)
+            self.counters.domains_by_drafters += len(to_score)
+            for r in to_score:
+                self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
 
 
 async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str]) -> None:

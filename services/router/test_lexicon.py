@@ -7,7 +7,7 @@ import asyncio
 import random
 
 from common.spec_types import GREEDY
-from services.router import core as core_module
+from services.router import domain as domain_module
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool
 from services.router.lexicon import DomainLexicon
@@ -80,7 +80,7 @@ def test_router_scores_with_drafters_only_until_the_lexicon_agrees(monkeypatch):
             scored.append(r.request_id)
             r.domain = "code" if sum(t < 100 for t in r.prompt) > len(r.prompt) / 2 else "prose"
 
-    monkeypatch.setattr(core_module, "detect_domains", fake_detect)
+    monkeypatch.setattr(domain_module, "detect_domains", fake_detect)
     rng = random.Random(4)
     for detection in ("lexicon", "drafters"):
         scored.clear()
@@ -89,7 +89,7 @@ def test_router_scores_with_drafters_only_until_the_lexicon_agrees(monkeypatch):
 
         async def detect_one_by_one():
             for r in reqs:
-                await core._detect_domains([r], ["a", "b"])
+                await core.routing.detect([r], ["a", "b"])
 
         asyncio.run(detect_one_by_one())
         assert [r.domain for r in reqs] == [("code", "prose")[i % 2] for i in range(len(reqs))]
