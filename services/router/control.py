@@ -230,10 +230,13 @@ class SpeculationControl:
     def _ewma(self, old: float, new: float) -> float:
         return new if old <= 0 else (1 - self.smoothing) * old + self.smoothing * new
 
-    def observe_pass(self, tokens: int, busy_s: float, committed: int) -> None:
-        """One verify pass: ``tokens`` rows took ``busy_s`` of verifier time and committed ``committed``."""
+    def observe_pass(self, tokens: int, busy_s: float, committed: int, prefill: bool = False) -> None:
+        """One verify pass: ``tokens`` rows took ``busy_s`` of verifier time and committed ``committed``.
+        A pass that prefilled a prompt stays out of the pass-time curve: a prompt's rows cost less
+        each than a batch's decode and tree rows, and the curve prices those."""
         self.cost.observe(tokens, busy_s)
-        self.curve.observe(tokens, busy_s)
+        if not prefill:
+            self.curve.observe(tokens, busy_s)
         if busy_s > 0:
             self.throughput = self._ewma(self.throughput, committed / busy_s)
             self.verify_pass_s = self._ewma(self.verify_pass_s, busy_s)

@@ -153,6 +153,7 @@ class RouterCore:
             stop_ids=frozenset(stop_ids), domain=domain_hint,
             spec=SpeculationLength(self.config.initial_k, self.config.min_k, self.config.max_k),
             ready_since=self.clock(), lookup=LookupIndex(self.config.lookup_max_ngram),
+            first_accept=self.gate.first_accept_prior,  # what drafting did for the recent requests
         )
         self.requests[request_id] = req
         self._wakeup.set()
@@ -288,7 +289,8 @@ class RouterCore:
                         lookups.get(r.request_id))
         self.gate.settle(batch)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
-        self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before)
+        self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before,
+                                  prefill=any(it.append_ids for it in items))
         self.control.observe_round(t1 - t0, t2 - t1)
         if self.metrics is not None:
             self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)

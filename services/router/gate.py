@@ -5,7 +5,8 @@ verify row (the measured pass-time curve's step, :meth:`SpeculationControl.first
 and, with draft pricing, its share of the round's first draft step
 (:meth:`SpeculationControl.first_node_threshold`). The expected value is the request's own record:
 an EWMA of how often its first drafted node was accepted (a round in which none of its nodes was
-worth a row of the pass counts as a rejection).
+worth a row of the pass counts as a rejection). A new request starts from the recent requests'
+record, so under a load where the drafters do not pay, new requests do not draft to find out.
 
 A request turned down to plain decoding is *probed*: on the router's rounds that are multiples of
 the probe interval every such request drafts, all at once, so they share one draft step. The
@@ -25,6 +26,7 @@ from services.router.requests import Request, RouterConfig
 
 PROBE_EVERY, MAX_PROBE_EVERY = 8, 64  # rounds between probe rounds (see the module docstring)
 FIRST_ACCEPT_WEIGHT = 0.3  # EWMA weight of a round's outcome in a request's first-node record
+PRIOR_WEIGHT = 0.05  # EWMA weight of any request's outcome in the record a new request starts from
 
 
 class DraftGate:
@@ -33,6 +35,7 @@ class DraftGate:
         self.control = control
         self.probe_every = PROBE_EVERY
         self._theta = 0.0  # the threshold of the current round's decisions
+        self.first_accept_prior = 0.7  # a new request's first-node record: the recent requests' (EWMA)
 
     def drafts(self, r: Request, batch_size: int, round_index: int, pipelined: bool) -> bool:
         """Whether the drafters draft for ``r`` in a round of ``batch_size`` requests, the router's
@@ -52,10 +55,14 @@ class DraftGate:
         """One verdict of ``r``: whether it drafted, whether any of the drafters' nodes was verified,
         and whether the first accepted node was one of theirs."""
         a = FIRST_ACCEPT_WEIGHT
+        outcome = None
         if verified_model_nodes:
-            r.first_accept = (1 - a) * r.first_accept + a * (1.0 if first_accepted_is_model else 0.0)
+            outcome = 1.0 if first_accepted_is_model else 0.0
         elif drafted:  # it drafted, but none of its nodes was worth a row of the pass: as good as rejected
-            r.first_accept *= 1 - a
+            outcome = 0.0
+        if outcome is not None:
+            r.first_accept = (1 - a) * r.first_accept + a * outcome
+            self.first_accept_prior = (1 - PRIOR_WEIGHT) * self.first_accept_prior + PRIOR_WEIGHT * outcome
         r.probe_hit = r.probing and drafted and verified_model_nodes and first_accepted_is_model
 
     def settle(self, batch: Sequence[Request]) -> None:

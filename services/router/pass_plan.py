@@ -1,4 +1,4 @@
-"""How many drafted nodes go into a verify pass: as many as raise its expected tokens per second.
+"""Which drafted nodes go into a verify pass: those that repay their rows for every request of the pass.
 
 A verify pass's time is not linear in its rows. On a CPU target one row runs the weights as
 matrix-vector products; a second row switches every layer to matrix-matrix kernels that cost about
@@ -9,18 +9,27 @@ drafted node at a few milliseconds when it really costs two thirds of a decode s
 
 :class:`PassCurve` keeps the measured pass time by rows instead (one running mean per bin of rows,
 interpolated between bins, extrapolated with the fitted line beyond the largest measured pass, so
-a larger tree is tried and then measured). :func:`plan_pass` then keeps the drafted nodes of a
-whole batch, most likely first, up to the count that maximises
+a larger tree is tried and then measured; passes that prefill a prompt stay out of it).
+:func:`choose_nodes` then keeps the drafted nodes of the whole batch that maximise
 
-    (plain tokens + sum of the kept nodes' expected tokens) / pass time(plain rows + kept nodes)
+    sum over the batch's requests of log(1 + expected accepted tokens of the request)
+        - requests in the batch * log(pass time(plain rows + kept nodes))
 
-A node's expected tokens are the product of its calibrated acceptance rates along its path, so the
-most likely nodes always include their parents and the kept nodes are whole subtrees. Dropping
-nodes only changes which proposals are verified, never what is accepted: lossless.
+that is, the geometric mean of the requests' progress per second (proportional fairness). With one
+request this is its tokens per second; in a batch, a node's row delays every request of the pass,
+so it is kept only when its tokens repay that delay for all of them, not only for its own request
+(the throughput of the pass alone would let a few repetitive requests slow down everyone else).
+Nodes are taken greedily, the one adding the most to its request's log progress first, and the
+count with the best objective is kept. A node's expected tokens are the product of its calibrated
+acceptance rates along its path, and a node is only taken after its parent, so the kept nodes are
+whole subtrees. Dropping nodes only changes which proposals are verified, never what is accepted:
+lossless.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -88,19 +97,46 @@ def node_values(tree: DraftTree, rate: Callable[[float], float], lookup_rates: M
     return values
 
 
-def best_count(values: Sequence[float], plain_rows: int, plain_tokens: int, seconds: Callable[[int], float | None]) -> int:
-    """How many of ``values`` (sorted, highest first) to verify: the count with the most expected
-    tokens per second of the pass. All of them while the pass time cannot be predicted yet."""
+def choose_nodes(values: Mapping[str, Sequence[float]], parents: Mapping[str, Sequence[int]], plain_rows: int,
+                 seconds: Callable[[int], float | None]) -> dict[str, set[int]]:
+    """The nodes of each request to verify (see the module docstring): taken one at a time, the one
+    that raises its request's expected progress the most (in log terms) first, while their parents
+    are in; the count kept is the one with the best objective. All of them while the pass time
+    cannot be predicted yet."""
+    every = {rid: set(range(len(vals))) for rid, vals in values.items()}
+    batch = len(values)
     base = seconds(plain_rows)
-    if base is None or base <= 0:
-        return len(values)
-    best_n, best_rate, tokens = 0, plain_tokens / base, float(plain_tokens)
-    for n, v in enumerate(values, 1):
-        tokens += v
-        t = seconds(plain_rows + n)
-        if t is not None and t > 0 and tokens / t > best_rate:
-            best_n, best_rate = n, tokens / t
-    return best_n
+    if base is None or base <= 0 or batch == 0:
+        return every
+    children: dict[tuple[str, int], list[int]] = {}
+    heap: list[tuple[float, str, int]] = []
+    for rid, ps in parents.items():
+        for i, p in enumerate(ps):
+            if p < 0:
+                heapq.heappush(heap, (-math.log1p(values[rid][i]), rid, i))
+            else:
+                children.setdefault((rid, p), []).append(i)
+    progress = {rid: 0.0 for rid in values}  # expected accepted tokens of each request so far
+    log_gain, taken = 0.0, []
+    best_n, best = 0, -batch * math.log(base)
+    while heap:
+        neg, rid, i = heapq.heappop(heap)
+        gain = math.log1p(progress[rid] + values[rid][i]) - math.log1p(progress[rid])
+        if gain < -neg - 1e-12:  # its request gained since this was queued: requeue at its real gain
+            heapq.heappush(heap, (-gain, rid, i))
+            continue
+        progress[rid] += values[rid][i]
+        log_gain += gain
+        taken.append((rid, i))
+        for c in children.get((rid, i), ()):
+            heapq.heappush(heap, (-(math.log1p(progress[rid] + values[rid][c]) - math.log1p(progress[rid])), rid, c))
+        t = seconds(plain_rows + len(taken))
+        if t is not None and t > 0 and log_gain - batch * math.log(t) > best:
+            best_n, best = len(taken), log_gain - batch * math.log(t)
+    keep: dict[str, set[int]] = {rid: set() for rid in values}
+    for rid, i in taken[:best_n]:
+        keep[rid].add(i)
+    return keep
 
 
 def keep_nodes(tree: DraftTree, keep: set[int], lookup: LookupNodes | None) -> tuple[DraftTree, LookupNodes | None]:
@@ -130,22 +166,16 @@ def keep_nodes(tree: DraftTree, keep: set[int], lookup: LookupNodes | None) -> t
 
 def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, LookupNodes | None], plain_rows: int,
               rate: Callable[[float], float], seconds: Callable[[int], float | None]) -> tuple[dict[str, DraftTree], dict[str, LookupNodes | None]]:
-    """The batch's trees cut to the nodes that raise the pass's expected tokens per second (see the
-    module docstring). ``plain_rows``: rows of the pass without any drafted node (a row per
-    request plus the prompts being prefilled)."""
-    ranked: list[tuple[float, int, str, int]] = []  # (-value, depth, request, node)
+    """The batch's trees cut to the nodes that pay on the pass-time curve (see the module
+    docstring). ``plain_rows``: rows of the pass without any drafted node (a row per request plus
+    the prompts being prefilled)."""
+    values, parents = {}, {}
     for rid, tree in trees.items():
         lookup = lookups.get(rid)
         rates = dict(zip(lookup.nodes, lookup.rates)) if lookup is not None else {}
-        depth: list[int] = []
-        for i, (v, p) in enumerate(zip(node_values(tree, rate, rates), tree.parents)):
-            depth.append(1 if p < 0 else depth[p] + 1)
-            ranked.append((-v, depth[i], rid, i))
-    ranked.sort()
-    n = best_count([-v for v, *_ in ranked], plain_rows, len(trees), seconds)
-    keep: dict[str, set[int]] = {rid: set() for rid in trees}
-    for _, _, rid, i in ranked[:n]:
-        keep[rid].add(i)
+        values[rid] = node_values(tree, rate, rates)
+        parents[rid] = tree.parents
+    keep = choose_nodes(values, parents, plain_rows, seconds)
     out_trees, out_lookups = {}, {}
     for rid, tree in trees.items():
         out_trees[rid], out_lookups[rid] = keep_nodes(tree, keep[rid], lookups.get(rid))

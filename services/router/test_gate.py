@@ -67,3 +67,16 @@ def test_probe_rounds_back_off_while_they_find_nothing_and_reset_once_they_pay()
         gate.observe(r, drafted=True, verified_model_nodes=True, first_accepted_is_model=True)
     gate.settle(batch)
     assert gate.probe_every == PROBE_EVERY
+
+
+def test_a_new_request_starts_from_what_drafting_did_for_the_recent_ones():
+    gate = DraftGate(RouterConfig(), loaded_control())
+    start = gate.first_accept_prior
+    for i in range(60):  # under this load the drafters' first nodes keep missing
+        gate.observe(request(f"m{i}", 0.5), drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
+    assert gate.first_accept_prior < 0.1 * start
+    newcomer = request("new", gate.first_accept_prior)
+    assert not gate.drafts(newcomer, 16, round_index=3, pipelined=False)  # it does not draft to find out
+    for i in range(60):
+        gate.observe(request(f"h{i}", 0.5), drafted=True, verified_model_nodes=True, first_accepted_is_model=True)
+    assert gate.first_accept_prior > 0.9

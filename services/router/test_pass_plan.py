@@ -6,7 +6,7 @@ import pytest
 
 from services.router.fusion import DraftTree
 from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
-from services.router.pass_plan import PassCurve, best_count, plan_pass
+from services.router.pass_plan import PassCurve, choose_nodes, plan_pass
 
 
 def cpu_curve() -> PassCurve:
@@ -33,12 +33,28 @@ def test_the_curve_interpolates_never_falls_and_extends_with_the_slope():
     assert curve.predict(100, 0.001) > curve.predict(16, 0.001) > curve.predict(8, 0.001) >= 0.050
 
 
+def chains(*values: list[float]) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Requests r0, r1, ... each with one chain of nodes whose expected tokens are ``values``."""
+    return ({f"r{i}": v for i, v in enumerate(values)},
+            {f"r{i}": [j - 1 for j in range(len(v))] for i, v in enumerate(values)})
+
+
 def test_one_lone_request_verifies_a_tree_only_when_it_repays_the_jump_to_two_rows():
-    # one plain row commits 1 token in 46 ms (21.7 tokens/s); nodes must beat that per second
-    assert best_count([0.3, 0.2, 0.1], 1, 1, seconds) == 0  # 1.6 tokens in 83 ms: worse
-    assert best_count([0.95, 0.9, 0.85, 0.8], 1, 1, seconds) == 4  # 4.5 tokens in 89 ms: better
-    assert best_count([0.95, 0.9, 0.05], 1, 1, seconds) == 2  # the unlikely third is not worth its row
-    assert best_count([0.4], 1, 1, lambda rows: None) == 1  # nothing measured: verify all, and measure
+    # one plain row commits 1 token in 46 ms; a second row costs 31 ms more
+    assert choose_nodes(*chains([0.3, 0.2, 0.1]), 1, seconds) == {"r0": set()}
+    assert choose_nodes(*chains([0.95, 0.9, 0.85, 0.8]), 1, seconds) == {"r0": {0, 1, 2, 3}}
+    assert choose_nodes(*chains([0.95, 0.9, 0.05]), 1, seconds) == {"r0": {0, 1}}  # the unlikely third is not worth its row
+    assert choose_nodes(*chains([0.4]), 1, lambda rows: None) == {"r0": {0}}  # nothing measured: verify all, and measure
+
+
+def test_a_row_slows_every_request_of_the_pass_so_a_full_batch_takes_only_near_certain_nodes():
+    def linear(rows: int) -> float:  # 60 ms + 8 ms a row
+        return 0.060 + 0.008 * rows
+
+    assert choose_nodes(*chains([0.4]), 1, linear) == {"r0": {0}}  # alone, a 40% node repays its row
+    sixteen = chains([0.4], [0.99], *([[]] * 14))
+    kept = choose_nodes(*sixteen, 16, linear)
+    assert kept["r0"] == set() and kept["r1"] == {0}  # with 15 others waiting on the row, only the sure one
 
 
 def chain(tokens: list[int], probs: list[float]) -> DraftTree:
