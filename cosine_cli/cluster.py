@@ -107,8 +107,19 @@ class LocalCluster:
         self.verifier_address = ""
         self.supervisor: Any = None
         self.redis_proc: Proc | None = None  # the private Redis, as the supervisor sees it
+        self._ports: set[int] = set()  # every port this cluster handed out, so no two processes share one
 
     # ---- processes ---------------------------------------------------------------------------
+
+    def _port(self) -> int:
+        """A free port that no process of this cluster was given yet: the OS may hand the same
+        free port out twice while the first taker has not bound it."""
+        for _ in range(100):
+            port = free_port(self.spec.host)
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+        raise ClusterError("no free port found on " + self.spec.host)
 
     def _spawn(self, name: str, module: str, port: int, args: Sequence[str], threads: int | None = None) -> Proc:
         log_dir = Path(self.spec.log_dir)
@@ -118,7 +129,7 @@ class LocalCluster:
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         address = f"{self.spec.host}:{port}"
-        metrics_port = free_port(self.spec.host)  # every process of every local cluster: its own /metrics
+        metrics_port = self._port()  # every process of every local cluster: its own /metrics
         cmd = [
             sys.executable, "-m", module, "--host", self.spec.host, "--port", str(port),
             "--redis-url", self.redis_url, "--redis-prefix", self.spec.prefix, "--member-id", name,
@@ -159,11 +170,11 @@ class LocalCluster:
         v_threads, d_threads = thread_budget(cores, len(groups))
         say(f"threads    {cores} cores: verifier {v_threads}, {len(groups)} drafter process(es) x {d_threads}")
         try:
-            verifier = self._spawn("verifier", "services.verifier", free_port(spec.host), ["--target", spec.target, *spec.verifier_args], v_threads)
+            verifier = self._spawn("verifier", "services.verifier", self._port(), ["--target", spec.target, *spec.verifier_args], v_threads)
             drafters = []
             for i, group in enumerate(groups):
                 args = [a for name, path in group.items() for a in ("--drafters", f"{name}={path}")]
-                drafters.append(self._spawn(f"drafter-{i}", "services.drafter", free_port(spec.host), [*args, *spec.drafter_args], d_threads))
+                drafters.append(self._spawn(f"drafter-{i}", "services.drafter", self._port(), [*args, *spec.drafter_args], d_threads))
             say(f"starting   verifier ({spec.target}) and {len(spec.drafters)} drafter(s): {', '.join(sorted(spec.drafters))}")
             await self._wait([verifier, *drafters], "models")
             self.verifier_address = verifier.address
@@ -176,11 +187,12 @@ class LocalCluster:
 
     async def _start_control_plane(self, router_args: Sequence[str], drafters: int, gateway_port: int = 0) -> None:
         spec = self.spec
-        router = self._spawn("router", "services.router", free_port(spec.host), ["--verifier-address", self.verifier_address, *router_args])
+        router = self._spawn("router", "services.router", self._port(), ["--verifier-address", self.verifier_address, *router_args])
         await self._wait([router], "router")
         self.router_address = router.address
-        http_port = spec.http_port or free_port(spec.host)
-        gateway = self._spawn("gateway", "services.gateway", gateway_port or free_port(spec.host),
+        self._ports.update(p for p in (spec.http_port, gateway_port) if p)
+        http_port = spec.http_port or self._port()
+        gateway = self._spawn("gateway", "services.gateway", gateway_port or self._port(),
                               ["--router-address", router.address, "--tokenizer", spec.target, "--http-port", str(http_port),
                                *spec.gateway_args])
         await self._wait([gateway], "gateway")

@@ -13,6 +13,7 @@ from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.commands import seed_profiles
 from cosine_cli.status_metrics import format_figures, key_figures, scrape
 from cosine_client import AsyncClient
+from services.router.lookup import LOOKUP_ID
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,8 @@ def test_speculative_counters_add_up(scraped):
     assert sum(by_label(r, "cosine_spec_draft_tokens_total", "drafter").values()) == drafted
     assert sum(by_label(r, "cosine_spec_draft_tokens_by_position_total", "position").values()) == drafted
     assert sum(by_label(r, "cosine_spec_accepted_tokens_by_position_total", "position").values()) == accepted
-    assert set(by_label(r, "cosine_spec_draft_tokens_total", "drafter")) <= set(per_drafters(per))
+    # the drafter label names a drafter model, or the router's own lookup drafter
+    assert set(by_label(r, "cosine_spec_draft_tokens_total", "drafter")) <= per_drafters(per) | {LOOKUP_ID}
     rate = total(r, "cosine_spec_acceptance_rate")
     assert rate == pytest.approx(accepted / drafted)
     assert total(r, "cosine_router_rounds_total") > 0 and total(r, "cosine_router_batch_requests_count") > 0
