@@ -292,7 +292,10 @@ class Store:
             return False
         if start >= 0:
             self._written[request_id] = int(total)
-        await self._flush_deletes()
+        try:
+            await self._flush_deletes()
+        except StoreUnavailable:  # Redis went away after the append: the deletes wait for the next write
+            pass
         return True
 
     @_outage

@@ -85,3 +85,35 @@ def test_state_lost_by_redis_is_not_rewritten_partially(redis_url, redis_prefix)
 
     ok, state = asyncio.run(body())
     assert ok is False and state is None
+
+
+def test_redis_lost_between_an_append_and_its_deferred_deletes(redis_url, redis_prefix, monkeypatch):
+    """The append lands, then Redis goes before the deletes held back by an outage go out: the
+    append still reports success and never raises (a running request must not fail), and the
+    deletes wait for the next write."""
+
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix)
+        try:
+            await store.create_request("r", [1], {}, owner="gw")
+            await store.create_request("gone", [2], {}, owner="gw")
+            real_delete = store._r.delete
+
+            async def refused(*keys):
+                raise ConnectionError("Error 111 connecting: Connection refused")
+
+            monkeypatch.setattr(store._r, "delete", refused)
+            assert await store.delete_request("gone") is False  # remembered
+            ok = await store.append_tokens("r", [5])  # lands; its flush of the deletes is refused
+            pending = store.backlog()["deletes"]
+            monkeypatch.setattr(store._r, "delete", real_delete)
+            assert await store.append_tokens("r", [6])  # Redis answers deletes again: they go out
+            return ok, pending, await store.get_request("r"), await store.get_request("gone"), store.backlog()
+        finally:
+            await store.delete_request("r")
+            await store.close()
+
+    ok, pending, state, gone, backlog = asyncio.run(body())
+    assert ok is True and pending == 1
+    assert state["tokens"] == [5, 6]
+    assert gone is None and backlog["deletes"] == 0

@@ -59,19 +59,24 @@ def workload(tiny_zoo):
     return [(d, p) for d in sorted(tiny_zoo.prompts) for p in tiny_zoo.prompts[d][:3]]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_zoo, workload):
-    tok = load_tokenizer(tiny_zoo.target.path)
-    model = load_causal_lm(tiny_zoo.target.path)
+def greedy_reference(zoo, prompts, max_new_tokens: int = MAX_NEW) -> dict[str, list[int]]:
+    """The target's own greedy continuation of each prompt (transformers' generate, in process)."""
+    tok = load_tokenizer(zoo.target.path)
+    model = load_causal_lm(zoo.target.path)
     import torch
 
     out = {}
-    for _, prompt in workload:
+    for prompt in prompts:
         ids = torch.tensor([tok(prompt).input_ids])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         out[prompt] = gen[0, ids.shape[1]:].tolist()
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_zoo, workload):
+    return greedy_reference(tiny_zoo, [p for _, p in workload])
 
 
 async def run_all(address, workload, **kw):

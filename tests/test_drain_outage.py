@@ -21,10 +21,42 @@ from common.store import Store
 from cosine_cli.cluster import LocalCluster
 from cosine_cli.commands import seed_profiles
 from cosine_client import AsyncClient, Unavailable
-from tests.test_cluster import MAX_NEW, reference, spec_for, workload  # noqa: F401  (fixtures)
+from tests.test_cluster import MAX_NEW, greedy_reference, spec_for, workload  # noqa: F401  (fixtures)
 from tests.test_replicas_cluster import router_drafters, start_drafter_replica
 
 pytestmark = pytest.mark.slow
+
+# Long enough that requests are still running when the absence begins: with the lookup drafter the
+# tiny zoo's repetitive output takes only a few rounds per request.
+LONG = MAX_NEW * 4
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_zoo, workload):
+    return greedy_reference(tiny_zoo, [p for _, p in workload], LONG)
+
+
+async def under_load(client: AsyncClient, work, absence) -> tuple[int, list[list[int]]]:
+    """Stream every prompt of ``work`` at once; once every stream has its first tokens (all
+    admitted, none waiting for Redis) call ``absence()``. Returns how many streams were still
+    running at that moment and each stream's token ids, in ``work`` order."""
+    first = [asyncio.Event() for _ in work]
+
+    async def one(i: int, prompt: str) -> list[int]:
+        ids: list[int] = []
+        try:
+            async for chunk in client.stream(prompt, max_new_tokens=LONG):
+                ids.extend(chunk.token_ids)
+                first[i].set()
+        finally:
+            first[i].set()
+        return ids
+
+    tasks = [asyncio.create_task(one(i, p)) for i, (_, p) in enumerate(work)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 120)
+    running = sum(not t.done() for t in tasks)
+    await absence()
+    return running, await asyncio.gather(*tasks)
 
 
 def store_call(cluster: LocalCluster, fn):
@@ -38,7 +70,7 @@ def store_call(cluster: LocalCluster, fn):
     return asyncio.run(body())
 
 
-def test_sigterm_drains_a_drafter_replica_without_failing_a_request(tiny_zoo, tmp_path, workload, reference):  # noqa: F811
+def test_sigterm_drains_a_drafter_replica_without_failing_a_request(tiny_zoo, tmp_path, workload, long_reference):  # noqa: F811
     c = LocalCluster(spec_for(tiny_zoo, tmp_path))
     c.start(progress=False)
     try:
@@ -46,18 +78,17 @@ def test_sigterm_drains_a_drafter_replica_without_failing_a_request(tiny_zoo, tm
         work = workload * 4
         victim = c.proc("drafter-0")
 
+        async def drain():
+            c.signal("drafter-0", signal.SIGTERM)
+
         async def body():
             async with AsyncClient(c.gateway_address, timeout=180) as client:
-                tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in work]
-                await asyncio.sleep(0.5)
-                running = sum(not t.done() for t in tasks)
-                c.signal("drafter-0", signal.SIGTERM)
-                return running, await asyncio.gather(*tasks)
+                return await under_load(client, work, drain)
 
         running, results = asyncio.run(body())
         assert running > 0  # the drain happened under load
-        for (_, prompt), res in zip(work, results):
-            assert list(res.token_ids) == reference[prompt]
+        for (_, prompt), ids in zip(work, results):
+            assert ids == long_reference[prompt]
         assert victim.popen.wait(30) == 0  # drained and exited by itself, not killed
         members = store_call(c, lambda s: s.members("drafter"))
         assert [m.member_id for m in members] == ["drafter-replica"]
@@ -69,7 +100,7 @@ def test_sigterm_drains_a_drafter_replica_without_failing_a_request(tiny_zoo, tm
         c.stop()
 
 
-def test_redis_restart_under_load(tiny_zoo, tmp_path, workload, reference):  # noqa: F811
+def test_redis_restart_under_load(tiny_zoo, tmp_path, workload, long_reference):  # noqa: F811
     c = LocalCluster(spec_for(tiny_zoo, tmp_path))
     c.start(progress=False)
     try:
@@ -79,23 +110,25 @@ def test_redis_restart_under_load(tiny_zoo, tmp_path, workload, reference):  # n
 
         async def body():
             async with AsyncClient(c.gateway_address, timeout=180) as client:
-                tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in work]
-                await asyncio.sleep(0.5)
-                c.kill("redis")
-                running = sum(not t.done() for t in tasks)
-                with pytest.raises(Unavailable):
-                    await client.generate(work[0][1], max_new_tokens=MAX_NEW)
-                await asyncio.sleep(1.0)
-                c.respawn("redis")  # same port, same append-only file
-                results = await asyncio.gather(*tasks)
-                after = await client.generate(work[0][1], max_new_tokens=MAX_NEW)
-                return running, results, after
+                refused = []
 
-        running, results, after = asyncio.run(body())
-        assert running > 0  # requests were in flight while Redis was down
-        for (_, prompt), res in zip(work, results):
-            assert list(res.token_ids) == reference[prompt]
-        assert list(after.token_ids) == reference[work[0][1]]
+                async def outage():
+                    c.kill("redis")
+                    with pytest.raises(Unavailable):  # a new request cannot be admitted
+                        await client.generate(work[0][1], max_new_tokens=LONG)
+                    refused.append(True)
+                    await asyncio.sleep(1.0)
+                    c.respawn("redis")  # same port, same append-only file
+
+                running, results = await under_load(client, work, outage)
+                after = await client.generate(work[0][1], max_new_tokens=LONG)
+                return running, refused, results, after
+
+        running, refused, results, after = asyncio.run(body())
+        assert running > 0 and refused  # requests were in flight while Redis was down
+        for (_, prompt), ids in zip(work, results):
+            assert ids == long_reference[prompt]
+        assert list(after.token_ids) == long_reference[work[0][1]]
         profiles = store_call(c, lambda s: s.load_profiles(sorted(tiny_zoo.drafters)))
         for d in tiny_zoo.drafters:  # the seeded priors survived the restart
             for domain, stats in before[d].domains.items():
