@@ -32,7 +32,7 @@ LONG = MAX_NEW * 4
 
 
 @pytest.fixture(scope="module")
-def long_reference(tiny_zoo, workload):
+def long_reference(tiny_zoo, workload):  # noqa: F811
     return greedy_reference(tiny_zoo, [p for _, p in workload], LONG)
 
 

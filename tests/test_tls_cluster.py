@@ -138,7 +138,7 @@ def test_cli_generate_and_status_take_tls_flags(cluster, dev_certs, prompts, ref
 def public_gateway(cluster, tiny_zoo, *tls_flags):
     """One more gateway, in process, in front of the cluster's router (same Redis)."""
     from common.settings import load_settings
-    from common.testing import start_service
+    from common.testing import InProcessService
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
 
@@ -150,8 +150,6 @@ def public_gateway(cluster, tiny_zoo, *tls_flags):
         app = await build_app(s, store)
         server.apps.append(app)
         return app
-
-    from common.testing import InProcessService
 
     server = InProcessService(settings, factory, prog="gateway")
     server.apps = []
