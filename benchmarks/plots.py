@@ -28,11 +28,15 @@ STYLE = {
     "cosine_no_fusion": ("#2ca02c", "X", "--"),
     "cosine_no_pipeline": ("#e377c2", "h", "--"),
     "cosine_drafter_domains": ("#bcbd22", "p", "--"),
+    "cosine_no_control": ("#17becf", "d", "--"),
+    "cosine_no_lookup": ("#7f7f7f", "<", "--"),
+    "cosine_unpriced_drafting": ("#aec7e8", ">", "--"),
+    "cosine_fixed_pipeline": ("#ff9896", "H", "--"),
 }
 
 
 def _style(name: str) -> tuple[str, str, str]:
-    return STYLE.get(name, ("#17becf", "o", "-"))
+    return STYLE.get(name, ("#000000", "o", ":"))
 
 
 def write_plots(report: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
