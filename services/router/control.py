@@ -212,18 +212,7 @@ class SpeculationControl:
             keep.append(v >= theta and (parent < 0 or keep[parent]))
         if all(keep):
             return tree
-        out = DraftTree(drafter_ids=list(tree.drafter_ids))
-        index: dict[int, int] = {}
-        for i, ok in enumerate(keep):
-            if ok:
-                parent = tree.parents[i]
-                index[i] = len(out.tokens)
-                out.tokens.append(tree.tokens[i])
-                out.parents.append(-1 if parent < 0 else index[parent])
-                out.probs.append(tree.probs[i])
-                out.source_masks.append(tree.source_masks[i])
-                out.top1.append(tree.top1[i])
-        return out
+        return tree.subtree({i for i, ok in enumerate(keep) if ok})[0]
 
     # ---- feedback --------------------------------------------------------------------------------
 

@@ -108,6 +108,21 @@ class DraftTree:
             depths.append(0 if i in without or (p >= 0 and depths[p] == 0) else 1 if p < 0 else depths[p] + 1)
         return max(depths, default=0)
 
+    def subtree(self, keep: Collection[int]) -> tuple[DraftTree, dict[int, int]]:
+        """The tree with only the nodes in ``keep`` (each kept node's parent must be kept too), and
+        where each kept node went (old index -> new index)."""
+        out = DraftTree(drafter_ids=list(self.drafter_ids))
+        index: dict[int, int] = {}
+        for i, parent in enumerate(self.parents):
+            if i in keep:
+                index[i] = len(out.tokens)
+                out.tokens.append(self.tokens[i])
+                out.parents.append(-1 if parent < 0 else index[parent])
+                out.probs.append(self.probs[i])
+                out.source_masks.append(self.source_masks[i])
+                out.top1.append(self.top1[i])
+        return out, index
+
     def add_fused_step(self, parent: int, ranked: Sequence[FusedCandidate], width: int) -> int:
         """Add the winner of one fused step under ``parent`` and up to width-1 runners-up as
         sibling leaves. Returns the winner's node index (the parent of the next step)."""

@@ -143,17 +143,7 @@ def keep_nodes(tree: DraftTree, keep: set[int], lookup: LookupNodes | None) -> t
     """The tree with only ``keep`` (parent-closed), and its lookup nodes renumbered."""
     if len(keep) == len(tree):
         return tree, lookup
-    out = DraftTree(drafter_ids=list(tree.drafter_ids))
-    index: dict[int, int] = {}
-    for i in range(len(tree)):
-        if i in keep:
-            parent = tree.parents[i]
-            index[i] = len(out.tokens)
-            out.tokens.append(tree.tokens[i])
-            out.parents.append(-1 if parent < 0 else index[parent])
-            out.probs.append(tree.probs[i])
-            out.source_masks.append(tree.source_masks[i])
-            out.top1.append(tree.top1[i])
+    out, index = tree.subtree(keep)
     if lookup is not None:
         kept = []
         for n in lookup.nodes:  # a path: cut where the first node was dropped
