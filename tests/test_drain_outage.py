@@ -110,22 +110,20 @@ def test_redis_restart_under_load(tiny_zoo, tmp_path, workload, long_reference):
 
         async def body():
             async with AsyncClient(c.gateway_address, timeout=180) as client:
-                refused = []
 
                 async def outage():
                     c.kill("redis")
                     with pytest.raises(Unavailable):  # a new request cannot be admitted
                         await client.generate(work[0][1], max_new_tokens=LONG)
-                    refused.append(True)
                     await asyncio.sleep(1.0)
                     c.respawn("redis")  # same port, same append-only file
 
                 running, results = await under_load(client, work, outage)
                 after = await client.generate(work[0][1], max_new_tokens=LONG)
-                return running, refused, results, after
+                return running, results, after
 
-        running, refused, results, after = asyncio.run(body())
-        assert running > 0 and refused  # requests were in flight while Redis was down
+        running, results, after = asyncio.run(body())
+        assert running > 0  # requests were in flight while Redis was down
         for (_, prompt), ids in zip(work, results):
             assert ids == long_reference[prompt]
         assert list(after.token_ids) == long_reference[work[0][1]]
