@@ -33,7 +33,7 @@ from common.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, 
 from common.draft_vocab import DraftVocab, load_draft_vocab
 from common.kv_cache import KVCache, KVPool
 from common.logs import get_logger
-from common.skinny_linear import use_skinny_linears
+from common.cpu_linear import use_cpu_linears
 from common.spec_types import ModelInfo
 
 log = get_logger(__name__)
@@ -85,7 +85,7 @@ class LMRunner:
                  draft_vocab: DraftVocab | None = None) -> None:
         cfg = model.config
         check_architecture(cfg.to_dict(), name or cfg.model_type)
-        use_skinny_linears(model)  # CPU only: few-row projections in the BLAS's fast form
+        use_cpu_linears(model)  # CPU float32 only: few-row projections with the kernels fast at them
         self.model = model
         self.config = cfg
         self.backend = backend

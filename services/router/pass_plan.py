@@ -1,11 +1,12 @@
 """Which drafted nodes go into a verify pass: those that repay their rows for every request of the pass.
 
-A verify pass's time is not linear in its rows. On a CPU target one row runs the weights as
-matrix-vector products; a second row switches every layer to matrix-matrix kernels that cost about
-as much again per row, and further rows then cost little each (the weights are reused). The
-default zoo's target, one thread, measured through the router: 46.6 ms for a plain decode row,
-76.7 ms for two rows, 101 ms for nine. A line through such passes (``CostModel``) prices the first
-drafted node at a few milliseconds when it really costs two thirds of a decode step.
+A verify pass's time is not linear in its rows, and its shape depends on the target's hardware
+and kernels. On a CPU the pass is bound by reading the weights: with the runner's few-row kernels
+(``common/cpu_linear.py``) the default zoo's target, one thread, takes about 43 ms for one row and
+for two, 50-58 ms for three to six, 63-68 ms for eight or nine, 94 ms for sixteen (with torch's plain
+``linear`` it took 62 ms for one row, 117 for three, 95 for six, 110 for ten: uneven, and the first
+drafted row the dearest); on a GPU a pass is flat
+up to a few hundred rows. A line through such passes (``CostModel``) misprices both ends.
 
 :class:`PassCurve` keeps the measured pass time by rows instead (one running mean per bin of rows,
 interpolated between bins, extrapolated with the fitted line beyond the largest measured pass, so

@@ -1,0 +1,93 @@
+"""The CPU kernels of a projection equal ``nn.Linear`` and are switched on only where they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common import cpu_linear
+from common.cpu_linear import CpuLinear, onednn_ready, use_cpu_linears
+
+
+def pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(seed)
+    plain = nn.Linear(48, 80, bias=bias)
+    fast = nn.Linear(48, 80, bias=bias)
+    fast.load_state_dict(plain.state_dict())
+    use_cpu_linears(fast)
+    return plain, fast
+
+
+def test_onednn_is_there_on_this_build() -> None:
+    # the packed kernel is what makes three rows and more fast; a build without it must be noticed
+    assert onednn_ready()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 48), (5, 48), (3, 4, 48), (64, 48), (200, 48), (0, 48)])
+def test_equals_linear_for_every_row_count_and_leading_shape(bias: bool, shape: tuple[int, ...]) -> None:
+    plain, fast = pair(bias)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        want, got = plain(x), fast(x)
+    assert got.shape == want.shape
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 6])
+def test_a_row_is_not_computed_from_its_neighbours(rows: int) -> None:
+    # each output row depends on its own input row only (neither kernel may mix them)
+    _, fast = pair(True)
+    x = torch.randn(rows, 48)
+    with torch.inference_mode():
+        alone = torch.cat([fast(x[i : i + 1]) for i in range(rows)])
+        together = fast(x)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_each_row_count_takes_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    used: list[str] = []
+    real_mm = torch.mm
+    monkeypatch.setattr(cpu_linear.torch, "mm", lambda *a, **k: used.append("transposed") or real_mm(*a, **k))
+    _, fast = pair(False)
+    fast._packed_weight = lambda: used.append("onednn") or None  # type: ignore[method-assign]
+    with torch.inference_mode():
+        fast(torch.randn(1, 48))
+        fast(torch.randn(2, 48))
+        fast(torch.randn(3, 48))  # the packed kernel is asked for; unavailable, so linear answers
+        fast.to(torch.bfloat16)(torch.randn(3, 48, dtype=torch.bfloat16))
+    assert used == ["transposed", "transposed", "onednn"]
+
+
+def test_a_weight_changed_in_place_is_packed_anew() -> None:
+    plain, fast = pair(False)
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        fast(x)
+    torch.manual_seed(7)
+    new = nn.Linear(48, 80, bias=False)
+    plain.load_state_dict(new.state_dict())
+    fast.load_state_dict(new.state_dict())  # copies into the same storage: only the version moves
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_switch_keeps_weights_and_names_and_only_touches_linears() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Sequential(nn.Linear(8, 4, bias=False)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert use_cpu_linears(model) == 2
+    assert isinstance(model[0], CpuLinear) and isinstance(model[2][0], CpuLinear)
+    assert type(model[1]) is nn.LayerNorm
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert use_cpu_linears(model) == 0  # already switched
+
+
+@pytest.mark.parametrize("model", [nn.Linear(4, 4, device="meta"), nn.Linear(4, 4, dtype=torch.bfloat16)])
+def test_a_model_off_the_cpu_or_not_float32_is_left_alone(model: nn.Linear) -> None:
+    assert use_cpu_linears(model) == 0
+    assert type(model) is nn.Linear
