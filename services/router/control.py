@@ -158,15 +158,47 @@ class SpeculationControl:
             return self.threshold()
         return max(self.min_threshold, self.throughput * (doubled - plain) / requests)
 
-    def first_node_threshold(self, requests: int, pipelined: bool) -> float:
-        """Expected tokens a request's first node must bring for the request to draft this round:
-        its verify row (:meth:`first_row_threshold`) plus its share of the first draft step of
-        ``requests`` requests (half of it when another round is in flight, as in :meth:`worth_a_step`)."""
+    def first_node_threshold(self, requests: int, pipelined: bool, chain: int = 1) -> float:
+        """The lowest acceptance rate of a request's first node at which the request drafts this round.
+
+        Its verify row (:meth:`first_row_threshold`) plus its share of the first draft step of
+        ``requests`` requests (half of it when another round is in flight, as in :meth:`worth_a_step`).
+        With ``chain`` > 1 the request may draft a chain of up to that many nodes, and the rate is the
+        lowest at which the best length pays (:meth:`chain_pays`): on a pass-time curve that is flat
+        over the first few rows the first node alone may not repay the draft step while four do."""
         theta = self.first_row_threshold(requests)
-        if not self.enabled or self.throughput <= 0 or self.first_step.observed == 0 or requests <= 0:
+        if not self.enabled or self.throughput <= 0 or requests <= 0:
             return theta
         share = 0.5 if pipelined else 1.0
-        return theta + self.throughput * share * self.first_step.predict(requests) / requests
+        first_step = self.first_step.predict(requests) if self.first_step.observed else 0.0
+        theta += self.throughput * share * first_step / requests
+        if chain <= 1:
+            return theta
+        costs = self.chain_costs(requests, chain, share)
+        if costs is None or not chain_pays(1.0, costs):
+            return theta
+        lo, hi = 0.0, 1.0  # the rate at which the best chain breaks even, by bisection
+        for _ in range(24):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if chain_pays(mid, costs) else (mid, hi)
+        return max(self.min_threshold, min(theta, hi))
+
+    def chain_costs(self, requests: int, chain: int, share: float) -> list[float] | None:
+        """What a chain of k = 1..``chain`` drafted nodes per request costs each request, in expected
+        tokens: its k verify rows on the pass-time curve plus its share of the k draft steps, at the
+        verifier's current throughput. None while the pass time cannot be predicted."""
+        plain = self.pass_seconds(requests)
+        if plain is None:
+            return None
+        first_step = self.first_step.predict(requests) if self.first_step.observed else 0.0
+        costs = []
+        for k in range(1, chain + 1):
+            more = self.pass_seconds(requests * (1 + k))
+            if more is None:
+                return None
+            steps = first_step + (k - 1) * self.draft_step_s
+            costs.append(self.throughput * ((more - plain) + share * steps) / requests)
+        return costs
 
     def node_value(self, parent_value: float, confidence: float) -> float:
         return parent_value * self.calibration(confidence)
@@ -250,3 +282,15 @@ class SpeculationControl:
                 continue
             if parent < 0 or parent in accepted:
                 self.calibration.observe(tree.probs[i], i in accepted)
+
+
+def chain_pays(rate: float, costs: Sequence[float]) -> bool:
+    """Whether some chain length pays when each node is accepted with ``rate`` given its parent:
+    expected tokens rate + rate^2 + ... + rate^k against ``costs[k - 1]``."""
+    value, term = 0.0, 1.0
+    for cost in costs:
+        term *= rate
+        value += term
+        if value >= cost:
+            return True
+    return False

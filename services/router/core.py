@@ -240,8 +240,10 @@ class RouterCore:
         t0 = self.clock()
         live = list(self.drafters.live()) if self.config.speculate else []
         # another round in flight overlaps this one's drafting (this round counts itself)
-        drafts = {r.request_id: self.gate.drafts(r, len(batch), self.counters.rounds, self.rounds_in_flight > 1) for r in batch}
-        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) if drafts[r.request_id] else 0 for r in batch}
+        ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) for r in batch}
+        for r in batch:
+            if not self.gate.drafts(r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
+                ks[r.request_id] = 0
         # only the requests that draft this round need a domain and a routing vector; the others are
         # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)
         await self.routing.route([r for r in batch if ks[r.request_id] > 0], live)

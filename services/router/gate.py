@@ -1,9 +1,10 @@
 """The draft gate: which requests of a round are drafted for by the drafter models (no gRPC here).
 
-A request drafts in a round when its first drafted node is expected to repay what it costs: its
-verify row (the measured pass-time curve's step, :meth:`SpeculationControl.first_row_threshold`)
-and, with draft pricing, its share of the round's first draft step
-(:meth:`SpeculationControl.first_node_threshold`). The expected value is the request's own record:
+A request drafts in a round when the chain it may draft (up to its speculation length) is expected
+to repay what it costs: its verify rows on the measured pass-time curve and, with draft pricing,
+its share of the round's draft steps (:meth:`SpeculationControl.first_node_threshold`, which turns
+that into the lowest acceptance rate of the first node at which the best chain length pays, each
+further node taken to be accepted at the same rate given its parent). The rate is the request's own record:
 an EWMA of how often its first drafted node was accepted (a round in which none of its nodes was
 worth a row of the pass counts as a rejection). A new request starts from the recent requests'
 record, so under a load where the drafters do not pay, new requests do not draft to find out.
@@ -37,15 +38,16 @@ class DraftGate:
         self._theta = 0.0  # the threshold of the current round's decisions
         self.first_accept_prior = 0.7  # a new request's first-node record: the recent requests' (EWMA)
 
-    def drafts(self, r: Request, batch_size: int, round_index: int, pipelined: bool) -> bool:
+    def drafts(self, r: Request, batch_size: int, round_index: int, pipelined: bool, chain: int = 1) -> bool:
         """Whether the drafters draft for ``r`` in a round of ``batch_size`` requests, the router's
-        ``round_index``-th; ``pipelined``: another round is in flight and overlaps this one's drafting."""
+        ``round_index``-th; ``pipelined``: another round is in flight and overlaps this one's drafting;
+        ``chain``: the most nodes ``r`` may draft in a chain (its speculation length)."""
         if not self.config.speculate:
             return False
         if not self.config.cost_control:
             return True
         if self.config.draft_pricing:
-            self._theta = self.control.first_node_threshold(batch_size, pipelined=pipelined)
+            self._theta = self.control.first_node_threshold(batch_size, pipelined=pipelined, chain=chain)
         else:
             self._theta = self.control.threshold()
         r.probing = r.first_accept < self._theta and round_index % self.probe_every == 0

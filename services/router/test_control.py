@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.router.control import Calibration, CostModel, SpeculationControl
+from services.router.control import Calibration, CostModel, SpeculationControl, chain_pays
 from services.router.fusion import DraftTree
 
 
@@ -154,3 +154,39 @@ def test_the_pass_curve_prices_the_first_drafted_row_at_what_it_costs_not_at_the
     assert control.cost.slope() < 0.010
     assert control.first_row_threshold(1) == pytest.approx(control.throughput * 0.031, rel=0.01)
     assert control.first_row_threshold(1) > 3 * control.threshold()
+
+
+def flat(control: SpeculationControl, passes: int = 40) -> SpeculationControl:
+    """Passes flat over the first rows, as the runner's CPU kernels make them: 45 ms for one to six
+    rows, then 4 ms a row; a pass commits 1.5 tokens; a round's first draft step (which brings the
+    drafter's cache up to date) costs 12 ms, a later one 3 ms."""
+    for i in range(passes):
+        rows = (1, 2, 4, 6, 9, 1)[i % 6]
+        control.observe_pass(rows, 0.045 + 0.004 * max(0, rows - 6), 1 + (i % 2))
+    for n in (1, 1, 2):
+        control.observe_draft_step(0.012, first_of=n)
+        for _ in range(20):
+            control.observe_draft_step(0.003)
+    return control
+
+
+def test_a_request_drafts_when_the_best_chain_pays_although_its_first_node_alone_does_not():
+    control = flat(SpeculationControl())
+    first_only = control.first_node_threshold(1, pipelined=False)
+    chain = control.first_node_threshold(1, pipelined=False, chain=5)
+    # one node: a free row but a whole first draft step (~0.4 tokens at ~33 tokens/s); a chain on the
+    # flat rows shares that step's cost among up to a + a^2 + ... expected tokens
+    assert first_only == pytest.approx(control.throughput * 0.012, rel=0.05)
+    assert chain < 0.9 * first_only
+    costs = control.chain_costs(1, 5, share=1.0)
+    assert costs is not None and len(costs) == 5
+    assert chain_pays(chain + 0.01, costs) and not chain_pays(chain - 0.01, costs)
+    # beyond the flat rows a longer chain costs its rows: a 5-chain then needs a better first node
+    steep = stepped(SpeculationControl())
+    for n in (1, 1, 2):
+        steep.observe_draft_step(0.012, first_of=n)
+        for _ in range(20):
+            steep.observe_draft_step(0.003)
+    assert steep.first_node_threshold(1, pipelined=False, chain=5) > chain
+    # the chain never asks more of the first node than the first node alone
+    assert steep.first_node_threshold(1, pipelined=False, chain=5) <= steep.first_node_threshold(1, pipelined=False)
