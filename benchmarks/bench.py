@@ -57,7 +57,7 @@ def _default() -> Scenario:
         WorkloadSpec("open_fluct", "open", 12, phases=(0.15, 1.5), label="Poisson, alternating 0.15x / 1.5x vanilla_sd capacity"),
         WorkloadSpec("closed_c4_sampling", "closed", 8, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
     )
-    return Scenario("default", 40, w, {"high": "open_high", "low": "open_low", "c1": "closed_c1"})
+    return Scenario("default", 40, w, {"high": "open_high", "low": "open_low", "c1": "closed_c1", "c16": "closed_c16"})
 
 
 def _quick() -> Scenario:
@@ -334,7 +334,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench-out/report.json", help="report path; the plots go beside it")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="default", help="default: the full run; quick: seconds (tests)")
     p.add_argument("--systems", default="", help="comma-separated systems, or 'all' (default: autoregressive, hf_assisted, "
-                   "vanilla_sd, cosine, cosine_no_fusion, cosine_no_control, cosine_no_lookup)")
+                   "vanilla_sd, cosine, cosine_no_fusion, cosine_no_control, cosine_no_lookup, cosine_no_draft_ahead)")
     p.add_argument("--workloads", default="", help="comma-separated subset of the scenario's workloads (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: the scenario's)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the scenario's, per workload)")

@@ -32,6 +32,7 @@ STYLE = {
     "cosine_no_lookup": ("#7f7f7f", "<", "--"),
     "cosine_unpriced_drafting": ("#aec7e8", ">", "--"),
     "cosine_fixed_pipeline": ("#ff9896", "H", "--"),
+    "cosine_no_draft_ahead": ("#c5b0d5", "8", "--"),
 }
 
 

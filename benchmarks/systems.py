@@ -517,14 +517,17 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "cosine_unpriced_drafting": (("--no-draft-pricing",), (),
                                  "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)"),
     "cosine_no_lookup": (("--no-lookup-drafts",), (), "cosine without the lookup drafter (only the drafter models propose)"),
+    "cosine_no_draft_ahead": (("--no-draft-ahead",), (),
+                              "cosine whose rounds wait for their drafting requests (none drafts while the others are verified)"),
 }
 IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
                "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
-               "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup")
+               "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup", "cosine_no_draft_ahead")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
-DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup")
+DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup",
+                   "cosine_no_draft_ahead")
 
 
 def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int | None, cores: int, log_dir: str,

@@ -200,6 +200,26 @@ class SpeculationControl:
             costs.append(self.throughput * ((more - plain) + share * steps) / requests)
         return costs
 
+    def drafting_ahead_pays(self, requests: int, drafting: int, chain: int) -> bool:
+        """Whether the ``drafting`` of a round's ``requests`` requests that draft (chains of up to
+        ``chain`` nodes) should draft while the others are verified, joining a later pass with their
+        trees, rather than the whole round waiting for the drafters.
+
+        Request-rounds per second of the verifier either way. Waiting: ``requests`` in the draft
+        time plus the pass of everyone's rows. Drafting ahead: the others go on in passes of their
+        own while the drafters work (at least one), then everyone's pass. The extra pass is the price:
+        on a CPU target a pass's first rows cost nearly as much as a whole batch's, so a round in
+        which most requests draft, quickly, waits for them, and a round in which a few do lets the
+        rest go on."""
+        if not self.enabled or not 0 < drafting < requests or not self.first_step.observed:
+            return False
+        rest, whole = self.pass_seconds(requests - drafting), self.pass_seconds(requests + drafting * chain)
+        if rest is None or whole is None or rest <= 0:
+            return False
+        draft = self.first_step.predict(drafting) + (chain - 1) * self.draft_step_s
+        meanwhile = (requests - drafting) * max(1.0, draft / rest)
+        return (meanwhile + requests) / (max(draft, rest) + whole) > requests / (draft + whole)
+
     def node_value(self, parent_value: float, confidence: float) -> float:
         return parent_value * self.calibration(confidence)
 

@@ -23,6 +23,11 @@ A **round** for a batch of requests (see DESIGN.md):
    accepted tokens are credited; routing vectors, speculation length, calibrations and the Redis
    profiles are updated; the tokens are streamed to the request's submitter.
 
+When only some requests of a round draft and the rest are worth verifying on their own
+(``SpeculationControl.drafting_ahead_pays``), the drafting ones *draft ahead*: they leave the round,
+draft while the others' pass runs, and join a later pass with their trees (``Request.ahead``),
+so a round does not hold the verifier for the drafters of a few of its requests.
+
 ``rounds_in_flight`` workers run rounds concurrently over disjoint batches, so one batch drafts
 while another verifies; a request is in at most one round at a time. With cost control they do so
 only while pipelining pays (``SpeculationControl.pipeline_pays``: drafting outlasts the verify
@@ -57,6 +62,7 @@ from services.router.fusion import DraftTree, credit
 from services.router.gate import DraftGate
 from services.router.requests import (
     FINISH_CANCELLED,
+    AheadDraft,
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -118,6 +124,7 @@ class RouterCore:
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
+        self._drafting_ahead: set[asyncio.Task[None]] = set()
         self.rounds_in_flight = 0
         self._closed = False
 
@@ -129,9 +136,9 @@ class RouterCore:
 
     async def stop(self) -> None:
         self._closed = True
-        for task in self._workers:
+        for task in (*self._workers, *self._drafting_ahead):
             task.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
+        await asyncio.gather(*self._workers, *self._drafting_ahead, return_exceptions=True)
         for req in list(self.requests.values()):
             self._finish(req, error=RequestFailed("router shutting down", "unavailable"))
         if self._bg:
@@ -197,10 +204,13 @@ class RouterCore:
             except Exception as exc:  # a bug must not kill the worker; fail the batch loudly
                 log.exception("round failed", error=str(exc), requests=[r.request_id for r in batch])
                 for req in batch:
-                    self._finish(req, error=RequestFailed(f"internal error in round: {exc}", "internal"))
+                    if not req.drafting_ahead:
+                        self._finish(req, error=RequestFailed(f"internal error in round: {exc}", "internal"))
             finally:
                 self.rounds_in_flight -= 1
                 for req in batch:
+                    if req.drafting_ahead:  # _draft_ahead hands it back
+                        continue
                     req.in_round = False
                     req.ready_since = self.clock()
                     if req.cancelled and not req.done:
@@ -238,25 +248,45 @@ class RouterCore:
 
     async def _round(self, batch: list[Request]) -> None:
         t0 = self.clock()
-        live = list(self.drafters.live()) if self.config.speculate else []
+        ahead = {r.request_id: r.ahead for r in batch if r.ahead is not None and r.ahead.committed == len(r.sequence)}
+        for r in batch:
+            r.ahead = None
         # another round in flight overlaps this one's drafting (this round counts itself)
         ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) for r in batch}
         for r in batch:
-            if not self.gate.drafts(r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
+            if r.request_id in ahead or r.routing_ahead or not self.gate.drafts(
+                    r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
                 ks[r.request_id] = 0
-        # only the requests that draft this round need a domain and a routing vector; the others are
-        # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)
-        await self.routing.route([r for r in batch if ks[r.request_id] > 0], live)
-        if self.config.fusion == "chunk":
-            trees, selected = await self.drafting.chunks(batch, ks)
-        else:
-            trees, selected = await self.drafting.tokens(batch, ks)
+        unrouted = [r for r in batch if ks[r.request_id] > 0 and self.routing.needs_scores(r)]
+        if unrouted and self.config.draft_ahead and self.config.cost_control:
+            # scoring a new prompt is a prefill in every live drafter: it runs while the request
+            # decodes plainly (its first pass is the target's prefill anyway); it drafts once routed
+            for r in unrouted:
+                ks[r.request_id] = 0
+                r.routing_ahead = True
+            self._off_path(self._route_ahead(unrouted))
+        drafting = [r for r in batch if ks[r.request_id] > 0]
+        if self._drafts_ahead(batch, drafting, ks):
+            # the drafters would hold the whole pass for a few requests: those draft while the others
+            # are verified now, and join the next pass with their trees
+            for r in drafting:
+                r.drafting_ahead = True
+            self.counters.rounds_drafted_ahead += 1
+            self._off_path(self._draft_ahead(drafting, {r.request_id: ks[r.request_id] for r in drafting}))
+            batch = [r for r in batch if not r.drafting_ahead]
+            ks = {r.request_id: 0 for r in batch}
+        trees, selected = await self._draft(batch, ks)
+        for rid, got in ahead.items():
+            trees[rid], selected[rid] = got.tree, list(got.selected)
         lookups = {r.request_id: self._lookup(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
         if self.config.cost_control and any(len(t) for t in trees.values()):
             # the whole batch's nodes against the measured pass-time curve (pass_plan.py)
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
             trees, lookups = plan_pass(trees, lookups, plain_rows, self.control.calibration, self.control.pass_seconds)
         t1 = self.clock()
+        if drafting and not drafting[0].drafting_ahead:
+            log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
+                      probing=sum(r.probing for r in drafting), draft_ms=round(1e3 * (t1 - t0), 1))
         items = [
             VerifyItem(
                 request_id=r.request_id,
@@ -305,6 +335,70 @@ class RouterCore:
         if updates and self.record is not None:
             self._background(self.record(updates))
         self.counters.apply_s += self.clock() - t2
+
+    async def _draft(self, batch: list[Request], ks: dict[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
+        live = list(self.drafters.live()) if self.config.speculate else []
+        # only the requests that draft this round need a domain and a routing vector; the others are
+        # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)
+        await self.routing.route([r for r in batch if ks[r.request_id] > 0], live)
+        if self.config.fusion == "chunk":
+            return await self.drafting.chunks(batch, ks)
+        return await self.drafting.tokens(batch, ks)
+
+    def _drafts_ahead(self, batch: list[Request], drafting: list[Request], ks: dict[str, int]) -> bool:
+        """Whether this round's drafting requests draft off the verifier's path: with cost control,
+        while one round carries the pool (pipelined rounds already overlap drafting), when it pays
+        on the measured pass and draft times (``SpeculationControl.drafting_ahead_pays``)."""
+        return (self.config.draft_ahead and self.config.cost_control and 0 < len(drafting) < len(batch)
+                and self._rounds_allowed() == 1
+                and self.control.drafting_ahead_pays(len(batch), len(drafting), max(ks[r.request_id] for r in drafting)))
+
+    async def _draft_ahead(self, group: list[Request], ks: dict[str, int]) -> None:
+        """Draft for ``group`` while the rest of its round is verified; each request keeps its tree
+        (``Request.ahead``) for its next round, in which the verifier sees the same committed
+        sequence the drafters saw (no round verifies it in between: it stays out of the pool)."""
+        t0 = self.clock()
+        try:
+            trees, selected = await self._draft(group, ks)
+            for r in group:
+                r.ahead = AheadDraft(trees[r.request_id], tuple(selected.get(r.request_id, ())), len(r.sequence))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a drafter failure costs these requests their draft, not their round
+            log.warning("drafting ahead failed; the requests decode plainly next round", error=str(exc),
+                        requests=[r.request_id for r in group])
+        finally:
+            self.counters.draft_ahead_s += self.clock() - t0
+            for r in group:
+                r.drafting_ahead = False
+                r.in_round = False
+                r.ready_since = self.clock()
+                if r.cancelled and not r.done:
+                    self._finish(r, FINISH_CANCELLED)
+            self._wakeup.set()
+
+    async def _route_ahead(self, group: list[Request]) -> None:
+        """Route new requests (their domain, from the drafters' scores of their prompts where the
+        lexicon cannot tell, which also prefills the drafters) while their rounds decode plainly."""
+        self.counters.routed_ahead += len(group)
+        try:
+            await self.routing.route(group, list(self.drafters.live()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # they stay unrouted and try again when they next draft
+            log.warning("routing new requests failed", error=str(exc), requests=[r.request_id for r in group])
+        finally:
+            for r in group:
+                r.routing_ahead = False
+                if r.done:  # finished while being scored: the drafters hold its prompt for nothing
+                    self._release_drafters(r)
+            self._wakeup.set()
+
+    def _off_path(self, coro: Awaitable[None]) -> None:
+        """Drafter work off the verifier's path (see the module docstring); cancelled at stop."""
+        task = asyncio.ensure_future(coro)
+        self._drafting_ahead.add(task)
+        task.add_done_callback(self._drafting_ahead.discard)
 
     def _lookup(self, r: Request, tree: DraftTree) -> LookupNodes | None:
         """Add the lookup drafter's chain to ``r``'s tree, its nodes priced by their verify rows alone
@@ -390,17 +484,19 @@ class RouterCore:
         self.requests.pop(r.request_id, None)
         self.counters.requests_finished += 1
         r.events.put_nowait(Event(finished=True, finish_reason=reason, error=error))
-        holders = list(r.drafter_cache)
-        for d in holders:
+        self._release_drafters(r)
+        try:
+            self.verifier.release([r.request_id])
+        except Exception as exc:
+            log.debug("verifier release failed", error=str(exc))
+
+    def _release_drafters(self, r: Request) -> None:
+        for d in list(r.drafter_cache):
             try:
                 self.drafters.release(d, [r.request_id])
             except Exception as exc:
                 log.debug("drafter release failed", drafter=d, error=str(exc))
         r.drafter_cache.clear()
-        try:
-            self.verifier.release([r.request_id])
-        except Exception as exc:
-            log.debug("verifier release failed", error=str(exc))
 
     def _background(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -409,7 +505,7 @@ class RouterCore:
         def done(t: asyncio.Task[Any]) -> None:
             self._bg.discard(t)
             if not t.cancelled() and t.exception() is not None:
-                log.warning("profile update failed", error=str(t.exception()))
+                log.warning("background task failed", error=str(t.exception()))
 
         task.add_done_callback(done)
 

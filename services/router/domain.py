@@ -31,6 +31,13 @@ class RequestRouting:
         self.counters = counters
         self.profiles = profiles
 
+    def needs_scores(self, r: Request) -> bool:
+        """Whether routing ``r`` takes the drafters' scores of its prompt (a prefill in every live
+        drafter): a new request whose domain neither its submitter nor the lexicon gives."""
+        if not self.config.routing or r.routing.scores or r.domain:
+            return False
+        return self.config.domain_detection != "lexicon" or not self.lexicon.confident(r.prompt)
+
     async def route(self, batch: list[Request], live: list[str]) -> None:
         new = [r for r in batch if not r.routing.scores]
         if new and live and self.config.routing:
@@ -73,9 +80,10 @@ async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str
     :func:`infer_domain` picks the domain whose specialist finds it most likely. The drafters
     keep the prompt in cache, so this is also their prefill."""
     calls: dict[str, list[tuple[str, DraftItem]]] = {}
+    sent = {r.request_id: list(r.sequence) for r in reqs}  # scored in the background, a request may commit meanwhile
     for d in live:
         for r in reqs:
-            item, _ = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=0, score=True)
+            item, _ = sync_item(r.drafter_cache.get(d, []), sent[r.request_id], top_n=0, score=True)
             calls.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
     answers = await drafting.call(calls)
     scored = []
@@ -83,7 +91,7 @@ async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str
         results = match_draft_results([r.request_id for r in reqs], results)
         for r, res in zip(reqs, results):
             if res is not None and res.ok:
-                r.drafter_cache[d] = list(r.sequence)
+                r.drafter_cache[d] = list(sent[r.request_id])
             else:
                 r.drafter_cache.pop(d, None)
         scored.append((d, results))

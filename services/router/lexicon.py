@@ -47,6 +47,12 @@ class DomainLexicon:
         ranked = sorted(scores, key=lambda d: (-scores[d], d))
         return ranked[0], scores[ranked[0]] - scores[ranked[1]]
 
+    def confident(self, tokens: Sequence[int]) -> bool:
+        """Whether :meth:`decide` would likely give a domain for ``tokens`` without the drafters
+        (no side effect; an audit may still ask them)."""
+        guess, margin = self.predict(tokens)
+        return guess is not None and margin >= self.min_margin and self.agreement >= self.min_agreement
+
     def decide(self, tokens: Sequence[int]) -> tuple[str | None, str | None]:
         """(domain to use now or None to ask the drafters, the lexicon's guess to check later)."""
         guess, margin = self.predict(tokens)

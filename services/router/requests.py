@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.spec_types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
+from services.router.fusion import DraftTree
 from services.router.lookup import LookupIndex
 from services.router.routing import RoutingVector
 from services.router.scheduler import SpeculationLength
@@ -70,6 +71,7 @@ class RouterConfig:
     cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
     draft_pricing: bool = True  # a request drafts only when its first node also repays the drafters' time
     pipeline_control: bool = True  # a second round in flight only while drafting outlasts the verifier's pass
+    draft_ahead: bool = True  # with cost control, a round's drafting requests draft while the others are verified
     lookup: bool = True  # the lookup drafter proposes from the request's own text (services.router.lookup)
     lookup_max_ngram: int = 4
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
@@ -83,7 +85,7 @@ class RouterConfig:
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,
-            pipeline_control=s.pipeline_control, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
+            pipeline_control=s.pipeline_control, draft_ahead=s.draft_ahead, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
             speculate=s.speculate, domain_detection=s.domain_detection,
         )
 
@@ -112,6 +114,16 @@ class Event:
     round_ns: int = 0
 
 
+@dataclass(frozen=True)
+class AheadDraft:
+    """A request's tree drafted while the rest of its round was verified (``RouterCore._round``);
+    it is verified in the request's next round, which finds the committed sequence unchanged."""
+
+    tree: DraftTree
+    selected: tuple[str, ...]  # the drafters that drafted it
+    committed: int  # len(sequence) it was drafted from
+
+
 @dataclass
 class Request:
     request_id: str
@@ -136,6 +148,9 @@ class Request:
     lookup: LookupIndex = field(default_factory=LookupIndex)  # n-grams of the committed sequence
     probing: bool = False  # this round's draft is a probe (see RouterCore._drafts_pay)
     probe_hit: bool = False  # and its first drafted node was accepted
+    drafting_ahead: bool = False  # its drafters are drafting while the rest of its round is verified
+    ahead: AheadDraft | None = None  # what they drafted, verified in its next round
+    routing_ahead: bool = False  # being routed (its prompt scored by the drafters) while it decodes plainly
 
     @property
     def sequence(self) -> list[int]:
@@ -153,6 +168,9 @@ class Counters:
     verify_s: float = 0.0
     apply_s: float = 0.0
     verifier_busy_s: float = 0.0
+    draft_ahead_s: float = 0.0  # drafting that overlapped another batch's verify pass (off the rounds' path)
+    rounds_drafted_ahead: int = 0  # rounds whose drafting requests drafted while the others were verified
+    routed_ahead: int = 0  # new requests routed while they decoded plainly
     domains_by_lexicon: int = 0  # new requests whose domain the lexicon gave (no drafter pass)
     domains_by_drafters: int = 0  # new requests every live drafter scored
     lookup_tokens: int = 0  # draft tokens the lookup drafter put in trees
@@ -165,7 +183,8 @@ class Counters:
         return {
             "rounds": self.rounds, "requests_finished": self.requests_finished, "tokens_committed": self.tokens_committed,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens, "draft_s": self.draft_s,
-            "verify_s": self.verify_s, "apply_s": self.apply_s, "verifier_busy_s": self.verifier_busy_s, "wall_s": wall,
+            "verify_s": self.verify_s, "apply_s": self.apply_s, "draft_ahead_s": self.draft_ahead_s,
+            "rounds_drafted_ahead": self.rounds_drafted_ahead, "routed_ahead": self.routed_ahead, "verifier_busy_s": self.verifier_busy_s, "wall_s": wall,
             "domains_by_lexicon": self.domains_by_lexicon, "domains_by_drafters": self.domains_by_drafters,
             "lookup_tokens": self.lookup_tokens, "lookup_accepted": self.lookup_accepted,
         }

@@ -190,3 +190,21 @@ def test_a_request_drafts_when_the_best_chain_pays_although_its_first_node_alone
     assert steep.first_node_threshold(1, pipelined=False, chain=5) > chain
     # the chain never asks more of the first node than the first node alone
     assert steep.first_node_threshold(1, pipelined=False, chain=5) <= steep.first_node_threshold(1, pipelined=False)
+
+
+def test_a_few_drafting_requests_draft_while_the_rest_is_verified_but_most_make_the_round_wait():
+    """On the flat curve (45 ms up to six rows, a 12 ms first draft step): two drafting requests of
+    twelve draft while the other ten are verified (22 request-rounds in 61 + 101 ms against 12 in
+    21 + 101 ms); three of four make the round wait (5 in 45 + 61 ms against 4 in 15 + 61 ms)."""
+    control = flat(SpeculationControl())
+    assert control.drafting_ahead_pays(12, 2, chain=4)
+    assert not control.drafting_ahead_pays(4, 3, chain=2)
+    assert not control.drafting_ahead_pays(12, 12, chain=4)  # nobody left to verify meanwhile
+    assert not control.drafting_ahead_pays(12, 0, chain=4)
+    assert not SpeculationControl().drafting_ahead_pays(12, 2, chain=4)  # nothing measured yet
+    assert not flat(SpeculationControl(enabled=False)).drafting_ahead_pays(12, 2, chain=4)
+    # slow drafters: the rest go on in several passes while they work
+    slow = flat(SpeculationControl())
+    for n in (1, 2, 3):
+        slow.observe_draft_step(0.2, first_of=n)
+    assert slow.drafting_ahead_pays(4, 3, chain=2)

@@ -5,6 +5,7 @@ decode; a drafter that dies mid-request does not fail it; caches are freed."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,7 @@ def test_router_output_equals_target_greedy(name, engines, reference):
 def test_dead_drafter_does_not_fail_its_requests(engines, reference):
     verifier, drafters = engines
     prompts, expected = reference
-    pool = LocalDrafterPool(drafters, fail_after={"near": 3, "self": 5})
+    pool = LocalDrafterPool(drafters, fail_after={"near": 2, "self": 3})
     core = RouterCore(RouterConfig(drafters_per_request=2), pool, LocalVerifier(verifier))
     got = asyncio.run(generate_all(core, prompts, MAX_NEW))
     assert got == expected
@@ -157,7 +158,8 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
 
     def run(pricing: bool) -> tuple[list[int], int]:
         pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
-        config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing)
+        # routed inline (not while it decodes plainly: here scoring outlasts the whole request)
+        config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing, draft_ahead=False)
         core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
         assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
         return sorted(set(pool.rounds_drafted)), core.counters.rounds
@@ -209,6 +211,83 @@ def test_a_second_round_is_in_flight_only_while_drafting_outlasts_verifying(engi
     else:
         assert max(later) == 2, backend.in_flight
         assert core.control.pipelining
+
+
+class TimedPool(SlowDrafterPool):
+    """Records when each drafter call ran."""
+
+    def __init__(self, engines, delay_s: float):
+        super().__init__(engines, delay_s)
+        self.spans: list[tuple[float, float]] = []
+
+    async def draft_many(self, calls):
+        t0 = time.monotonic()
+        try:
+            return await super().draft_many(calls)
+        finally:
+            self.spans.append((t0, time.monotonic()))
+
+
+class TimedVerifier(SlowVerifier):
+    def __init__(self, engine, delay_s: float):
+        super().__init__(engine, delay_s)
+        self.spans: list[tuple[float, float]] = []
+
+    async def verify(self, items):
+        t0 = time.monotonic()
+        try:
+            return await super().verify(items)
+        finally:
+            self.spans.append((t0, time.monotonic()))
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_drafting_requests_draft_while_the_rest_of_their_round_is_verified(engines, reference, ahead):
+    """One round in flight, half the requests turned down by the draft gate (its decision forced
+    here): with drafting ahead,
+    the drafting half drafts while the other half's pass runs (a verify call overlaps a drafter
+    call) and joins the next pass with its trees; without, every pass waits for the drafters.
+    Output is the target's own either way."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    pool = TimedPool({"self": drafters["self"]}, delay_s=0.05)
+    backend = TimedVerifier(verifier, delay_s=0.02)
+    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, draft_ahead=ahead)
+    core = pool.core = backend.core = RouterCore(config, pool, backend)
+    turned_down = set(sorted(prompts)[::2])
+    gate = core.gate.drafts
+    core.gate.drafts = lambda r, *args, **kw: r.request_id not in turned_down and gate(r, *args, **kw)
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    overlapping = [(d, v) for d in pool.spans for v in backend.spans if v[0] < d[1] and d[0] < v[1]]
+    if ahead:
+        assert core.counters.rounds_drafted_ahead > 0
+        assert core.counters.draft_ahead_s > 0
+        assert overlapping
+    else:
+        assert core.counters.rounds_drafted_ahead == 0
+        assert not overlapping, overlapping[:3]
+    assert core.counters.accepted_tokens > 0  # the drafting half drafted and was verified
+
+
+@pytest.mark.parametrize("max_new", [MAX_NEW, 2])
+def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engines, reference, max_new):
+    """Scoring a new prompt (its domain) is a prefill in every drafter; it runs while the request's
+    first passes (the target's prefill, then plain decoding) do, and the request drafts once routed.
+    A request that finishes while being scored leaves no cache behind in any drafter."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    pool = TimedPool(drafters, delay_s=0.05)
+    backend = TimedVerifier(verifier, delay_s=0.02)
+    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
+    core = pool.core = backend.core = RouterCore(config, pool, backend)
+    got = asyncio.run(generate_all(core, prompts, max_new))
+    assert got == {rid: toks[:max_new] for rid, toks in expected.items()}
+    assert core.counters.routed_ahead == len(prompts) and core.counters.domains_by_drafters == len(prompts)
+    scoring = pool.spans[0]  # the first drafter call scores every prompt
+    assert any(v[0] < scoring[1] and scoring[0] < v[1] for v in backend.spans)  # a pass ran meanwhile
+    if max_new == MAX_NEW:
+        assert any(accepted for _, accepted in core.counters.by_drafter.values())  # they drafted once routed
+    assert all(engine.active_requests == 0 for engine in drafters.values())
 
 
 def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference):
