@@ -170,8 +170,7 @@ class SpeculationControl:
         if not self.enabled or self.throughput <= 0 or requests <= 0:
             return theta
         share = 0.5 if pipelined else 1.0
-        first_step = self.first_step.predict(requests) if self.first_step.observed else 0.0
-        theta += self.throughput * share * first_step / requests
+        theta += self.throughput * share * self._first_step_s(requests) / requests
         if chain <= 1:
             return theta
         costs = self.chain_costs(requests, chain, share)
@@ -190,7 +189,7 @@ class SpeculationControl:
         plain = self.pass_seconds(requests)
         if plain is None:
             return None
-        first_step = self.first_step.predict(requests) if self.first_step.observed else 0.0
+        first_step = self._first_step_s(requests)
         costs = []
         for k in range(1, chain + 1):
             more = self.pass_seconds(requests * (1 + k))
@@ -199,6 +198,10 @@ class SpeculationControl:
             steps = first_step + (k - 1) * self.draft_step_s
             costs.append(self.throughput * ((more - plain) + share * steps) / requests)
         return costs
+
+    def _first_step_s(self, requests: int) -> float:
+        """Predicted seconds of a round's first draft step for ``requests`` requests (0 until measured)."""
+        return self.first_step.predict(requests) if self.first_step.observed else 0.0
 
     def drafting_ahead_pays(self, requests: int, drafting: int, chain: int) -> bool:
         """Whether the ``drafting`` of a round's ``requests`` requests that draft (chains of up to

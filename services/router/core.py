@@ -26,7 +26,8 @@ A **round** for a batch of requests (see DESIGN.md):
 When only some requests of a round draft and the rest are worth verifying on their own
 (``SpeculationControl.drafting_ahead_pays``), the drafting ones *draft ahead*: they leave the round,
 draft while the others' pass runs, and join a later pass with their trees (``Request.ahead``),
-so a round does not hold the verifier for the drafters of a few of its requests.
+so a round does not hold the verifier for the drafters of a few of its requests. Likewise a new
+request whose domain takes the drafters' scores is *routed ahead*: scored while it decodes plainly.
 
 ``rounds_in_flight`` workers run rounds concurrently over disjoint batches, so one batch drafts
 while another verifies; a request is in at most one round at a time. With cost control they do so
@@ -124,7 +125,7 @@ class RouterCore:
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
-        self._drafting_ahead: set[asyncio.Task[None]] = set()
+        self._off_path_tasks: set[asyncio.Task[None]] = set()
         self.rounds_in_flight = 0
         self._closed = False
 
@@ -136,9 +137,9 @@ class RouterCore:
 
     async def stop(self) -> None:
         self._closed = True
-        for task in (*self._workers, *self._drafting_ahead):
+        for task in (*self._workers, *self._off_path_tasks):
             task.cancel()
-        await asyncio.gather(*self._workers, *self._drafting_ahead, return_exceptions=True)
+        await asyncio.gather(*self._workers, *self._off_path_tasks, return_exceptions=True)
         for req in list(self.requests.values()):
             self._finish(req, error=RequestFailed("router shutting down", "unavailable"))
         if self._bg:
@@ -397,8 +398,8 @@ class RouterCore:
     def _off_path(self, coro: Awaitable[None]) -> None:
         """Drafter work off the verifier's path (see the module docstring); cancelled at stop."""
         task = asyncio.ensure_future(coro)
-        self._drafting_ahead.add(task)
-        task.add_done_callback(self._drafting_ahead.discard)
+        self._off_path_tasks.add(task)
+        task.add_done_callback(self._off_path_tasks.discard)
 
     def _lookup(self, r: Request, tree: DraftTree) -> LookupNodes | None:
         """Add the lookup drafter's chain to ``r``'s tree, its nodes priced by their verify rows alone

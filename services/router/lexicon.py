@@ -50,15 +50,15 @@ class DomainLexicon:
     def confident(self, tokens: Sequence[int]) -> bool:
         """Whether :meth:`decide` would likely give a domain for ``tokens`` without the drafters
         (no side effect; an audit may still ask them)."""
-        guess, margin = self.predict(tokens)
+        return self._trusted(*self.predict(tokens))
+
+    def _trusted(self, guess: str | None, margin: float) -> bool:
         return guess is not None and margin >= self.min_margin and self.agreement >= self.min_agreement
 
     def decide(self, tokens: Sequence[int]) -> tuple[str | None, str | None]:
         """(domain to use now or None to ask the drafters, the lexicon's guess to check later)."""
         guess, margin = self.predict(tokens)
-        if guess is None or margin < self.min_margin:
-            return None, guess
-        if self.agreement < self.min_agreement:
+        if not self._trusted(guess, margin):
             return None, guess
         if (self.predicted + self.audited + 1) % self.audit_every == 0:
             self.audited += 1

@@ -71,7 +71,7 @@ class RouterConfig:
     cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
     draft_pricing: bool = True  # a request drafts only when its first node also repays the drafters' time
     pipeline_control: bool = True  # a second round in flight only while drafting outlasts the verifier's pass
-    draft_ahead: bool = True  # with cost control, a round's drafting requests draft while the others are verified
+    draft_ahead: bool = True  # with cost control, drafting and new prompts' scoring run while other requests are verified
     lookup: bool = True  # the lookup drafter proposes from the request's own text (services.router.lookup)
     lookup_max_ngram: int = 4
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)

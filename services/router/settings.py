@@ -42,7 +42,8 @@ class RouterSettings(ServiceSettings):
     pipeline_control: bool = setting(True, help="with cost control, keep more than one round in flight only while a round's drafting takes "
                                                    "as long as its verify pass (measured online); otherwise one round verifies the whole pool. Off: always --rounds-in-flight")
     draft_ahead: bool = setting(True, help="with cost control, when only some requests of a round draft, they draft while the others are "
-                                           "verified and join the next pass with their trees, so the verifier does not wait for the drafters")
+                                           "verified and join the next pass with their trees, and a new prompt that needs the drafters' scores "
+                                           "for its domain is scored while its request decodes plainly, so the verifier does not wait for the drafters")
     max_batch_requests: int = setting(16, help="most requests in one round", check=positive)
     verify_token_budget: int = setting(1024, help="most tree tokens one verify batch may carry", check=positive)
     max_queue: int = setting(1024, help="most requests waiting; beyond it Submit answers RESOURCE_EXHAUSTED", check=positive)

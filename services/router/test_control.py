@@ -163,6 +163,11 @@ def flat(control: SpeculationControl, passes: int = 40) -> SpeculationControl:
     for i in range(passes):
         rows = (1, 2, 4, 6, 9, 1)[i % 6]
         control.observe_pass(rows, 0.045 + 0.004 * max(0, rows - 6), 1 + (i % 2))
+    return draft_steps(control)
+
+
+def draft_steps(control: SpeculationControl) -> SpeculationControl:
+    """A round's first draft step costs 12 ms, a later one 3 ms."""
     for n in (1, 1, 2):
         control.observe_draft_step(0.012, first_of=n)
         for _ in range(20):
@@ -182,11 +187,7 @@ def test_a_request_drafts_when_the_best_chain_pays_although_its_first_node_alone
     assert costs is not None and len(costs) == 5
     assert chain_pays(chain + 0.01, costs) and not chain_pays(chain - 0.01, costs)
     # beyond the flat rows a longer chain costs its rows: a 5-chain then needs a better first node
-    steep = stepped(SpeculationControl())
-    for n in (1, 1, 2):
-        steep.observe_draft_step(0.012, first_of=n)
-        for _ in range(20):
-            steep.observe_draft_step(0.003)
+    steep = draft_steps(stepped(SpeculationControl()))
     assert steep.first_node_threshold(1, pipelined=False, chain=5) > chain
     # the chain never asks more of the first node than the first node alone
     assert steep.first_node_threshold(1, pipelined=False, chain=5) <= steep.first_node_threshold(1, pipelined=False)

@@ -131,18 +131,24 @@ def test_the_lookup_drafter_alone_speeds_up_repetitive_text_losslessly(engines, 
 
 
 class SlowDrafterPool(LocalDrafterPool):
-    """Drafters whose every step takes ``delay_s`` (a drafter far slower than the verifier)."""
+    """Drafters whose every step takes ``delay_s`` (a drafter far slower than the verifier); it
+    records the round count when each step was sent and when each call ran."""
 
     def __init__(self, engines, delay_s: float):
         super().__init__(engines)
         self.delay_s = delay_s
-        self.rounds_drafted: list[int] = []  # the round count when each step was sent
+        self.rounds_drafted: list[int] = []
+        self.spans: list[tuple[float, float]] = []
         self.core: RouterCore | None = None
 
     async def draft_many(self, calls):
         self.rounds_drafted.append(self.core.counters.rounds)
-        await asyncio.sleep(self.delay_s)
-        return await super().draft_many(calls)
+        t0 = time.monotonic()
+        try:
+            await asyncio.sleep(self.delay_s)
+            return await super().draft_many(calls)
+        finally:
+            self.spans.append((t0, time.monotonic()))
 
 
 def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engines, reference):
@@ -174,19 +180,24 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
 
 class SlowVerifier(LocalVerifier):
     """A verifier whose every pass takes ``delay_s`` more (and reports it as busy time); it
-    records how many rounds were in flight at each call."""
+    records how many rounds were in flight at each call and when each call ran."""
 
     def __init__(self, engine, delay_s: float):
         super().__init__(engine)
         self.delay_s = delay_s
         self.in_flight: list[int] = []
+        self.spans: list[tuple[float, float]] = []
         self.core: RouterCore | None = None
 
     async def verify(self, items):
         self.in_flight.append(self.core.rounds_in_flight)
-        await asyncio.sleep(self.delay_s)
-        verdicts, busy_ns = await super().verify(items)
-        return verdicts, busy_ns + int(self.delay_s * 1e9)
+        t0 = time.monotonic()
+        try:
+            await asyncio.sleep(self.delay_s)
+            verdicts, busy_ns = await super().verify(items)
+            return verdicts, busy_ns + int(self.delay_s * 1e9)
+        finally:
+            self.spans.append((t0, time.monotonic()))
 
 
 @pytest.mark.parametrize("bound", ["verifier", "drafters"])
@@ -213,45 +224,16 @@ def test_a_second_round_is_in_flight_only_while_drafting_outlasts_verifying(engi
         assert core.control.pipelining
 
 
-class TimedPool(SlowDrafterPool):
-    """Records when each drafter call ran."""
-
-    def __init__(self, engines, delay_s: float):
-        super().__init__(engines, delay_s)
-        self.spans: list[tuple[float, float]] = []
-
-    async def draft_many(self, calls):
-        t0 = time.monotonic()
-        try:
-            return await super().draft_many(calls)
-        finally:
-            self.spans.append((t0, time.monotonic()))
-
-
-class TimedVerifier(SlowVerifier):
-    def __init__(self, engine, delay_s: float):
-        super().__init__(engine, delay_s)
-        self.spans: list[tuple[float, float]] = []
-
-    async def verify(self, items):
-        t0 = time.monotonic()
-        try:
-            return await super().verify(items)
-        finally:
-            self.spans.append((t0, time.monotonic()))
-
-
 @pytest.mark.parametrize("ahead", [True, False])
 def test_drafting_requests_draft_while_the_rest_of_their_round_is_verified(engines, reference, ahead):
     """One round in flight, half the requests turned down by the draft gate (its decision forced
-    here): with drafting ahead,
-    the drafting half drafts while the other half's pass runs (a verify call overlaps a drafter
+    here): with drafting ahead, the drafting half drafts while the other half's pass runs (a verify call overlaps a drafter
     call) and joins the next pass with its trees; without, every pass waits for the drafters.
     Output is the target's own either way."""
     verifier, drafters = engines
     prompts, expected = reference
-    pool = TimedPool({"self": drafters["self"]}, delay_s=0.05)
-    backend = TimedVerifier(verifier, delay_s=0.02)
+    pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
+    backend = SlowVerifier(verifier, delay_s=0.02)
     config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, draft_ahead=ahead)
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     turned_down = set(sorted(prompts)[::2])
@@ -276,8 +258,8 @@ def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engi
     A request that finishes while being scored leaves no cache behind in any drafter."""
     verifier, drafters = engines
     prompts, expected = reference
-    pool = TimedPool(drafters, delay_s=0.05)
-    backend = TimedVerifier(verifier, delay_s=0.02)
+    pool = SlowDrafterPool(drafters, delay_s=0.05)
+    backend = SlowVerifier(verifier, delay_s=0.02)
     config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, max_new))
