@@ -27,7 +27,8 @@ When only some requests of a round draft and the rest are worth verifying on the
 (``SpeculationControl.drafting_ahead_pays``), the drafting ones *draft ahead*: they leave the round,
 draft while the others' pass runs, and join a later pass with their trees (``Request.ahead``),
 so a round does not hold the verifier for the drafters of a few of its requests. Likewise a new
-request whose domain takes the drafters' scores is *routed ahead*: scored while it decodes plainly.
+request whose domain takes the drafters' scores is *routed ahead*: scored while it decodes plainly
+(unless it is alone in its round: then it is scored inline, as nothing else would be verified).
 
 ``rounds_in_flight`` workers run rounds concurrently over disjoint batches, so one batch drafts
 while another verifies; a request is in at most one round at a time. With cost control they do so
@@ -259,9 +260,11 @@ class RouterCore:
                     r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
                 ks[r.request_id] = 0
         unrouted = [r for r in batch if ks[r.request_id] > 0 and self.routing.needs_scores(r)]
-        if unrouted and self.config.draft_ahead and self.config.cost_control:
+        if unrouted and len(batch) > 1 and self.config.draft_ahead and self.config.cost_control:
             # scoring a new prompt is a prefill in every live drafter: it runs while the request
-            # decodes plainly (its first pass is the target's prefill anyway); it drafts once routed
+            # decodes plainly (its first pass is the target's prefill anyway); it drafts once routed.
+            # A round of one request has no other pass to hide the scoring behind: it scores inline,
+            # since scoring beside its own passes only slows them on shared cores
             for r in unrouted:
                 ks[r.request_id] = 0
                 r.routing_ahead = True

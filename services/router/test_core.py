@@ -272,6 +272,25 @@ def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engi
     assert all(engine.active_requests == 0 for engine in drafters.values())
 
 
+def test_a_lone_new_request_is_scored_before_its_first_pass(engines, reference):
+    """Alone in its round, a new request has no other pass to hide its scoring behind: the drafters
+    score its prompt before its first pass (no verify call overlaps the scoring), and it drafts from
+    that first round on."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    rid = sorted(prompts)[0]
+    pool = SlowDrafterPool(drafters, delay_s=0.05)
+    backend = SlowVerifier(verifier, delay_s=0.02)
+    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
+    core = pool.core = backend.core = RouterCore(config, pool, backend)
+    assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
+    assert core.counters.routed_ahead == 0 and core.counters.domains_by_drafters == 1
+    scoring = pool.spans[0]
+    assert not any(v[0] < scoring[1] and scoring[0] < v[1] for v in backend.spans)
+    assert pool.rounds_drafted[:2] == [0, 0]  # scored, then drafted for the first pass
+    assert any(accepted for _, accepted in core.counters.by_drafter.values())
+
+
 def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference):
     """A prompt written by the target is most likely under the target-like drafters."""
     verifier, drafters = engines
