@@ -36,7 +36,8 @@ only while pipelining pays (``SpeculationControl.pipeline_pays``: drafting outla
 pass), each round then taking its share of the pool; otherwise one round carries the whole pool,
 so the verifier pays its fixed cost per pass once.
 
-Where each part lives: this module runs the rounds and applies verdicts; ``requests.py`` holds the
+Where each part lives: this module runs the rounds; ``verdicts.py`` applies a request's verdict
+(commit, credit, calibrations, profile updates); ``requests.py`` holds the
 request pool's types and the contracts of the drafter pool and verifier; ``scheduler.py`` picks
 batches and speculation lengths; ``gate.py`` decides who drafts; ``domain.py`` detects a drafting
 request's domain and seeds its routing vector (``routing.py``); ``drafting.py`` selects drafters and
@@ -58,9 +59,9 @@ from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, infer_domain
 from services.router.lexicon import DomainLexicon
-from services.router.lookup import LOOKUP_ID, LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain, lookup_only, observe_lookup
+from services.router.lookup import LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain
 from services.router.drafting import Drafting, common_prefix, sync_item
-from services.router.fusion import DraftTree, credit
+from services.router.fusion import DraftTree
 from services.router.gate import DraftGate
 from services.router.requests import (
     FINISH_CANCELLED,
@@ -81,7 +82,8 @@ from services.router.requests import (
 )
 from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
-from services.router.resume import backoff_s, lost_by_verifier, mark_for_resume
+from services.router.resume import backoff_s, mark_for_resume
+from services.router.verdicts import ProfileUpdate, VerdictApplication
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
 
 # the names the servicer, the benchmarks and the tests import from here
@@ -123,6 +125,7 @@ class RouterCore:
         self.drafting = Drafting(config, drafters, self.control, clock)
         self.gate = DraftGate(config, self.control)
         self.routing = RequestRouting(config, self.drafting, DomainLexicon(), self.counters, profiles)
+        self.verdicts = VerdictApplication(self.control, self.gate, self.lookup_calibration, self.counters, metrics)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
@@ -317,7 +320,7 @@ class RouterCore:
             await asyncio.sleep(backoff_s(attempt))
             return
         t2 = self.clock()
-        updates: list[tuple[str, str, float, float]] = []
+        updates: list[ProfileUpdate] = []
         committed_before = self.counters.tokens_committed
         matched = match_verdicts([(r.request_id, len(r.prompt) + len(r.generated)) for r in batch], verdicts)
         for r in batch:
@@ -415,71 +418,12 @@ class RouterCore:
         return add_lookup_chain(tree, chain, match, r.sampling.greedy, self.lookup_calibration, theta, width)
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
-               updates: list[tuple[str, str, float, float]], round_ns: int, lookup: LookupNodes | None = None) -> None:
+               updates: list[ProfileUpdate], round_ns: int, lookup: LookupNodes | None = None) -> None:
         if r.done:
             return
-        if not verdict.ok:
-            if lost_by_verifier(verdict) and r.verifier_synced and mark_for_resume(r):
-                log.info("verifier lost the request; re-prefilling its committed tokens", request_id=r.request_id,
-                         committed=len(r.sequence))
-                return
-            kind = getattr(verdict, "error_kind", "") or "internal"
-            self._finish(r, error=RequestFailed(verdict.error, kind))
-            return
-        r.verifier_synced = True
-        r.resumes = 0
-        accepted = len(verdict.accepted_nodes)
-        # the drafter models' own view of the round: the nodes only the lookup drafter proposed left out
-        only = lookup_only(tree, lookup)
-        model_accepted = sum(1 for n in verdict.accepted_nodes if n not in only)
-        if len(tree) > len(only):
-            self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only)
-        first = verdict.accepted_nodes[:1]
-        self.gate.observe(r, bool(selected), len(tree) > len(only), bool(first) and first[0] not in only)
-        if lookup is not None and lookup.nodes:
-            got = observe_lookup(self.lookup_calibration, tree, lookup, verdict.accepted_nodes)
-            self.counters.lookup_tokens += len(lookup.nodes)
-            self.counters.lookup_accepted += got
-            r.stats.drafters_used.add(LOOKUP_ID)
-            if got:
-                r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + got
-        r.stats.rounds += 1
-        r.stats.draft_tokens += len(tree)
-        r.stats.accepted_tokens += accepted
-        self.counters.draft_tokens += len(tree)
-        self.counters.accepted_tokens += accepted
-        credited = credit(tree, verdict.accepted_nodes)
-        depth = tree.depth(without=only)
-        for d in selected:
-            r.stats.drafters_used.add(d)
-            got = credited.get(d, 0)
-            if got:
-                r.stats.accepted_by_drafter[d] = r.stats.accepted_by_drafter.get(d, 0) + got
-            stats = self.counters.by_drafter.setdefault(d, [0.0, 0.0])
-            stats[0] += 1
-            stats[1] += got
-            if r.domain:
-                updates.append((d, r.domain, float(got), float(depth)))
-        confidence = {d: _mean_confidence(tree, d) for d in selected}
-        r.routing.update(credited, confidence, selected, model_accepted, depth)
-        r.spec.update(model_accepted, depth)
-        new: list[int] = []
-        reason = ""
-        for tok in verdict.new_tokens:
-            new.append(int(tok))
-            if tok in r.stop_ids:
-                reason = FINISH_EOS
-                break
-            if len(r.generated) + len(new) >= r.max_new_tokens:
-                reason = FINISH_LENGTH
-                break
-        r.generated.extend(new)
-        self.counters.tokens_committed += len(new)
-        if self.metrics is not None:
-            self.metrics.verdict(tree, verdict.accepted_nodes, len(new))
-        r.events.put_nowait(Event(tokens=tuple(new), round_ns=round_ns))
-        if reason:
-            self._finish(r, reason)
+        outcome = self.verdicts.apply(r, tree, selected, verdict, updates, round_ns, lookup)
+        if outcome.ends:
+            self._finish(r, outcome.finish_reason, outcome.error)
 
     def _finish(self, r: Request, reason: str = "", error: RequestFailed | None = None) -> None:
         if r.done:
@@ -520,11 +464,6 @@ class RouterCore:
 
     def drafter_acceptance(self) -> dict[str, tuple[float, float]]:
         return {d: (v[0], v[1] / v[0] if v[0] else 0.0) for d, v in self.counters.by_drafter.items()}
-
-
-def _mean_confidence(tree: DraftTree, drafter: str) -> float:
-    probs = [p for p, top in zip(tree.probs, tree.top1) if drafter in top]
-    return sum(probs) / len(probs) if probs else 0.0
 
 
 def _to_token_tree(tree: DraftTree) -> TokenTree:

@@ -1,0 +1,135 @@
+"""Verdict application (no gRPC here): what a request's verdict from the verifier does to the
+request and to everything that learns from it.
+
+A verdict commits the accepted path and the target's next token; it credits the drafters whose
+proposals were accepted (routing vector, per-drafter counters, the expertise-profile updates for
+Redis), feeds the cost models (node calibration, draft gate, lookup calibration) and the request's
+speculation length, and streams the new tokens to the submitter. A failed verdict either marks the
+request for a re-prefill (the verifier lost it) or fails it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common.logs import get_logger
+from common.spec_types import Verdict
+from services.router.control import SpeculationControl
+from services.router.fusion import DraftTree, credit
+from services.router.gate import DraftGate
+from services.router.lookup import LOOKUP_ID, LookupCalibration, LookupNodes, lookup_only, observe_lookup
+from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Event, Request, RequestFailed
+from services.router.resume import lost_by_verifier, mark_for_resume
+
+log = get_logger("router")
+
+# one profile update: (drafter, domain, accepted tokens, drafted depth)
+ProfileUpdate = tuple[str, str, float, float]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a request stands after its verdict: going on (both empty), finished, or failed."""
+
+    finish_reason: str = ""
+    error: RequestFailed | None = None
+
+    @property
+    def ends(self) -> bool:
+        return bool(self.finish_reason) or self.error is not None
+
+
+GOING_ON = Outcome()
+
+
+class VerdictApplication:
+    """Applies one request's verdict; the round collects the profile updates of its batch."""
+
+    def __init__(self, control: SpeculationControl, gate: DraftGate, lookup_calibration: LookupCalibration,
+                 counters: Counters, metrics: Any = None) -> None:
+        self.control = control
+        self.gate = gate
+        self.lookup_calibration = lookup_calibration
+        self.counters = counters
+        self.metrics = metrics  # services.router.metrics.RouterMetrics, or None
+
+    def apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict, updates: list[ProfileUpdate],
+              round_ns: int, lookup: LookupNodes | None = None) -> Outcome:
+        if not verdict.ok:
+            if lost_by_verifier(verdict) and r.verifier_synced and mark_for_resume(r):
+                log.info("verifier lost the request; re-prefilling its committed tokens", request_id=r.request_id,
+                         committed=len(r.sequence))
+                return GOING_ON
+            return Outcome(error=RequestFailed(verdict.error, getattr(verdict, "error_kind", "") or "internal"))
+        r.verifier_synced = True
+        r.resumes = 0
+        # the drafter models' own view of the round: the nodes only the lookup drafter proposed left out
+        only = lookup_only(tree, lookup)
+        model_accepted = sum(1 for n in verdict.accepted_nodes if n not in only)
+        if len(tree) > len(only):
+            self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only)
+        first = verdict.accepted_nodes[:1]
+        self.gate.observe(r, bool(selected), len(tree) > len(only), bool(first) and first[0] not in only)
+        if lookup is not None and lookup.nodes:
+            self._credit_lookup(r, tree, lookup, verdict)
+        self._count(r, tree, verdict)
+        credited = credit(tree, verdict.accepted_nodes)
+        depth = tree.depth(without=only)
+        for d in selected:
+            self._credit_drafter(r, d, credited.get(d, 0), depth, updates)
+        confidence = {d: mean_confidence(tree, d) for d in selected}
+        r.routing.update(credited, confidence, selected, model_accepted, depth)
+        r.spec.update(model_accepted, depth)
+        return self._commit(r, tree, verdict, round_ns)
+
+    def _credit_lookup(self, r: Request, tree: DraftTree, lookup: LookupNodes, verdict: Verdict) -> None:
+        got = observe_lookup(self.lookup_calibration, tree, lookup, verdict.accepted_nodes)
+        self.counters.lookup_tokens += len(lookup.nodes)
+        self.counters.lookup_accepted += got
+        r.stats.drafters_used.add(LOOKUP_ID)
+        if got:
+            r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + got
+
+    def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
+        accepted = len(verdict.accepted_nodes)
+        r.stats.rounds += 1
+        r.stats.draft_tokens += len(tree)
+        r.stats.accepted_tokens += accepted
+        self.counters.draft_tokens += len(tree)
+        self.counters.accepted_tokens += accepted
+
+    def _credit_drafter(self, r: Request, d: str, got: int, depth: int, updates: list[ProfileUpdate]) -> None:
+        r.stats.drafters_used.add(d)
+        if got:
+            r.stats.accepted_by_drafter[d] = r.stats.accepted_by_drafter.get(d, 0) + got
+        stats = self.counters.by_drafter.setdefault(d, [0.0, 0.0])
+        stats[0] += 1
+        stats[1] += got
+        if r.domain:
+            updates.append((d, r.domain, float(got), float(depth)))
+
+    def _commit(self, r: Request, tree: DraftTree, verdict: Verdict, round_ns: int) -> Outcome:
+        """Append the verdict's new tokens up to a stop token or the length limit and stream them."""
+        new: list[int] = []
+        reason = ""
+        for tok in verdict.new_tokens:
+            new.append(int(tok))
+            if tok in r.stop_ids:
+                reason = FINISH_EOS
+                break
+            if len(r.generated) + len(new) >= r.max_new_tokens:
+                reason = FINISH_LENGTH
+                break
+        r.generated.extend(new)
+        self.counters.tokens_committed += len(new)
+        if self.metrics is not None:
+            self.metrics.verdict(tree, verdict.accepted_nodes, len(new))
+        r.events.put_nowait(Event(tokens=tuple(new), round_ns=round_ns))
+        return Outcome(finish_reason=reason) if reason else GOING_ON
+
+
+def mean_confidence(tree: DraftTree, drafter: str) -> float:
+    """The mean probability ``drafter`` gave the nodes it proposed as its top choice."""
+    probs = [p for p, top in zip(tree.probs, tree.top1) if drafter in top]
+    return sum(probs) / len(probs) if probs else 0.0
