@@ -457,7 +457,8 @@ class ServiceSystem:
             "drafter_busy_s": diff.get("drafter_busy_s", 0.0), "drafter_calls": diff.get("drafter_calls", 0.0),
             "round_s": diff.get("draft_s", 0.0) + diff.get("verify_s", 0.0) + diff.get("apply_s", 0.0),
             "draft_phase_s": diff.get("draft_s", 0.0), "verify_phase_s": diff.get("verify_s", 0.0), "apply_s": diff.get("apply_s", 0.0),
-            "draft_tokens": diff.get("draft_tokens", 0.0),
+            "draft_tokens": diff.get("draft_tokens", 0.0), "rounds_drafted_ahead": diff.get("rounds_drafted_ahead", 0.0),
+            "draft_ahead_s": diff.get("draft_ahead_s", 0.0), "routed_ahead": diff.get("routed_ahead", 0.0),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
         return RunResult(records, wall, counters, {d: n for d, n in rounds.items() if n})

@@ -135,6 +135,8 @@ class SpeculationControl:
     verify_round_s: float = 0.0
     verify_pass_s: float = 0.0  # verifier busy time of one round's pass (EWMA): no queueing in it
     pipelining: bool = True  # whether a second round in flight currently pays (see pipeline_pays)
+    pass_ratio: float = 0.0  # measured over predicted pass time, passes with no drafter work beside them (EWMA)
+    pass_ratio_beside: float = 0.0  # the same, passes that ran beside drafting ahead or a prompt's scoring (EWMA)
 
     # ---- decisions -------------------------------------------------------------------------------
 
@@ -213,15 +215,27 @@ class SpeculationControl:
         own while the drafters work (at least one), then everyone's pass. The extra pass is the price:
         on a CPU target a pass's first rows cost nearly as much as a whole batch's, so a round in
         which most requests draft, quickly, waits for them, and a round in which a few do lets the
-        rest go on."""
+        rest go on. The others' pass runs beside the drafters, so it is priced at the measured
+        :meth:`overlap_slowdown`: where drafters share the verifier's cores, the overlap is not free."""
         if not self.enabled or not 0 < drafting < requests or not self.first_step.observed:
             return False
         rest, whole = self.pass_seconds(requests - drafting), self.pass_seconds(requests + drafting * chain)
         if rest is None or whole is None or rest <= 0:
             return False
+        rest *= self.overlap_slowdown()  # the others' pass runs beside the drafters
         draft = self.first_step.predict(drafting) + (chain - 1) * self.draft_step_s
         meanwhile = (requests - drafting) * max(1.0, draft / rest)
         return (meanwhile + requests) / (max(draft, rest) + whole) > requests / (draft + whole)
+
+    def overlap_slowdown(self) -> float:
+        """How much longer a verify pass takes while drafter work runs beside it (drafting ahead, a new
+        prompt's scoring): measured over predicted pass time for such passes, against the same ratio for
+        passes with nothing beside them. 1.0 until both were measured. Where the drafters have cores
+        of their own it stays near 1; where they share the verifier's, the others' pass that overlaps
+        the drafting is that much dearer, and drafting ahead must pay for it."""
+        if self.pass_ratio <= 0 or self.pass_ratio_beside <= 0:
+            return 1.0
+        return max(1.0, self.pass_ratio_beside / self.pass_ratio)
 
     def node_value(self, parent_value: float, confidence: float) -> float:
         return parent_value * self.calibration(confidence)
@@ -274,13 +288,22 @@ class SpeculationControl:
     def _ewma(self, old: float, new: float) -> float:
         return new if old <= 0 else (1 - self.smoothing) * old + self.smoothing * new
 
-    def observe_pass(self, tokens: int, busy_s: float, committed: int, prefill: bool = False) -> None:
+    def observe_pass(self, tokens: int, busy_s: float, committed: int, prefill: bool = False, beside: bool = False) -> None:
         """One verify pass: ``tokens`` rows took ``busy_s`` of verifier time and committed ``committed``.
         A pass that prefilled a prompt stays out of the pass-time curve: a prompt's rows cost less
-        each than a batch's decode and tree rows, and the curve prices those."""
+        each than a batch's decode and tree rows, and the curve prices those. So does a pass that
+        ran ``beside`` drafter work: the curve prices a pass on its own, and what the drafters beside
+        it cost is measured apart (:meth:`overlap_slowdown`)."""
         self.cost.observe(tokens, busy_s)
         if not prefill:
-            self.curve.observe(tokens, busy_s)
+            predicted = self.pass_seconds(tokens)
+            if predicted and busy_s > 0:
+                if beside:
+                    self.pass_ratio_beside = self._ewma(self.pass_ratio_beside, busy_s / predicted)
+                else:
+                    self.pass_ratio = self._ewma(self.pass_ratio, busy_s / predicted)
+            if not beside or predicted is None:
+                self.curve.observe(tokens, busy_s)
         if busy_s > 0:
             self.throughput = self._ewma(self.throughput, committed / busy_s)
             self.verify_pass_s = self._ewma(self.verify_pass_s, busy_s)

@@ -130,6 +130,7 @@ class RouterCore:
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self._off_path_tasks: set[asyncio.Task[None]] = set()
+        self._off_path_started = 0  # off-path drafter calls started so far (a pass they overlap runs slower)
         self.rounds_in_flight = 0
         self._closed = False
 
@@ -303,6 +304,7 @@ class RouterCore:
             )
             for r in batch
         ]
+        beside = (bool(self._off_path_tasks), self._off_path_started)
         try:
             verdicts, busy_ns = await self.verifier.verify(items)
         except Exception as exc:  # broken stream: the verifier may be restarting; resume on it
@@ -329,7 +331,8 @@ class RouterCore:
         self.gate.settle(batch)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before,
-                                  prefill=any(it.append_ids for it in items))
+                                  prefill=any(it.append_ids for it in items),
+                                  beside=beside[0] or bool(self._off_path_tasks) or self._off_path_started != beside[1])
         self.control.observe_round(t1 - t0, t2 - t1)
         if self.metrics is not None:
             self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)
@@ -404,6 +407,7 @@ class RouterCore:
     def _off_path(self, coro: Awaitable[None]) -> None:
         """Drafter work off the verifier's path (see the module docstring); cancelled at stop."""
         task = asyncio.ensure_future(coro)
+        self._off_path_started += 1
         self._off_path_tasks.add(task)
         task.add_done_callback(self._off_path_tasks.discard)
 

@@ -209,3 +209,25 @@ def test_a_few_drafting_requests_draft_while_the_rest_is_verified_but_most_make_
     for n in (1, 2, 3):
         slow.observe_draft_step(0.2, first_of=n)
     assert slow.drafting_ahead_pays(4, 3, chain=2)
+
+
+def test_drafting_ahead_pays_for_the_slowdown_of_the_pass_beside_it():
+    """Passes that ran beside drafter work measured 2.5x their prediction (drafters sharing the
+    verifier's cores): the others' pass during the drafting costs that much more, and two drafting
+    requests of twelve no longer draft ahead (22 request-rounds in 152 + 101 ms against 12 in
+    21 + 101 ms). Passes beside drafters as quick as the others change nothing."""
+    control = flat(SpeculationControl())
+    assert control.overlap_slowdown() == 1.0  # nothing measured beside drafters yet
+    same = flat(SpeculationControl())
+    for _ in range(10):
+        same.observe_pass(6, 0.045, 1, beside=True)
+    assert abs(same.overlap_slowdown() - 1.0) < 0.05
+    assert same.drafting_ahead_pays(12, 2, chain=4)
+    for _ in range(10):
+        control.observe_pass(6, 2.5 * 0.045, 1, beside=True)
+    assert 2.2 < control.overlap_slowdown() < 2.6
+    assert not control.drafting_ahead_pays(12, 2, chain=4)
+    # slow drafters still draft ahead: the rest go on while they work, however slowly
+    for n in (1, 2, 3):
+        control.observe_draft_step(0.5, first_of=n)
+    assert control.drafting_ahead_pays(4, 3, chain=2)

@@ -245,9 +245,11 @@ def test_drafting_requests_draft_while_the_rest_of_their_round_is_verified(engin
         assert core.counters.rounds_drafted_ahead > 0
         assert core.counters.draft_ahead_s > 0
         assert overlapping
+        assert core.control.pass_ratio_beside > 0  # the passes beside the drafters are measured apart
     else:
         assert core.counters.rounds_drafted_ahead == 0
         assert not overlapping, overlapping[:3]
+        assert core.control.pass_ratio_beside == 0
     assert core.counters.accepted_tokens > 0  # the drafting half drafted and was verified
 
 
