@@ -21,7 +21,10 @@ from services.verifier.test_greedy_equality import hf_greedy, make_prompts
 MAX_NEW = 24
 
 
-async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
+async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new: int,
+                       drain: bool = False) -> dict[str, list[int]]:
+    """Every prompt's output; ``drain``: let drafter work still running off the verifier's path
+    (a prompt's scoring) finish before the core stops, instead of cancelling it."""
     core.start()
     try:
         reqs = {rid: core.submit(rid, p, max_new, GREEDY) for rid, p in prompts.items()}
@@ -36,6 +39,8 @@ async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new:
                     assert ev.finish_reason == "length"
                     break
             out[rid] = tokens
+        if drain:
+            await asyncio.wait_for(asyncio.gather(*core._off_path_tasks), 60)
         return out
     finally:
         await core.stop()
@@ -257,20 +262,23 @@ def test_drafting_requests_draft_while_the_rest_of_their_round_is_verified(engin
 def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engines, reference, max_new):
     """Scoring a new prompt (its domain) is a prefill in every drafter; it runs while the request's
     first passes (the target's prefill, then plain decoding) do, and the request drafts once routed.
-    A request that finishes while being scored leaves no cache behind in any drafter."""
+    A request that finishes while being scored (two tokens against a scoring slower than two passes)
+    leaves no cache behind in any drafter."""
     verifier, drafters = engines
     prompts, expected = reference
-    pool = SlowDrafterPool(drafters, delay_s=0.05)
+    pool = SlowDrafterPool(drafters, delay_s=0.05 if max_new == MAX_NEW else 0.5)
     backend = SlowVerifier(verifier, delay_s=0.02)
     config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
     core = pool.core = backend.core = RouterCore(config, pool, backend)
-    got = asyncio.run(generate_all(core, prompts, max_new))
+    got = asyncio.run(generate_all(core, prompts, max_new, drain=True))
     assert got == {rid: toks[:max_new] for rid, toks in expected.items()}
     assert core.counters.routed_ahead == len(prompts) and core.counters.domains_by_drafters == len(prompts)
     scoring = pool.spans[0]  # the first drafter call scores every prompt
     assert any(v[0] < scoring[1] and scoring[0] < v[1] for v in backend.spans)  # a pass ran meanwhile
     if max_new == MAX_NEW:
         assert any(accepted for _, accepted in core.counters.by_drafter.values())  # they drafted once routed
+    else:
+        assert scoring[1] > max(v[1] for v in backend.spans)  # every pass was over before the scoring
     assert all(engine.active_requests == 0 for engine in drafters.values())
 
 
