@@ -66,6 +66,15 @@ def resumed(req: gateway_pb2.GenerateRequest, attempt: int, received: Sequence[i
     return again
 
 
+def all_received(req: gateway_pb2.GenerateRequest, received: Sequence[int], request_id: str) -> Chunk | None:
+    """After a broken connection: the chunk that ends the stream when every token the request may
+    generate was already received (the connection broke before the final message), else None;
+    asking the gateway for nothing more would be refused."""
+    if req.max_new_tokens > 0 and len(received) >= req.max_new_tokens:
+        return Chunk(request_id=request_id, text="", token_ids=(), finished=True, finish_reason="length")
+    return None
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.001, deadline - time.monotonic())
 
@@ -146,14 +155,19 @@ class Client:
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         received: list[int] = list(req.resume_ids.ids)
-        attempt = 0
+        attempt, request_id = 0, req.request_id
         while True:
+            done = all_received(req, received, request_id) if attempt else None
+            if done is not None:
+                yield done
+                return
             call = self._stub.GenerateStream(req if not attempt else resumed(req, attempt, received),
                                              timeout=_remaining(deadline), metadata=self._metadata)
             try:
                 for msg in call:
                     chunk = _chunk(msg)
                     received.extend(chunk.token_ids)
+                    request_id = chunk.request_id or request_id
                     yield chunk
                 return
             except grpc.RpcError as exc:
@@ -220,14 +234,19 @@ class AsyncClient:
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         received: list[int] = list(req.resume_ids.ids)
-        attempt = 0
+        attempt, request_id = 0, req.request_id
         while True:
+            done = all_received(req, received, request_id) if attempt else None
+            if done is not None:
+                yield done
+                return
             call = self._stub.GenerateStream(req if not attempt else resumed(req, attempt, received),
                                              timeout=_remaining(deadline), metadata=self._metadata)
             try:
                 async for msg in call:
                     chunk = _chunk(msg)
                     received.extend(chunk.token_ids)
+                    request_id = chunk.request_id or request_id
                     yield chunk
                 return
             except grpc.aio.AioRpcError as exc:

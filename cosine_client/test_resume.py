@@ -4,7 +4,7 @@ gateway answered on purpose, and never for a first call that found nothing liste
 import grpc
 import pytest
 
-from cosine_client.client import build_request, resumed
+from cosine_client.client import all_received, build_request, resumed
 from cosine_client.errors import is_transport_failure
 
 
@@ -42,3 +42,14 @@ def test_resumed_request_carries_what_was_received():
     assert again.prompt == "hi" and again.max_new_tokens == 8 and again.temperature == 0.0
     assert list(req.resume_ids.ids) == []  # the original is untouched
     assert resumed(build_request("hi"), 1, [1]).request_id == ""  # the gateway names it
+
+
+def test_a_stream_that_broke_after_its_last_token_ends_without_asking_again():
+    """Every token of max_new_tokens was received before the final message was lost: the stream
+    ends with a finished chunk of its own (the gateway would refuse a resume with nothing left)."""
+    req = build_request("hi", max_new_tokens=3)
+    assert all_received(req, [4, 5], "abc") is None
+    done = all_received(req, [4, 5, 6], "abc")
+    assert done is not None and done.finished and done.finish_reason == "length"
+    assert done.token_ids == () and done.request_id == "abc"
+    assert all_received(build_request("hi"), [4, 5, 6], "abc") is None  # the gateway's default length: ask it
