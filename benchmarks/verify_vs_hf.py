@@ -137,5 +137,5 @@ def compare(runner: LMRunner, context: int, batches: Sequence[int], repeats: int
             line += f"  {row['bound_chain5'] * 1e3:9.3f} ms  {row['ours_chain5'] / row['bound_chain5']:10.1f}"
         print(line)
         rows.append(row)
-        del s
+        s = None  # this batch's caches go before the next batch's are built
     return rows
