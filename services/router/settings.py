@@ -43,7 +43,8 @@ class RouterSettings(ServiceSettings):
                                                    "as long as its verify pass (measured online); otherwise one round verifies the whole pool. Off: always --rounds-in-flight")
     draft_ahead: bool = setting(True, help="with cost control, when only some requests of a round draft, they draft while the others are "
                                            "verified and join the next pass with their trees, and a new prompt that needs the drafters' scores "
-                                           "for its domain is scored while its request decodes plainly, so the verifier does not wait for the drafters")
+                                           "for its domain is scored while its request decodes plainly (inline when it is alone in its round), so the "
+                                           "verifier does not wait for the drafters")
     max_batch_requests: int = setting(16, help="most requests in one round", check=positive)
     verify_token_budget: int = setting(1024, help="most tree tokens one verify batch may carry", check=positive)
     max_queue: int = setting(1024, help="most requests waiting; beyond it Submit answers RESOURCE_EXHAUSTED", check=positive)
