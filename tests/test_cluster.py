@@ -134,6 +134,20 @@ def test_stream_yields_the_same_tokens_as_unary(cluster, workload, reference):
     assert chunks[-1].finished and chunks[-1].stats.rounds >= sum(1 for c in chunks if c.token_ids) > 1
 
 
+def test_a_resumed_stream_that_had_ended_at_eos_generates_nothing_more(cluster, workload, reference, tiny_zoo):
+    """A stream whose connection broke right after the target's end-of-sequence token (before the
+    final message) is resumed with that token received: it ends there, as the unbroken stream did,
+    and a resume after any other token goes on with the target's own continuation."""
+    eos = load_tokenizer(tiny_zoo.target.path).eos_token_id
+    _, prompt = workload[0]
+    head = reference[prompt][:3]
+    with Client(cluster.gateway_address, timeout=60) as client:
+        ended = list(client.stream(prompt, max_new_tokens=MAX_NEW, resume_ids=[*head, eos]))
+        going_on = list(client.stream(prompt, max_new_tokens=MAX_NEW, resume_ids=head))
+    assert [(c.token_ids, c.finished, c.finish_reason) for c in ended] == [((), True, "eos")]
+    assert [t for c in going_on for t in c.token_ids] == reference[prompt][3:]
+
+
 def test_stop_strings_cut_the_text(cluster, workload):
     _, prompt = workload[0]
     with Client(cluster.gateway_address, timeout=60) as client:

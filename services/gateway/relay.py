@@ -101,6 +101,10 @@ class RouterRelay:
                         outcome = "stop"
                         yield Progress("", [], True, common_pb2.FINISH_REASON_STOP)
                         return
+                    if self.produced and self.produced[-1] in app.eos_ids:  # ended at the target's end of sequence
+                        outcome = "eos"  # (the router or the client's connection was lost right after it)
+                        yield Progress(self._text([], True), [], True, common_pb2.FINISH_REASON_EOS)
+                        return
                     if len(self.produced) >= gen.max_new_tokens:  # the router was lost right after the last token
                         outcome = "length"
                         yield Progress(self._text([], True), [], True, common_pb2.FINISH_REASON_LENGTH)
