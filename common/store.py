@@ -57,6 +57,8 @@ PROFILE_FIELDS = ("prior", "prior_weight", "rounds", "accepted", "proposed")
 log = get_logger("store")
 
 OUTAGE_ERRORS = (RedisError, OSError)
+POOL_CONNECTIONS = 64  # Redis connections one process keeps at most
+POOL_WAIT_S = 10.0  # how long a command waits for one of them before it counts as an outage
 
 
 class StoreUnavailable(RuntimeError):
@@ -159,10 +161,13 @@ class Store:
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, request_ttl_s: int = 3600) -> Store:
-        # one immediate retry: after a Redis restart the first command meets a stale pooled connection
-        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3, socket_timeout=10,
-                                         retry=Retry(NoBackoff(), 1))
-        return cls(client, prefix, request_ttl_s)
+        # one immediate retry: after a Redis restart the first command meets a stale pooled connection.
+        # A burst of requests (hundreds of streams admitted at once) waits for a pooled connection
+        # instead of failing with "Too many connections" once the pool is out of them.
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S,
+                                                        decode_responses=True, socket_connect_timeout=3, socket_timeout=10,
+                                                        retry=Retry(NoBackoff(), 1))
+        return cls(aioredis.Redis.from_pool(pool), prefix, request_ttl_s)  # closing the client closes the pool
 
     async def ping(self) -> None:
         """Raise StoreUnavailable with a readable reason when Redis is not reachable."""

@@ -102,3 +102,25 @@ def test_duplicate_request_id_is_refused_and_touches_nothing(redis_url, redis_pr
     state, again = run(body())
     assert state["prompt_ids"] == [1, 2] and state["tokens"] == [5] and state["owner"] == "gw-1"
     assert again["prompt_ids"] == [3] and again["owner"] == "gw-2"
+
+
+def test_a_burst_of_requests_waits_for_pooled_connections(redis_url, redis_prefix):
+    """Three times as many requests created at once as the pool has connections, each while every
+    connection is held (a blocking read of 50 ms per connection): they wait for a free connection
+    instead of failing with "Too many connections"."""
+    from common.store import POOL_CONNECTIONS
+
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix, request_ttl_s=30)
+        holders = [store._r.blpop([f"{redis_prefix}nothing"], timeout=0.05) for _ in range(POOL_CONNECTIONS)]
+        creates = [store.create_request(f"burst-{i}", [1], {}, owner="gw-1") for i in range(3 * POOL_CONNECTIONS)]
+        out = await asyncio.gather(*holders, *creates, return_exceptions=True)
+        ids = await store.request_ids()
+        for i in range(3 * POOL_CONNECTIONS):
+            await store.delete_request(f"burst-{i}")
+        await store.close()
+        return [o for o in out if isinstance(o, BaseException)], ids
+
+    errors, ids = run(body())
+    assert errors == []
+    assert len(ids) == 3 * POOL_CONNECTIONS
