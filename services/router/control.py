@@ -223,7 +223,7 @@ class SpeculationControl:
         if rest is None or whole is None or rest <= 0:
             return False
         rest *= self.overlap_slowdown()  # the others' pass runs beside the drafters
-        draft = self.first_step.predict(drafting) + (chain - 1) * self.draft_step_s
+        draft = self._first_step_s(drafting) + (chain - 1) * self.draft_step_s
         meanwhile = (requests - drafting) * max(1.0, draft / rest)
         return (meanwhile + requests) / (max(draft, rest) + whole) > requests / (draft + whole)
 

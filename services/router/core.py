@@ -215,12 +215,8 @@ class RouterCore:
             finally:
                 self.rounds_in_flight -= 1
                 for req in batch:
-                    if req.drafting_ahead:  # _draft_ahead hands it back
-                        continue
-                    req.in_round = False
-                    req.ready_since = self.clock()
-                    if req.cancelled and not req.done:
-                        self._finish(req, FINISH_CANCELLED)
+                    if not req.drafting_ahead:  # _draft_ahead hands those back
+                        self._hand_back(req)
                 self._wakeup.set()
 
     def _pick(self) -> list[Request]:
@@ -304,7 +300,8 @@ class RouterCore:
             )
             for r in batch
         ]
-        beside = (bool(self._off_path_tasks), self._off_path_started)
+        # drafter work off the path runs beside this pass if it was running or started meanwhile
+        busy_before, started_before = bool(self._off_path_tasks), self._off_path_started
         try:
             verdicts, busy_ns = await self.verifier.verify(items)
         except Exception as exc:  # broken stream: the verifier may be restarting; resume on it
@@ -332,7 +329,7 @@ class RouterCore:
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before,
                                   prefill=any(it.append_ids for it in items),
-                                  beside=beside[0] or bool(self._off_path_tasks) or self._off_path_started != beside[1])
+                                  beside=busy_before or self._off_path_started != started_before)
         self.control.observe_round(t1 - t0, t2 - t1)
         if self.metrics is not None:
             self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)
@@ -381,11 +378,15 @@ class RouterCore:
             self.counters.draft_ahead_s += self.clock() - t0
             for r in group:
                 r.drafting_ahead = False
-                r.in_round = False
-                r.ready_since = self.clock()
-                if r.cancelled and not r.done:
-                    self._finish(r, FINISH_CANCELLED)
+                self._hand_back(r)
             self._wakeup.set()
+
+    def _hand_back(self, r: Request) -> None:
+        """``r``'s round is over: back in the pool, or finished if it was cancelled meanwhile."""
+        r.in_round = False
+        r.ready_since = self.clock()
+        if r.cancelled and not r.done:
+            self._finish(r, FINISH_CANCELLED)
 
     async def _route_ahead(self, group: list[Request]) -> None:
         """Route new requests (their domain, from the drafters' scores of their prompts where the
