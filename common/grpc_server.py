@@ -35,6 +35,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Each channel its own connection: with the shared pool, a channel opened to a restarted server
+    # inherits the old channel's connection while it waits out its reconnect backoff, and its first
+    # calls fail at once with "failed to connect" although the server is up again.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
@@ -167,13 +171,18 @@ async def wait_for_shutdown_signal() -> str:
 async def check_health(address: str, service: str = "", timeout_s: float = 2.0, tls: TlsConfig | None = None) -> bool:
     """True when the server at ``address`` answers SERVING for ``service`` (over TLS when ``tls``
     dials TLS)."""
+    async with open_channel(address, tls) as channel:
+        return await channel_serving(channel, service, timeout_s)
+
+
+async def channel_serving(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 2.0) -> bool:
+    """True when the server behind ``channel`` answers SERVING for ``service`` through that very
+    channel (so calls made on it next find it connected)."""
     try:
-        async with open_channel(address, tls) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     except grpc.aio.AioRpcError:
         return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def wait_healthy(address: str, timeout_s: float, service: str = "", is_alive: Callable[[], bool] | None = None,

@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import unknown_fields
 
 from common.checkpoints import CheckpointError, load_tokenizer
-from common.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, check_health
+from common.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, channel_serving
 from common.logs import get_logger
 from common.service import StartupError
 from common.store import STORE_ERRORS, Store
@@ -255,8 +255,8 @@ class GatewayApp:
                         if loop.time() >= deadline:
                             raise
                         log.debug("no router yet", reason=exc.message)
-                if self.router_stub is not None and await check_health(self.router_address, timeout_s=1.0,
-                                                                       tls=TlsConfig.from_settings(self.settings)):
+                # asked through the channel the resumed requests are submitted on, not a new one
+                if self.router_channel is not None and await channel_serving(self.router_channel, timeout_s=1.0):
                     return
                 if loop.time() >= deadline:
                     raise GatewayError(grpc.StatusCode.UNAVAILABLE,
