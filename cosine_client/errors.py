@@ -65,12 +65,24 @@ TRANSPORT_FAILURES = ("socket closed", "connection reset", "failed to connect", 
 
 NEVER_CONNECTED = ("failed to connect", "connection refused")
 
+# Trailing metadata on every error the gateway answers itself: its message may quote a transport
+# failure between the gateway and the router, which is not one between this client and the gateway.
+GATEWAY_ANSWER = ("cosine-answered-by", "gateway")
+
+
+def answered_by_gateway(exc: grpc.RpcError) -> bool:
+    try:
+        trailers = exc.trailing_metadata() or ()
+    except Exception:  # an error raised before any call was made carries none
+        return False
+    return any((key, value) == GATEWAY_ANSWER for key, value in trailers)
+
 
 def is_transport_failure(exc: grpc.RpcError, first_attempt: bool = False) -> bool:
     """The connection broke (or, after a first attempt, could not be made again). A first attempt
     that never connected is not one: nothing is listening there, and waiting would only hide it."""
     code = exc.code() if hasattr(exc, "code") else None
     details = ((exc.details() if hasattr(exc, "details") else str(exc)) or "").lower()
-    if code != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in TRANSPORT_FAILURES):
+    if code != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in TRANSPORT_FAILURES) or answered_by_gateway(exc):
         return False
     return not (first_attempt and any(m in details for m in NEVER_CONNECTED))

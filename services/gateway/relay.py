@@ -147,10 +147,13 @@ class RouterRelay:
                             outcome = "unavailable"  # unless a router answers in time
                             await app.reconnect_router(min(deadline, loop.time() + app.settings.router_resume_timeout_s), lost=stub)
                             continue
-                        if code == grpc.StatusCode.UNAVAILABLE and app.router_stub is stub:
-                            app.forget_router()  # rediscover the router next time
                         outcome = code.name.lower()
-                        log.warning("request failed at the router", code=code.name, details=exc.details())
+                        log.warning("request failed at the router", code=code.name, details=exc.details(), resumes=self.resumes)
+                        if router_lost(exc):
+                            if app.router_stub is stub:
+                                app.forget_router()  # rediscover the router next time
+                            raise GatewayError(code, f"the router at {app.router_address} was lost ({self.resumes} of "
+                                                     f"{app.settings.router_resumes} resumes spent): {exc.details()}") from None
                         raise GatewayError(code, exc.details() or code.name) from None
                     finally:
                         call.cancel()  # no-op when finished; stops the router's work when we stopped early

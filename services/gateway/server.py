@@ -18,6 +18,7 @@ from common.logs import get_logger
 from common.service import StartupError
 from common.store import STORE_ERRORS, Store
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
+from cosine_client.errors import GATEWAY_ANSWER
 from common.tls import TlsConfig, http_server_ssl, open_channel
 from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from common.metrics import ServiceMetrics
@@ -70,7 +71,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 ids.extend(piece.token_ids)
                 last = piece
         except GatewayError as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, trailing_metadata=(GATEWAY_ANSWER,))
         reply = gateway_pb2.GenerateResponse(request_id=gen.request_id, text="".join(text), token_ids=ids,
                                              finish_reason=last.finish_reason if last else 0)
         if last is not None and last.stats is not None:
@@ -95,7 +96,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     chunk.usage.completion_tokens = len(gen.resume_ids) + count
                 yield chunk
         except GatewayError as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, trailing_metadata=(GATEWAY_ANSWER,))
 
 
 class GatewayApp:
