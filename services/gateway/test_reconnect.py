@@ -66,18 +66,14 @@ def test_a_lost_router_is_reported_as_the_gateways_answer_not_a_broken_connectio
     """A request whose router cannot be reached fails with UNAVAILABLE quoting gRPC's "failed to
     connect" between the gateway and the router. The SDK must not take that for its own connection
     to the gateway breaking (it would send the request again): the gateway marks its own answers."""
+    from common.redis_server import free_port
     from common.testing import start_service
     from cosine.v1 import gateway_pb2, gateway_pb2_grpc
     from cosine_client import Client, Unavailable
     from cosine_client.errors import is_transport_failure
     from services.gateway.server import build_app
 
-    async def dead_port() -> int:
-        server, port = await serve(0)
-        await server.stop(None)
-        return port
-
-    port = asyncio.run(dead_port())
+    port = free_port()  # a router address nothing listens on
     settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0",
                                                "--redis-url", redis_url, "--redis-prefix", redis_prefix,
                                                "--tokenizer", str(tiny_zoo.target.path),
