@@ -31,7 +31,7 @@ from common.logs import get_logger
 from cosine_zoo import distill, evaluate, instructions
 from cosine_zoo.build import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
 from cosine_zoo.corpus import DOMAINS, build_corpus, make_prompts, prompt_from
-from cosine_zoo.manifest import FORMAT, Zoo, load_zoo, write_manifest, write_prompts
+from cosine_zoo.manifest import FORMAT, Zoo, load_zoo, write_lexicon, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile
 from cosine_zoo.train import count_params
 
@@ -90,6 +90,7 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
     stages.close()
 
     write_prompts(out, {d: [p for p in heldout_prompts[d]] for d in DISTILL_DOMAINS})
+    write_lexicon(out, {d: [ex.prompt for ex in teacher["train"][d]] for d in DISTILL_DOMAINS})
     manifest = {
         "format": FORMAT,
         "profile": profile.name,

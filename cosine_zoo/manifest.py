@@ -4,6 +4,9 @@ Layout (all paths in the manifest are relative to the zoo directory)::
 
     zoo.json            manifest: models, domains, training figures, evaluation
     prompts.jsonl       held-out prompts, one {"domain": ..., "text": ...} per line
+    lexicon.json        token counts of the training prompts per domain: seeds the routers'
+                        domain lexicon, so new requests are routed without drafter passes (optional:
+                        zoos built before it have none, and their routers learn it online)
     tokenizer/          the shared tokenizer (also copied into every model directory)
     target/             the target: an ordinary transformers checkpoint (float32 safetensors)
     drafters/<name>/    one checkpoint per drafter (one per domain, plus "generalist")
@@ -15,8 +18,9 @@ Layout (all paths in the manifest are relative to the zoo directory)::
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,8 @@ from common.checkpoints import CheckpointError, check_checkpoint_dir, load_token
 
 MANIFEST = "zoo.json"
 PROMPTS = "prompts.jsonl"
+LEXICON = "lexicon.json"
+LEXICON_FORMAT = "cosine-lexicon/1"
 FORMAT = "cosine-zoo/1"
 
 
@@ -54,6 +60,8 @@ class Zoo:
     target_perplexity: Mapping[str, float]
     prompts: Mapping[str, tuple[str, ...]]
     manifest: Mapping[str, Any]  # zoo.json as written (training figures, timings, environment)
+    # domain -> (training prompts, token id -> count over them); empty when the zoo has no lexicon.json
+    lexicon: Mapping[str, tuple[int, Mapping[int, int]]] = field(default_factory=dict)
 
     def figures(self) -> dict[str, Any]:
         """Everything in the manifest that a rebuild with the same seed must reproduce (no timings)."""
@@ -72,6 +80,32 @@ def write_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
 def write_prompts(root: Path, prompts: Mapping[str, list[str]]) -> None:
     lines = [json.dumps({"domain": d, "text": t}) for d, texts in prompts.items() for t in texts]
     (root / PROMPTS).write_text("\n".join(lines) + "\n")
+
+
+def write_lexicon(root: Path, prompts: Mapping[str, Iterable[Sequence[int]]]) -> None:
+    """The token counts of each domain's training prompts (token ids), for the routers' lexicon."""
+    domains = {}
+    for domain, ids in prompts.items():
+        counts: Counter[int] = Counter()
+        examples = 0
+        for prompt in ids:
+            counts.update(int(t) for t in prompt)
+            examples += 1
+        domains[domain] = {"examples": examples, "counts": {str(t): c for t, c in sorted(counts.items())}}
+    (root / LEXICON).write_text(json.dumps({"format": LEXICON_FORMAT, "domains": domains}) + "\n")
+
+
+def read_lexicon(path: Path) -> dict[str, tuple[int, dict[int, int]]]:
+    """``write_lexicon``'s file as domain -> (examples, counts); {} when the zoo has none."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("format") != LEXICON_FORMAT:
+            raise ValueError(f"expected format {LEXICON_FORMAT!r}")
+        return {d: (int(v["examples"]), {int(t): int(c) for t, c in v["counts"].items()}) for d, v in raw["domains"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ZooError(f"{path}: unreadable lexicon ({type(exc).__name__}: {exc})") from exc
 
 
 def load_zoo(path: str | Path, check_tokenizers: bool = True) -> Zoo:
@@ -125,6 +159,7 @@ def zoo_from_manifest(root: Path, m: Mapping[str, Any]) -> Zoo:
         target_perplexity={d: float(v) for d, v in evaluation["target_perplexity"].items()},
         prompts=read_prompts(root / m["prompts"]["path"], domains),
         manifest=m,
+        lexicon=read_lexicon(root / LEXICON),
     )
 
 

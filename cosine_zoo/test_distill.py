@@ -11,6 +11,7 @@ from cosine_zoo.build import BuildOptions, build_zoo
 from cosine_zoo.build_distilled import DISTILL_DOMAINS
 from cosine_zoo.distill import Example, choose_draft_vocab, make_batch, resolve_layers
 from cosine_zoo.instructions import instructions, render, subjects
+from cosine_zoo.manifest import LEXICON, ZooError, read_lexicon, write_lexicon
 from cosine_zoo.profiles import tiny_distill
 
 
@@ -141,3 +142,17 @@ def test_manifest_records_teacher_and_vocab(tiny_distilled_zoo):
     assert m["teacher"]["code"]["teacher_forced"] > 0 and m["teacher"]["chat"]["teacher_forced"] == 0
     assert m["drafters"]["chat"]["domains"] == ["chat"]
     assert set(m["timings"]) >= {"target", "teacher", "drafters", "evaluation", "total"}
+
+
+def test_zoo_carries_the_domain_lexicon_of_its_training_prompts(tiny_distilled_zoo, tmp_path):
+    zoo = tiny_distilled_zoo
+    m = json.loads((zoo.root / "zoo.json").read_text())
+    # every training example's prompt is counted under its domain
+    assert {d: n for d, (n, _) in zoo.lexicon.items()} == {d: v["generated"] + v["teacher_forced"] for d, v in m["teacher"].items()}
+    assert all(sum(counts.values()) > 0 for _, counts in zoo.lexicon.values())
+    write_lexicon(tmp_path, {"code": [(5, 5, 6)], "chat": [(7,), (7, 8)]})
+    assert read_lexicon(tmp_path / LEXICON) == {"code": (1, {5: 2, 6: 1}), "chat": (2, {7: 2, 8: 1})}
+    assert read_lexicon(tmp_path / "absent.json") == {}  # a zoo built before lexicons: none, no error
+    (tmp_path / LEXICON).write_text("{}")
+    with pytest.raises(ZooError, match="lexicon"):
+        read_lexicon(tmp_path / LEXICON)
