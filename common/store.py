@@ -11,6 +11,13 @@ Key layout (every key starts with the configurable prefix, ``cosine`` by default
   The routing signal is the smoothed mean ``(prior*prior_weight + accepted)/(prior_weight + rounds)``
   (see :meth:`DrafterProfile.score`). Updated online by the router with HINCRBYFLOAT.
 
+``{p}:lexicon:seed:{domain}``, ``{p}:lexicon:learned:{domain}`` (hashes) - the routers' domain
+  lexicon (:mod:`services.router.lexicon`): per token id its count over the domain's prompts, and
+  ``examples`` (the prompts counted). ``seed`` holds the zoo's training prompts (written by
+  ``cosine up`` and the benchmarks; idempotent), ``learned`` what routers added online from the prompts
+  their drafters scored (HINCRBY). A router loads the sum of both at start, so a restarted or added
+  router routes new requests without drafter passes from its first request.
+
 ``{p}:request:{request_id}`` (hash) - state of one in-flight request, written by the gateway:
     ``prompt_ids`` (JSON list), ``params`` (JSON object), ``status`` (queued | running | done |
     failed | cancelled), ``created_at`` / ``updated_at`` (unix seconds), ``committed`` (number
@@ -38,6 +45,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -189,6 +197,9 @@ class Store:
     def profile_key(self, drafter_id: str) -> str:
         return f"{self.prefix}:profile:{drafter_id}"
 
+    def lexicon_key(self, kind: str, domain: str) -> str:
+        return f"{self.prefix}:lexicon:{kind}:{domain}"
+
     def request_key(self, request_id: str) -> str:
         return f"{self.prefix}:request:{request_id}"
 
@@ -243,6 +254,50 @@ class Store:
     async def profile_ids(self) -> list[str]:
         prefix = self.profile_key("")
         return sorted([key[len(prefix) :] async for key in self._r.scan_iter(match=prefix + "*", count=200)])
+
+    # ---- domain lexicon --------------------------------------------------------------------
+
+    @_outage
+    async def seed_lexicon(self, domains: Mapping[str, tuple[int, Mapping[int, int]]], reset: bool = False) -> None:
+        """Write the seed lexicon (domain -> (prompts, token id -> count)), replacing any earlier
+        seed; ``reset`` also drops what routers learned online."""
+        stale = [key async for key in self._r.scan_iter(match=self.lexicon_key("seed" if not reset else "*", "*"), count=200)]
+        async with self._r.pipeline(transaction=True) as pipe:
+            if stale:
+                pipe.delete(*stale)
+            for domain, (examples, counts) in domains.items():
+                pipe.hset(self.lexicon_key("seed", domain), mapping={"examples": int(examples), **{str(t): int(c) for t, c in counts.items()}})
+            await pipe.execute()
+
+    @_outage
+    async def add_to_lexicon(self, domain: str, tokens: Iterable[int]) -> None:
+        """Count one more prompt of ``domain`` (its token ids) in the learned lexicon."""
+        key = self.lexicon_key("learned", domain)
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "examples", 1)
+            for token, count in Counter(int(t) for t in tokens).items():
+                pipe.hincrby(key, str(token), count)
+            await pipe.execute()
+
+    @_outage
+    async def load_lexicon(self) -> dict[str, tuple[int, dict[int, int]]]:
+        """Seed and learned lexicon summed: domain -> (prompts, token id -> count)."""
+        keys = sorted([key async for key in self._r.scan_iter(match=self.lexicon_key("*", "*"), count=200)])
+        async with self._r.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            raw = await pipe.execute()
+        out: dict[str, tuple[int, dict[int, int]]] = {}
+        for key, fields in zip(keys, raw):
+            domain = key.split(":")[-1]
+            examples, counts = out.get(domain, (0, {}))
+            for name, value in fields.items():
+                if name == "examples":
+                    examples += int(value)
+                else:
+                    counts[int(name)] = counts.get(int(name), 0) + int(value)
+            out[domain] = (examples, counts)
+        return out
 
     # ---- request state ---------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ from common.logs import get_logger
 from common.spec_types import SamplingParams, TokenTree, Verdict, VerifyItem
 from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
-from services.router.domain import RequestRouting, infer_domain
+from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain
 from services.router.drafting import Drafting, common_prefix, sync_item
@@ -108,6 +108,8 @@ class RouterCore:
         clock: Callable[[], float] = time.monotonic,
         metrics: Any = None,
         limits: SubmitLimits | None = None,
+        load_lexicon: Callable[[], Awaitable[DomainLexicon | None]] | None = None,
+        record_lexicon: Callable[[str, Sequence[int]], Awaitable[None]] | None = None,
     ):
         self.config = config
         self.limits = limits  # the target's vocabulary and context, for checking submissions
@@ -124,7 +126,10 @@ class RouterCore:
         self.lookup_calibration = LookupCalibration(max_ngram=config.lookup_max_ngram)
         self.drafting = Drafting(config, drafters, self.control, clock)
         self.gate = DraftGate(config, self.control)
-        self.routing = RequestRouting(config, self.drafting, DomainLexicon(), self.counters, profiles)
+        # the domain lexicon shared through Redis (the zoo's seed + what routers learned), when given
+        shared = None if load_lexicon is None or record_lexicon is None else SharedLexicon(
+            load_lexicon, lambda domain, prompt: self._background(record_lexicon(domain, prompt)))
+        self.routing = RequestRouting(config, self.drafting, DomainLexicon(), self.counters, profiles, shared, clock)
         self.verdicts = VerdictApplication(self.control, self.gate, self.lookup_calibration, self.counters, metrics)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []

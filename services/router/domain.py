@@ -8,8 +8,10 @@ drafter scores a prompt that is never drafted for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from common.spec_types import DraftItem
 from services.router.drafting import Drafting, sync_item
@@ -19,17 +21,33 @@ from services.router.requests import Counters, ProfileSource, Request, RouterCon
 from services.router.routing import RoutingVector
 
 
+RELOAD_S = 5.0  # the shared lexicon is read again at most this often, and only when drafters would score
+
+
+@dataclass(frozen=True)
+class SharedLexicon:
+    """The domain lexicon kept in Redis (see ``services/router/profiles.py``): ``load`` reads it
+    (None while unreadable), ``learned`` adds a prompt the drafters scored (in the background)."""
+
+    load: Callable[[], Awaitable[DomainLexicon | None]]
+    learned: Callable[[str, Sequence[int]], None]
+
+
 class RequestRouting:
     """Seeds the routing vectors of new drafting requests (domain signal + expertise profiles) and
     follows drafter membership for the others."""
 
     def __init__(self, config: RouterConfig, drafting: Drafting, lexicon: DomainLexicon, counters: Counters,
-                 profiles: ProfileSource | None) -> None:
+                 profiles: ProfileSource | None, shared: SharedLexicon | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.drafting = drafting
         self.lexicon = lexicon
         self.counters = counters
         self.profiles = profiles
+        self.shared = shared
+        self.clock = clock
+        self._loaded_at = -math.inf  # when the shared lexicon was last read
 
     def needs_scores(self, r: Request) -> bool:
         """Whether routing ``r`` takes the drafters' scores of its prompt (a prefill in every live
@@ -57,8 +75,29 @@ class RequestRouting:
 
     async def detect(self, reqs: list[Request], live: list[str]) -> None:
         """The lexicon's domain where it is trusted, else every live drafter scores the prompt
-        (and the lexicon learns from the answer)."""
+        (and the lexicon learns from the answer). Before the drafters score, the shared lexicon
+        is read again (at most every ``RELOAD_S``): a seed written after this router started, or
+        what other routers learned meanwhile, may give the domain without them."""
         guesses: dict[str, str | None] = {}
+        to_score = self._decide(reqs, guesses)
+        if (to_score and self.shared is not None and self.config.domain_detection == "lexicon"
+                and self.clock() - self._loaded_at >= RELOAD_S):
+            self._loaded_at = self.clock()
+            fresh = await self.shared.load()
+            if fresh is not None:
+                fresh.keep_record_of(self.lexicon)
+                self.lexicon = fresh
+                to_score = self._decide(to_score, guesses)
+        if to_score:
+            await detect_domains(self.drafting, to_score, live)
+            self.counters.domains_by_drafters += len(to_score)
+            for r in to_score:
+                self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
+                if r.domain and self.shared is not None:
+                    self.shared.learned(r.domain, r.prompt)
+
+    def _decide(self, reqs: list[Request], guesses: dict[str, str | None]) -> list[Request]:
+        """Give the requests the lexicon's domain where it is trusted; the others, to be scored."""
         to_score = []
         for r in reqs:
             use, guess = self.lexicon.decide(r.prompt) if self.config.domain_detection == "lexicon" else (None, None)
@@ -68,11 +107,7 @@ class RequestRouting:
             else:
                 guesses[r.request_id] = guess
                 to_score.append(r)
-        if to_score:
-            await detect_domains(self.drafting, to_score, live)
-            self.counters.domains_by_drafters += len(to_score)
-            for r in to_score:
-                self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
+        return to_score
 
 
 async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str]) -> None:

@@ -10,13 +10,18 @@ margin over the runner-up reaches ``min_margin`` nats stands in for the drafters
 ``audit_every``-th such prompt is still scored by the drafters and compared; an agreement rate
 (exponential average) below ``min_agreement`` hands detection back to the drafters until the
 lexicon, still learning, agrees again. Memory is bounded by domains x vocabulary.
+
+The lexicon is shared through Redis (``Store.load_lexicon``): a router starts from the zoo's seed
+(the token counts of its training prompts per domain, written by ``cosine up``) plus what every
+router learned before it, and adds each prompt its drafters score. With a seed, the first requests
+are routed without drafter passes too.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -72,7 +77,17 @@ class DomainLexicon:
             return
         if guess is not None:
             self.agreement = 0.9 * self.agreement + 0.1 * (1.0 if guess == domain else 0.0)
-        self.counts.setdefault(domain, Counter()).update(tokens)
-        self.totals[domain] = self.totals.get(domain, 0) + len(tokens)
-        self.examples[domain] = self.examples.get(domain, 0) + 1
-        self.vocabulary.update(tokens)
+        self.absorb(domain, 1, Counter(tokens))
+
+    def keep_record_of(self, other: DomainLexicon) -> None:
+        """Take ``other``'s agreement record and counts of use: this lexicon replaces it (a fresh
+        read of the shared one), and trust is earned per router."""
+        self.agreement, self.predicted, self.audited = other.agreement, other.predicted, other.audited
+
+    def absorb(self, domain: str, examples: int, counts: Mapping[int, int]) -> None:
+        """Add ``examples`` prompts of ``domain`` whose token counts are ``counts`` (a seed, or what
+        other routers learned: see ``Store.load_lexicon``)."""
+        self.counts.setdefault(domain, Counter()).update(counts)
+        self.totals[domain] = self.totals.get(domain, 0) + sum(counts.values())
+        self.examples[domain] = self.examples.get(domain, 0) + examples
+        self.vocabulary.update(counts)

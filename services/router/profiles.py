@@ -5,12 +5,19 @@ routing starts uniform and learns from the verdicts as usual, output is unchange
 online acceptance of every round) are summed per (drafter, domain) while Redis is unreachable and
 added with the first write that gets through, so a Redis restart loses no online evidence; the
 backlog is bounded by drafters x domains.
+
+The domain lexicon (``services/router/lexicon.py``) is read when the drafters would otherwise score a
+new prompt (at most every few seconds), and each prompt they score is added; while Redis is out the
+router keeps the lexicon it has, and the prompts it learns then stay with this router only (the
+lexicon is a shortcut, never needed for output).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+
+from services.router.lexicon import DomainLexicon
 
 from common.logs import get_logger
 from common.store import Store, StoreUnavailable, sum_acceptance
@@ -54,3 +61,25 @@ class ProfileStore:
             if self.failed_writes:
                 log.info("profile updates written after an outage", pending=len(totals))
                 self.failed_writes = 0
+
+    async def lexicon(self) -> DomainLexicon | None:
+        """The shared domain lexicon (the zoo's seed plus what routers learned); None while Redis is out."""
+        try:
+            loaded = await self.store.load_lexicon()
+        except StoreUnavailable as exc:
+            log.warning("domain lexicon unreadable; the drafters score new prompts meanwhile", error=str(exc))
+            return None
+        lexicon = DomainLexicon()
+        for domain, (examples, counts) in sorted(loaded.items()):
+            lexicon.absorb(domain, examples, counts)
+        log.debug("domain lexicon loaded", prompts={d: n for d, (n, _) in sorted(loaded.items())})
+        return lexicon
+
+    async def learned(self, domain: str, prompt: Sequence[int]) -> None:
+        """Share one prompt the drafters scored; dropped while Redis is out (see the module docstring)."""
+        try:
+            await self.store.add_to_lexicon(domain, prompt)
+        except StoreUnavailable as exc:
+            self.failed_writes += 1
+            if self.failed_writes in (1, 10) or self.failed_writes % 100 == 0:
+                log.warning("lexicon update dropped; Redis unavailable", error=str(exc), failures=self.failed_writes)

@@ -169,6 +169,8 @@ class RouterApp:
         profiles = ProfileStore(self.store)  # a Redis outage costs priors for a while, never a request
         self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier, metrics=self.spec_metrics,
                                profiles=profiles.priors, record=profiles.record,
+                               load_lexicon=profiles.lexicon if self.settings.shared_lexicon else None,
+                               record_lexicon=profiles.learned if self.settings.shared_lexicon else None,
                                limits=SubmitLimits(info.vocab_size, info.max_context) if info.vocab_size and info.max_context else None)
         self.core.start()
         self.verifier_ready = True

@@ -27,8 +27,11 @@ class RouterSettings(ServiceSettings):
     all_drafters: bool = setting(False, help="every live drafter drafts every request (SpecInfer-style trees; overrides routing)")
     adaptive_k: bool = setting(True, help="adapt each request's speculation length to its acceptance and the verifier's load")
     domain_detection: str = setting("lexicon", choices=("lexicon", "drafters"),
-                                    help="how a new request's domain is found: lexicon (a token lexicon learned from drafter scores "
+                                    help="how a new request's domain is found: lexicon (a token lexicon seeded from the zoo and learned from drafter scores "
                                          "stands in once it agrees with them; no drafter pass) or drafters (every live drafter scores every new prompt)")
+    shared_lexicon: bool = setting(True, help="start the domain lexicon from the one in Redis (the zoo's seed, written by `cosine up`, plus "
+                                              "what routers learned) and add to it the prompts this router's drafters score; off: "
+                                              "this router learns its own from nothing")
     speculate: bool = setting(True, help="draft at all (off: plain decoding of the target through the same verifier, for baselines)")
     cost_control: bool = setting(True, help="verify and draft only the nodes whose expected tokens repay their verifier and drafter time (measured online); off: every drafted node is verified")
     draft_pricing: bool = setting(True, help="with cost control, a request drafts in a round only when its first node's expected "

@@ -7,10 +7,12 @@ import asyncio
 import random
 
 from common.spec_types import GREEDY
+from common.store import Store
 from services.router import domain as domain_module
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool
 from services.router.lexicon import DomainLexicon
+from services.router.profiles import ProfileStore
 
 RANGES = {"code": range(10, 60), "prose": range(200, 250)}
 
@@ -98,3 +100,44 @@ def test_router_scores_with_drafters_only_until_the_lexicon_agrees(monkeypatch):
             assert len(scored) < 20 and core.counters.domains_by_lexicon > 40
         else:
             assert len(scored) == len(reqs) and core.counters.domains_by_lexicon == 0
+
+
+def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(monkeypatch, redis_url, redis_prefix):
+    """The zoo's seed in Redis (written after the router started, as `cosine up` does) gives the
+    first requests their domain with no drafter scoring; the audited prompt the drafters do score
+    is added to the shared lexicon for the next router."""
+    scored: list[str] = []
+
+    async def fake_detect(drafting, reqs, live):
+        for r in reqs:
+            scored.append(r.request_id)
+            r.domain = "code" if sum(t < 100 for t in r.prompt) > len(r.prompt) / 2 else "prose"
+
+    monkeypatch.setattr(domain_module, "detect_domains", fake_detect)
+    rng = random.Random(7)
+    seed = {}
+    for d in ("code", "prose"):
+        counts: dict[int, int] = {}
+        for _ in range(20):
+            for t in prompt(d, rng):
+                counts[t] = counts.get(t, 0) + 1
+        seed[d] = (20, counts)
+
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix)
+        profiles = ProfileStore(store)
+        core = RouterCore(RouterConfig(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
+        await store.seed_lexicon(seed)
+        reqs = [core.submit(f"r{i}", prompt(("code", "prose")[i % 2], rng), 4, GREEDY) for i in range(8)]
+        for r in reqs:
+            await core.routing.detect([r], ["a", "b"])
+        await core.stop()  # waits for the background write of what was learned
+        shared = await store.load_lexicon()
+        await store.close()
+        return reqs, shared
+
+    reqs, shared = asyncio.run(body())
+    assert [r.domain for r in reqs] == [("code", "prose")[i % 2] for i in range(8)]
+    assert scored == ["r7"]  # the lexicon's audit (every 8th prompt); none before it
+    assert shared["prose"][0] == 21 and shared["code"][0] == 20
+
