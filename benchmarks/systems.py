@@ -343,10 +343,12 @@ class ServicePlane:
     """Redis + verifier + drafter processes, started once and shared by every service system."""
 
     def __init__(self, target: str, drafters: Mapping[str, str], domains: Mapping[str, Sequence[str]],
-                 acceptance: Mapping[str, Mapping[str, float]], cores: int, log_dir: str, prior_weight: float = 20.0):
+                 acceptance: Mapping[str, Mapping[str, float]], cores: int, log_dir: str, prior_weight: float = 20.0,
+                 lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None):
         from cosine_cli.cluster import ClusterSpec, LocalCluster
 
         self.acceptance = acceptance
+        self.lexicon = lexicon or {}
         self.prior_weight = prior_weight
         self.cluster = LocalCluster(ClusterSpec(
             target=target, drafters=dict(drafters), drafter_domains={k: list(v) for k, v in domains.items()},
@@ -363,7 +365,8 @@ class ServicePlane:
 
     def use(self, router_args: Sequence[str], drafters: int | None) -> str:
         """Gateway address of a router with these flags (restarted unless it already runs them),
-        with the expertise profiles re-seeded from the zoo (online statistics dropped)."""
+        with the expertise profiles and the domain lexicon re-seeded from the zoo (online statistics
+        and what routers learned dropped)."""
         self.ensure_started()
         if tuple(router_args) != self.current:
             self.cluster.restart_router(router_args, drafters)
@@ -374,7 +377,8 @@ class ServicePlane:
     def reseed(self) -> None:
         from cosine_cli.commands import seed_profiles
 
-        asyncio.run(seed_profiles(self.cluster.redis_url, self.cluster.spec.prefix, dict(self.acceptance), self.prior_weight, reset=True))
+        asyncio.run(seed_profiles(self.cluster.redis_url, self.cluster.spec.prefix, dict(self.acceptance), self.prior_weight, reset=True,
+                                  lexicon=self.lexicon))
 
     def stop(self) -> None:
         if self.started:
@@ -542,7 +546,7 @@ def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int
     plane = None
     if any(n in SERVICE_SYSTEMS for n in names):
         plane = ServicePlane(target, {n: str(d.path) for n, d in zoo.drafters.items()},
-                             {n: d.domains for n, d in zoo.drafters.items()}, zoo.acceptance, cores, log_dir)
+                             {n: d.domains for n, d in zoo.drafters.items()}, zoo.acceptance, cores, log_dir, lexicon=zoo.lexicon)
     out: list[Any] = []
     for n in names:
         if n == "autoregressive":

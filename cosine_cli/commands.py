@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +131,18 @@ def _load_zoo(path: str):
         raise SystemExit(f"cosine: error: {exc}\n  (build one with: cosine models build --profile smol --out {path})") from None
 
 
-async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str, float]], prior_weight: float, reset: bool = False) -> int:
+async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str, float]], prior_weight: float, reset: bool = False,
+                        lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None) -> int:
+    """Write the zoo's acceptance matrix as profile priors and, when given, its domain lexicon
+    (``reset``: drop the online figures and the lexicon routers learned)."""
     from common.store import Store
 
     store = Store.from_url(redis_url, prefix=prefix)
     try:
         for drafter, row in matrix.items():
             await store.seed_profile(drafter, row, prior_weight, reset=reset)
+        if lexicon:
+            await store.seed_lexicon(lexicon, reset=reset)
     finally:
         await store.close()
     return len(matrix)
@@ -159,8 +165,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.start()
         if not args.target:
             zoo = _load_zoo(args.zoo)
-            n = asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0))
-            print(f"profiles   {n} drafter profile(s) seeded from {args.zoo}/zoo.json", file=sys.stderr)
+            n = asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon))
+            print(f"profiles   {n} drafter profile(s) seeded from {args.zoo}/zoo.json"
+                  + (f"; domain lexicon from {sum(n for n, _ in zoo.lexicon.values())} training prompts" if zoo.lexicon else ""),
+                  file=sys.stderr)
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps(cluster.state()))
         cluster.supervise()  # a process that dies is restarted (with backoff, one line each)
@@ -318,14 +326,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
             return 2
         drafters = dict(spec.partition("=")[::2] for spec in args.drafter)
         matrix = measure_matrix(args.target, drafters, _read_prompts(args.prompts), args.k, args.new_tokens)
-        source = "measurement"
+        source, lexicon = "measurement", None
     else:
-        matrix = {d: dict(row) for d, row in _load_zoo(args.zoo).acceptance.items()}
-        source = f"{args.zoo}/zoo.json"
+        zoo = _load_zoo(args.zoo)
+        matrix = {d: dict(row) for d, row in zoo.acceptance.items()}
+        source, lexicon = f"{args.zoo}/zoo.json", zoo.lexicon
     for name, row in sorted(matrix.items()):
         print(f"{name:<16}" + "  ".join(f"{d}={v:.2f}" for d, v in sorted(row.items())))
-    n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset))
-    print(f"seeded {n} drafter profile(s) from {source} into {url}")
+    n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon))
+    print(f"seeded {n} drafter profile(s) from {source} into {url}" + (" with the zoo's domain lexicon" if lexicon else ""))
     return 0
 
 
@@ -348,7 +357,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     results = []
     try:
         cluster.start()
-        asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0))
+        asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon))
         work = mixed_workload(zoo.prompts, args.requests)
         results = asyncio.run(run_workload(cluster.gateway_address, work, args.concurrency, args.max_new_tokens, progress=True,
                                            client_options=cluster.client_tls()))
