@@ -8,8 +8,8 @@ backlog is bounded by drafters x domains.
 
 The domain lexicon (``services/router/lexicon.py``) is read when the drafters would otherwise score a
 new prompt (at most every few seconds), and each prompt they score is added; while Redis is out the
-router keeps the lexicon it has, and the prompts it learns then stay with this router only (the
-lexicon is a shortcut, never needed for output).
+router keeps the lexicon it has, and the prompts it learns meanwhile are not shared (the next read
+after the outage replaces them with Redis's copy: the lexicon is a shortcut, never needed for output).
 """
 
 from __future__ import annotations
