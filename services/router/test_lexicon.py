@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from common.spec_types import GREEDY
 from common.store import Store
 from services.router import domain as domain_module
@@ -72,17 +74,24 @@ def test_ambiguous_prompt_is_left_to_the_drafters():
     assert lex.decide([100, 101, 102])[0] is None  # only shared tokens: no margin
 
 
-def test_router_scores_with_drafters_only_until_the_lexicon_agrees(monkeypatch):
-    """Through RouterCore: the first requests of each domain are scored by the drafters, later
-    ones get the lexicon's domain (the same the drafters would give) with no drafter call."""
-    scored: list[str] = []
+@pytest.fixture
+def scored(monkeypatch) -> list[str]:
+    """The drafters' scoring of new prompts, faked: the ids of the requests scored, in order; a
+    prompt mostly of tokens under 100 is code, else prose."""
+    ids: list[str] = []
 
     async def fake_detect(drafting, reqs, live):
         for r in reqs:
-            scored.append(r.request_id)
+            ids.append(r.request_id)
             r.domain = "code" if sum(t < 100 for t in r.prompt) > len(r.prompt) / 2 else "prose"
 
     monkeypatch.setattr(domain_module, "detect_domains", fake_detect)
+    return ids
+
+
+def test_router_scores_with_drafters_only_until_the_lexicon_agrees(scored):
+    """Through RouterCore: the first requests of each domain are scored by the drafters, later
+    ones get the lexicon's domain (the same the drafters would give) with no drafter call."""
     rng = random.Random(4)
     for detection in ("lexicon", "drafters"):
         scored.clear()
@@ -102,18 +111,10 @@ def test_router_scores_with_drafters_only_until_the_lexicon_agrees(monkeypatch):
             assert len(scored) == len(reqs) and core.counters.domains_by_lexicon == 0
 
 
-def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(monkeypatch, redis_url, redis_prefix):
+def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(scored, redis_url, redis_prefix):
     """The zoo's seed in Redis (written after the router started, as `cosine up` does) gives the
     first requests their domain with no drafter scoring; the audited prompt the drafters do score
     is added to the shared lexicon for the next router."""
-    scored: list[str] = []
-
-    async def fake_detect(drafting, reqs, live):
-        for r in reqs:
-            scored.append(r.request_id)
-            r.domain = "code" if sum(t < 100 for t in r.prompt) > len(r.prompt) / 2 else "prose"
-
-    monkeypatch.setattr(domain_module, "detect_domains", fake_detect)
     rng = random.Random(7)
     seed = {}
     for d in ("code", "prose"):
