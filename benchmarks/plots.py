@@ -33,6 +33,7 @@ STYLE = {
     "cosine_unpriced_drafting": ("#aec7e8", ">", "--"),
     "cosine_fixed_pipeline": ("#ff9896", "H", "--"),
     "cosine_no_draft_ahead": ("#c5b0d5", "8", "--"),
+    "cosine_unshared_lexicon": ("#98df8a", "1", "--"),
 }
 
 
