@@ -15,8 +15,9 @@ Key layout (every key starts with the configurable prefix, ``cosine`` by default
   lexicon (:mod:`services.router.lexicon`): per token id its count over the domain's prompts, and
   ``examples`` (the prompts counted). ``seed`` holds the zoo's training prompts (written by
   ``cosine up`` and the benchmarks; idempotent), ``learned`` what routers added online from the prompts
-  their drafters scored (HINCRBY). A router loads the sum of both at start, so a restarted or added
-  router routes new requests without drafter passes from its first request.
+  their drafters scored (HINCRBY). A router reads the sum of both before its drafters would score a
+  new prompt (at most every few seconds), so a restarted or added router routes its first requests
+  without drafter passes.
 
 ``{p}:request:{request_id}`` (hash) - state of one in-flight request, written by the gateway:
     ``prompt_ids`` (JSON list), ``params`` (JSON object), ``status`` (queued | running | done |
