@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.set_defaults(func=cmd_status)
 
     pr = sub.add_parser("profile", help="write drafter expertise profiles into Redis (a zoo's acceptance matrix, or measured)",
-                        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix. With --measure: "
+                        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix, and the domain lexicon of its lexicon.json. With --measure: "
                         "for real checkpoints, measure each drafter's mean accepted tokens per round (greedy, chain of --k) on "
                         "prompts of each domain, then write them.")
     pr.add_argument("--zoo", default=DEFAULT_ZOO, help="model zoo directory whose zoo.json holds the acceptance matrix")
