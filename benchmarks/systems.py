@@ -521,6 +521,8 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
                               "cosine keeping --rounds-in-flight rounds in flight whatever drafting and verifying cost"),
     "cosine_unshared_lexicon": (("--no-shared-lexicon",), (),
                                 "cosine whose router learns its domain lexicon from nothing (no zoo seed, nothing shared through Redis)"),
+    "cosine_global_gate": (("--no-domain-gate",), (),
+                           "cosine whose draft gate keeps one record of whether drafting pays for every request, whatever its domain"),
     "cosine_unpriced_drafting": (("--no-draft-pricing",), (),
                                  "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)"),
     "cosine_no_lookup": (("--no-lookup-drafts",), (), "cosine without the lookup drafter (only the drafter models propose)"),
@@ -531,7 +533,7 @@ IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
                "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
                "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup", "cosine_no_draft_ahead",
-               "cosine_unshared_lexicon")
+               "cosine_unshared_lexicon", "cosine_global_gate")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
 DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup",

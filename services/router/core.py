@@ -166,12 +166,13 @@ class RouterCore:
             raise RequestFailed(f"request_id: request {request_id} is already running", "already_exists")
         if len(self.requests) >= self.config.max_queue:
             raise RequestFailed(f"router queue is full ({self.config.max_queue} requests)", "resource_exhausted")
+        guess = domain_hint or (self.routing.guess(prompt) if self.config.gate_by_domain else "")
         req = Request(
             request_id=request_id, prompt=tuple(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-            stop_ids=frozenset(stop_ids), domain=domain_hint,
+            stop_ids=frozenset(stop_ids), domain=domain_hint, domain_guess=guess,
             spec=SpeculationLength(self.config.initial_k, self.config.min_k, self.config.max_k),
             ready_since=self.clock(), lookup=LookupIndex(self.config.lookup_max_ngram),
-            first_accept=self.gate.first_accept_prior,  # what drafting did for the recent requests
+            first_accept=self.gate.start(guess),  # what drafting did for the recent requests of its domain
         )
         self.requests[request_id] = req
         self._wakeup.set()

@@ -22,6 +22,7 @@ from services.router.routing import RoutingVector
 
 
 RELOAD_S = 5.0  # the shared lexicon is read again at most this often, and only when drafters would score
+GUESS_TOKENS = 256  # a prompt's first tokens that the guess at submission reads (its cost stays bounded)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class RequestRouting:
         self.shared = shared
         self.clock = clock
         self._loaded_at = -math.inf  # when the shared lexicon was last read
+
+    def guess(self, prompt: Sequence[int]) -> str:
+        """The lexicon's best guess of a new prompt's domain, trusted or not ("" while it knows too
+        little): no drafter pass and no audit, only what the draft gate needs before routing."""
+        return self.lexicon.predict(prompt[:GUESS_TOKENS])[0] or ""
 
     def needs_scores(self, r: Request) -> bool:
         """Whether routing ``r`` takes the drafters' scores of its prompt (a prefill in every live

@@ -9,6 +9,14 @@ an EWMA of how often its first drafted node was accepted (a round in which none 
 worth a row of the pass counts as a rejection). A new request starts from the recent requests'
 record, so under a load where the drafters do not pay, new requests do not draft to find out.
 
+Records are kept per domain (``--domain-gate``): whether drafting pays depends on the text more than
+on the load, and a mixed stream must not let the drafters' misses on chat turn drafting off for the
+arithmetic they predict well. A request's domain for the gate is its routing domain, or before it
+is routed the domain lexicon's best guess at submission (:attr:`Request.domain_guess`, no drafter
+pass); a domain's first request starts from the default record, so each domain finds out once, and
+a request with no domain at all starts from the record of every request. Probe intervals are kept
+per domain too: probes that keep missing on one domain do not space out another's.
+
 A request turned down to plain decoding is *probed*: on the router's rounds that are multiples of
 the probe interval every such request drafts, all at once, so they share one draft step. The
 interval starts at 8 rounds, doubles after each probe round in which fewer first nodes were
@@ -21,6 +29,7 @@ The lookup drafter is not gated: it costs no drafter time (see ``lookup.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.router.control import SpeculationControl
 from services.router.requests import Request, RouterConfig
@@ -28,15 +37,45 @@ from services.router.requests import Request, RouterConfig
 PROBE_EVERY, MAX_PROBE_EVERY = 8, 64  # rounds between probe rounds (see the module docstring)
 FIRST_ACCEPT_WEIGHT = 0.3  # EWMA weight of a round's outcome in a request's first-node record
 PRIOR_WEIGHT = 0.05  # EWMA weight of any request's outcome in the record a new request starts from
+DOMAIN_WEIGHT = 0.15  # the same within a domain (fewer outcomes: it must learn from a request or two)
+FIRST_ACCEPT_START = 0.7  # the record before any outcome: optimistic, so that drafting is tried
+
+
+@dataclass
+class DomainRecord:
+    """What drafting did for a domain's recent requests: their first-node record and probe interval."""
+
+    first_accept: float = FIRST_ACCEPT_START
+    probe_every: int = PROBE_EVERY
 
 
 class DraftGate:
     def __init__(self, config: RouterConfig, control: SpeculationControl) -> None:
         self.config = config
         self.control = control
-        self.probe_every = PROBE_EVERY
         self._theta = 0.0  # the threshold of the current round's decisions
-        self.first_accept_prior = 0.7  # a new request's first-node record: the recent requests' (EWMA)
+        self.overall = DomainRecord()  # every request's outcomes: for requests with no domain
+        self.domains: dict[str, DomainRecord] = {}
+
+    @property
+    def first_accept_prior(self) -> float:
+        """The first-node record of the recent requests, whatever their domain (EWMA)."""
+        return self.overall.first_accept
+
+    @property
+    def probe_every(self) -> int:
+        """The probe interval of requests with no domain (every request's, without ``--domain-gate``)."""
+        return self.overall.probe_every
+
+    def record(self, domain: str) -> DomainRecord:
+        """The record a request of ``domain`` is gated by (created for a domain's first request)."""
+        if not domain or not self.config.gate_by_domain:
+            return self.overall
+        return self.domains.setdefault(domain, DomainRecord())
+
+    def start(self, domain: str) -> float:
+        """The first-node record a new request of ``domain`` ("" when unknown) starts from."""
+        return self.record(domain).first_accept
 
     def drafts(self, r: Request, batch_size: int, round_index: int, pipelined: bool, chain: int = 1) -> bool:
         """Whether the drafters draft for ``r`` in a round of ``batch_size`` requests, the router's
@@ -50,7 +89,8 @@ class DraftGate:
             self._theta = self.control.first_node_threshold(batch_size, pipelined=pipelined, chain=chain)
         else:
             self._theta = self.control.threshold()
-        r.probing = r.first_accept < self._theta and round_index % self.probe_every == 0
+        every = self.record(gate_domain(r)).probe_every
+        r.probing = r.first_accept < self._theta and round_index % every == 0
         return r.first_accept >= self._theta or r.probing
 
     def observe(self, r: Request, drafted: bool, verified_model_nodes: bool, first_accepted_is_model: bool) -> None:
@@ -64,16 +104,27 @@ class DraftGate:
             outcome = 0.0
         if outcome is not None:
             r.first_accept = (1 - a) * r.first_accept + a * outcome
-            self.first_accept_prior = (1 - PRIOR_WEIGHT) * self.first_accept_prior + PRIOR_WEIGHT * outcome
+            self.overall.first_accept += PRIOR_WEIGHT * (outcome - self.overall.first_accept)
+            own = self.record(gate_domain(r))
+            if own is not self.overall:
+                own.first_accept += DOMAIN_WEIGHT * (outcome - own.first_accept)
         r.probe_hit = r.probing and drafted and verified_model_nodes and first_accepted_is_model
 
     def settle(self, batch: Sequence[Request]) -> None:
-        """After a round's verdicts: a probe round pays when as many first nodes were accepted as
-        drafting needed; the probe interval follows."""
-        probed = [r for r in batch if r.probing]
-        if not probed:
-            return
-        paid = sum(r.probe_hit for r in probed) >= self._theta * len(probed)
-        self.probe_every = PROBE_EVERY if paid else min(MAX_PROBE_EVERY, 2 * self.probe_every)
-        for r in probed:
-            r.probing = r.probe_hit = False
+        """After a round's verdicts: a probe round pays for a domain when as many of its first nodes
+        were accepted as drafting needed; the domain's probe interval follows."""
+        by_record: dict[int, tuple[DomainRecord, list[Request]]] = {}
+        for r in batch:
+            if r.probing:
+                rec = self.record(gate_domain(r))
+                by_record.setdefault(id(rec), (rec, []))[1].append(r)
+        for rec, probed in by_record.values():
+            paid = sum(r.probe_hit for r in probed) >= self._theta * len(probed)
+            rec.probe_every = PROBE_EVERY if paid else min(MAX_PROBE_EVERY, 2 * rec.probe_every)
+            for r in probed:
+                r.probing = r.probe_hit = False
+
+
+def gate_domain(r: Request) -> str:
+    """The domain ``r`` is gated by: its routing domain, else the lexicon's guess at submission."""
+    return r.domain or r.domain_guess

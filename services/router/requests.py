@@ -76,6 +76,7 @@ class RouterConfig:
     lookup_max_ngram: int = 4
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
+    gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)
 
     @classmethod
     def from_settings(cls, s: Any) -> RouterConfig:
@@ -86,7 +87,7 @@ class RouterConfig:
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,
             pipeline_control=s.pipeline_control, draft_ahead=s.draft_ahead, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
-            speculate=s.speculate, domain_detection=s.domain_detection,
+            speculate=s.speculate, domain_detection=s.domain_detection, gate_by_domain=s.domain_gate,
         )
 
 
@@ -132,6 +133,7 @@ class Request:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     domain: str = ""
+    domain_guess: str = ""  # the domain lexicon's best guess at submission (the draft gate's domain until routed)
     generated: list[int] = field(default_factory=list)
     verifier_synced: bool = False
     resumes: int = 0  # consecutive rounds the verifier lost this request (see resume.py)

@@ -36,6 +36,9 @@ class RouterSettings(ServiceSettings):
     cost_control: bool = setting(True, help="verify and draft only the nodes whose expected tokens repay their verifier and drafter time (measured online); off: every drafted node is verified")
     draft_pricing: bool = setting(True, help="with cost control, a request drafts in a round only when its first node's expected "
                                                  "tokens also repay its share of the drafters' time (measured online); off: only its verify row is priced")
+    domain_gate: bool = setting(True, help="with cost control, keep the record of whether drafting pays per domain (a new request's starting "
+                                           "point and the probe interval; its domain guessed by the lexicon at submission, no drafter pass); "
+                                           "off: one record for every request")
     lookup_drafts: bool = setting(True, help="add the lookup drafter's free proposals to every request's tree: the tokens that followed the "
                                              "longest earlier occurrence of the request's suffix in its own text, kept while they repay their verify rows")
     lookup_max_ngram: int = setting(4, help="longest suffix (tokens) the lookup drafter matches", check=positive)

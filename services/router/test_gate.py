@@ -6,12 +6,12 @@ import pytest
 
 from common.spec_types import GREEDY
 from services.router.control import SpeculationControl
-from services.router.gate import MAX_PROBE_EVERY, PROBE_EVERY, DraftGate
+from services.router.gate import FIRST_ACCEPT_START, MAX_PROBE_EVERY, PROBE_EVERY, DraftGate
 from services.router.requests import Request, RouterConfig
 
 
-def request(rid: str, first_accept: float) -> Request:
-    return Request(rid, (1, 2, 3), 16, GREEDY, frozenset(), first_accept=first_accept)
+def request(rid: str, first_accept: float, domain: str = "", guess: str = "") -> Request:
+    return Request(rid, (1, 2, 3), 16, GREEDY, frozenset(), domain=domain, domain_guess=guess, first_accept=first_accept)
 
 
 def loaded_control() -> SpeculationControl:
@@ -80,3 +80,45 @@ def test_a_new_request_starts_from_what_drafting_did_for_the_recent_ones():
     for i in range(60):
         gate.observe(request(f"h{i}", 0.5), drafted=True, verified_model_nodes=True, first_accepted_is_model=True)
     assert gate.first_accept_prior > 0.9
+
+
+@pytest.mark.parametrize("by_domain", [True, False])
+def test_misses_on_one_domain_do_not_turn_drafting_off_for_another(by_domain):
+    """A mixed stream: the drafters' first nodes keep missing on chat and hit on arithmetic. Per
+    domain, a new arithmetic request starts from arithmetic's record and drafts, a new chat request
+    does not; with one record for every request, the chat misses turn the arithmetic newcomer off too."""
+    gate = DraftGate(RouterConfig(gate_by_domain=by_domain), loaded_control())
+    for i in range(40):
+        chat = request(f"c{i}", 0.5, domain="chat")
+        gate.observe(chat, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
+        gate.observe(chat, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
+        gate.observe(chat, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
+        gate.observe(request(f"a{i}", 0.5, guess="arithmetic"), drafted=True, verified_model_nodes=True,
+                     first_accepted_is_model=True)
+    arithmetic = request("a-new", gate.start("arithmetic"), guess="arithmetic")
+    chat = request("c-new", gate.start("chat"), domain="chat")
+    assert not gate.drafts(chat, 16, round_index=3, pipelined=False)
+    assert gate.drafts(arithmetic, 16, round_index=3, pipelined=False) == by_domain
+    # a request whose domain nobody knows starts from every request's record (3 misses to a hit here)
+    assert gate.start("") == gate.first_accept_prior < 0.5
+    if by_domain:  # a domain never seen starts from the optimistic default: it finds out once
+        assert gate.start("records") == FIRST_ACCEPT_START and gate.start("arithmetic") > 0.9 > 0.1 > gate.start("chat")
+
+
+def test_probes_back_off_per_domain():
+    """Probes that keep missing on chat space out chat's probes only; code's stay every 8 rounds."""
+    gate = DraftGate(RouterConfig(), loaded_control())
+    for round_index in (8, 16, 32):
+        batch = [request(f"c{round_index}-{i}", 0.01, domain="chat") for i in range(4)]
+        batch += [request(f"k{round_index}-{i}", 0.01, guess="code") for i in range(4)]
+        assert all(gate.drafts(r, 8, round_index, False) and r.probing for r in batch)
+        for r in batch:
+            gate.observe(r, drafted=True, verified_model_nodes=True, first_accepted_is_model=r.domain != "chat")
+        gate.settle(batch)
+    assert gate.record("chat").probe_every == 8 * 2 ** 3 == MAX_PROBE_EVERY
+    assert gate.record("code").probe_every == PROBE_EVERY
+    assert gate.drafts(request("k", 0.01, guess="code"), 8, 40, False)  # a code probe round
+    assert not gate.drafts(request("c", 0.01, domain="chat"), 8, 40, False)  # not chat's
+    # once routed, a request is gated by its routing domain, not by the guess it was submitted with
+    routed = request("r", 0.01, domain="chat", guess="code")
+    assert not gate.drafts(routed, 8, 40, False)

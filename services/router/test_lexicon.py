@@ -142,3 +142,24 @@ def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(scored
     assert scored == ["r7"]  # the lexicon's audit (every 8th prompt); none before it
     assert shared["prose"][0] == 21 and shared["code"][0] == 20
 
+
+
+def test_a_submitted_request_is_gated_by_the_lexicons_guess_until_it_is_routed():
+    """At submission the lexicon's best guess (no drafter pass) picks the draft gate's record the
+    request starts from; a domain hint wins; with an empty lexicon there is no guess."""
+    rng = random.Random(5)
+    core = RouterCore(RouterConfig(), LocalDrafterPool({}), None)
+    early = core.submit("early", prompt("code", rng), 4, GREEDY)
+    assert early.domain_guess == "" and early.first_accept == core.gate.first_accept_prior
+    for _ in range(4):
+        for d in RANGES:
+            core.routing.lexicon.learn(d, prompt(d, rng))
+    core.gate.record("prose").first_accept = 0.05  # drafting has not paid on prose lately
+    code, prose = (core.submit(f"{d}-1", prompt(d, rng), 4, GREEDY) for d in RANGES)
+    assert (code.domain_guess, prose.domain_guess) == ("code", "prose") and not code.domain and not prose.domain
+    assert prose.first_accept == 0.05 and code.first_accept == core.gate.record("code").first_accept > 0.5
+    hinted = core.submit("hinted", prompt("code", rng), 4, GREEDY, domain_hint="prose")
+    assert hinted.domain_guess == "prose" and hinted.first_accept == 0.05
+    unkeyed = RouterCore(RouterConfig(gate_by_domain=False), LocalDrafterPool({}), None)
+    unkeyed.routing.lexicon = core.routing.lexicon
+    assert unkeyed.submit("x", prompt("prose", rng), 4, GREEDY).domain_guess == ""
