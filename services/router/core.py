@@ -142,6 +142,8 @@ class RouterCore:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        # the shared lexicon from the start: the draft gate keys new requests by its guess of their domain
+        self._background(self.routing.reload(throttled=False))
         for i in range(max(1, self.config.rounds_in_flight)):
             self._workers.append(asyncio.create_task(self._worker(i), name=f"round-worker-{i}"))
 

@@ -86,14 +86,8 @@ class RequestRouting:
         what other routers learned meanwhile, may give the domain without them."""
         guesses: dict[str, str | None] = {}
         to_score = self._decide(reqs, guesses)
-        if (to_score and self.shared is not None and self.config.domain_detection == "lexicon"
-                and self.clock() - self._loaded_at >= RELOAD_S):
-            self._loaded_at = self.clock()
-            fresh = await self.shared.load()
-            if fresh is not None:
-                fresh.keep_record_of(self.lexicon)
-                self.lexicon = fresh
-                to_score = self._decide(to_score, guesses)
+        if to_score and self.config.domain_detection == "lexicon" and await self.reload():
+            to_score = self._decide(to_score, guesses)
         if to_score:
             await detect_domains(self.drafting, to_score, live)
             self.counters.domains_by_drafters += len(to_score)
@@ -101,6 +95,21 @@ class RequestRouting:
                 self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
                 if r.domain and self.shared is not None:
                     self.shared.learned(r.domain, r.prompt)
+
+    async def reload(self, throttled: bool = True) -> bool:
+        """Read the shared lexicon again: whether it was. A router reads it when it starts
+        (``throttled`` False: the seed may not be written yet, and the first prompt its drafters would
+        score reads it again), and before its drafters would score a prompt, at most every ``RELOAD_S``."""
+        if self.shared is None or (throttled and self.clock() - self._loaded_at < RELOAD_S):
+            return False
+        if throttled:
+            self._loaded_at = self.clock()
+        fresh = await self.shared.load()
+        if fresh is None:
+            return False
+        fresh.keep_record_of(self.lexicon)
+        self.lexicon = fresh
+        return True
 
     def _decide(self, reqs: list[Request], guesses: dict[str, str | None]) -> list[Request]:
         """Give the requests the lexicon's domain where it is trusted; the others, to be scored."""

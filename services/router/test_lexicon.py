@@ -163,3 +163,31 @@ def test_a_submitted_request_is_gated_by_the_lexicons_guess_until_it_is_routed()
     unkeyed = RouterCore(RouterConfig(gate_by_domain=False), LocalDrafterPool({}), None)
     unkeyed.routing.lexicon = core.routing.lexicon
     assert unkeyed.submit("x", prompt("prose", rng), 4, GREEDY).domain_guess == ""
+
+
+def test_a_router_reads_the_shared_lexicon_when_it_starts(redis_url, redis_prefix):
+    """A router started after the seed was written guesses its first requests' domains from it
+    (for the draft gate) before any prompt was scored; one started before the seed reads it again
+    when its drafters would first score a prompt (the previous test)."""
+    rng = random.Random(8)
+    seed = {d: (20, {t: 1 for _ in range(20) for t in prompt(d, rng)}) for d in RANGES}
+
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix)
+        await store.seed_lexicon(seed)
+        profiles = ProfileStore(store)
+        core = RouterCore(RouterConfig(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
+        before = core.routing.guess(prompt("prose", rng))
+        core.start()
+        for _ in range(100):
+            if not core._bg:
+                break
+            await asyncio.sleep(0.01)
+        after = [core.submit(f"r{d}", prompt(d, rng), 4, GREEDY) for d in RANGES]
+        await core.stop()  # before a round: nothing was scored or drafted
+        await store.close()
+        return before, after
+
+    before, after = asyncio.run(body())
+    assert before == ""
+    assert [r.domain_guess for r in after] == list(RANGES) and not any(r.domain for r in after)
