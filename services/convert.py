@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from common.fusion import DraftTree
 from common.spec_types import DraftItem, DraftResult, ModelInfo, SamplingParams, TokenTree, Verdict, VerifyItem
+from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
 from cosine.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
@@ -137,3 +139,55 @@ def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
         next_token=pb.next_token, node_accepted=tuple(pb.node_accepted), committed_len=pb.committed_len,
         error=pb.error, error_kind=pb.error_kind,
     )
+
+
+def fuse_round_to_pb(step_id: int, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]) -> drafter_pb2.DraftStep:
+    """A whole round of token fusion for one drafter process (see common/token_fusion.py)."""
+    fuse = drafter_pb2.FuseRound(width=width, pricing=drafter_pb2.FusePricing(
+        priced=pricing.priced, threshold=pricing.threshold, calibration=pricing.calibration,
+        step_tokens=pricing.step_tokens, row_tokens=pricing.row_tokens))
+    for r in requests:
+        fuse.requests.add(request_id=r.request_id, steps=r.steps, sources=[
+            drafter_pb2.FuseSource(drafter_id=s.drafter_id, weight=s.weight, truncate_to=s.first.truncate_to,
+                                   append_ids=s.first.append_ids, cache_len=s.cache_len) for s in r.sources])
+    return drafter_pb2.DraftStep(step_id=step_id, fuse=fuse)
+
+
+def fuse_round_from_pb(fuse: drafter_pb2.FuseRound) -> tuple[int, StepPricing, list[FusionRequest]]:
+    p = fuse.pricing
+    pricing = StepPricing(priced=p.priced, threshold=p.threshold, calibration=tuple(p.calibration),
+                          step_tokens=p.step_tokens, row_tokens=p.row_tokens)
+    requests = [FusionRequest(request_id=r.request_id, steps=r.steps, sources=tuple(
+        FusionSource(drafter_id=s.drafter_id, weight=s.weight, cache_len=s.cache_len,
+                     first=DraftItem(request_id=r.request_id, truncate_to=s.truncate_to, append_ids=tuple(s.append_ids)))
+        for s in r.sources)) for r in fuse.requests]
+    return fuse.width, pricing, requests
+
+
+def fusion_outcomes_to_pb(outcomes: Mapping[str, FusionOutcome], step_seconds: Sequence[float]) -> drafter_pb2.FuseRoundResult:
+    pb = drafter_pb2.FuseRoundResult(step_seconds=step_seconds)
+    for rid, out in outcomes.items():
+        t = out.tree
+        top1_masks = [t.mask_of(top) for top in t.top1]  # before drafter_ids is read: it may grow
+        tree = pb.trees.add(request_id=rid, tokens=t.tokens, parents=t.parents, probs=t.probs,
+                            drafter_ids=t.drafter_ids, source_masks=t.source_masks,
+                            top1_masks=top1_masks, fused=out.fused)
+        for d, n in out.cache_len.items():
+            tree.sources.add(drafter_id=d, cache_len=n)
+        for d, why in out.failed.items():
+            tree.sources.add(drafter_id=d, error=why or "failed")
+    return pb
+
+
+def fusion_outcomes_from_pb(pb: drafter_pb2.FuseRoundResult) -> tuple[dict[str, FusionOutcome], list[float]]:
+    outcomes = {}
+    for t in pb.trees:
+        ids = list(t.drafter_ids)
+        tree = DraftTree(drafter_ids=ids, tokens=list(t.tokens), parents=list(t.parents), probs=list(t.probs),
+                         source_masks=list(t.source_masks),
+                         top1=[frozenset(d for i, d in enumerate(ids) if m >> i & 1) for m in t.top1_masks])
+        outcomes[t.request_id] = FusionOutcome(
+            tree=tree, fused=list(t.fused),
+            cache_len={s.drafter_id: s.cache_len for s in t.sources if not s.error},
+            failed={s.drafter_id: s.error for s in t.sources if s.error})
+    return outcomes, list(pb.step_seconds)

@@ -1,10 +1,16 @@
+from common.fusion import DraftTree
 from common.spec_types import DraftItem, DraftResult, SamplingParams, TokenTree, Verdict, VerifyItem
+from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
 from cosine.v1 import drafter_pb2, verifier_pb2
 from services.convert import (
     draft_items_from_pb,
     draft_result_from_pb,
     draft_result_to_pb,
     draft_step_to_pb,
+    fuse_round_from_pb,
+    fuse_round_to_pb,
+    fusion_outcomes_from_pb,
+    fusion_outcomes_to_pb,
     verdict_from_pb,
     verdict_to_pb,
     verify_batch_to_pb,
@@ -65,3 +71,21 @@ def test_only_an_unset_top_p_means_off():
     assert sampling_from_pb(common_pb2.SamplingParams()).top_p == 1.0
     assert math.isnan(sampling_from_pb(common_pb2.SamplingParams(top_p=float("nan"))).top_p)
     assert sampling_from_pb(common_pb2.SamplingParams(top_p=-0.5)).top_p == -0.5
+
+
+def test_a_fused_round_and_its_trees_cross_the_wire_unchanged():
+    pricing = StepPricing(priced=True, threshold=0.25, calibration=(0.5, 0.75), step_tokens=0.5, row_tokens=0.125)
+    requests = [FusionRequest("r1", 3, (FusionSource("a", 0.5, DraftItem("r1", truncate_to=4, append_ids=(7, 8)), 6),
+                                        FusionSource("b", 0.25, DraftItem("r1", append_ids=(1, 2, 7, 8)), 4))),
+                FusionRequest("r2", 0, ())]
+    step = drafter_pb2.DraftStep.FromString(fuse_round_to_pb(9, 3, pricing, requests).SerializeToString())
+    assert step.step_id == 9 and step.HasField("fuse")
+    assert fuse_round_from_pb(step.fuse) == (3, pricing, requests)
+
+    tree = DraftTree(drafter_ids=["a", "b"])
+    root = tree.add(-1, 5, 0.75, frozenset({"a", "b"}), frozenset({"a"}))
+    tree.add(root, 6, 0.5, frozenset({"c"}), frozenset({"b", "c"}))  # "c" joins the tree's drafters
+    outcomes = {"r1": FusionOutcome(tree, fused=[5, 6], cache_len={"a": 7}, failed={"b": "cache lost"}),
+                "r2": FusionOutcome(DraftTree(drafter_ids=[]))}
+    reply = drafter_pb2.FuseRoundResult.FromString(fusion_outcomes_to_pb(outcomes, [0.5, 0.25]).SerializeToString())
+    assert fusion_outcomes_from_pb(reply) == (outcomes, [0.5, 0.25])

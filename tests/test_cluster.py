@@ -106,6 +106,8 @@ def test_concurrent_greedy_equals_target_across_domains(cluster, workload, refer
     # speculation really happened: more than one token per round on average
     rounds = sum(r.stats.rounds for r in results)
     assert sum(len(r.token_ids) for r in results) / rounds > 1.2
+    # the drafter process hosts every drafter: it fused the requests' rounds itself, one message each
+    assert router_counters(cluster)["drafter_fused_rounds"] > 0
     # new prompts arriving together are scored while they decode plainly, so a short request may
     # finish before it is routed; those that were routed went to their domain's experts
     hits = expertise_hits(tiny_zoo, workload, results, routed_only=True)
@@ -200,11 +202,19 @@ def request_keys(cluster) -> list[str]:
     return asyncio.run(body())
 
 
-def router_active(cluster) -> int:
+def router_status(cluster):
     from cosine.v1 import router_pb2, router_pb2_grpc
 
     with grpc.insecure_channel(cluster.router_address) as channel:
-        return router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5).active_requests
+        return router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5)
+
+
+def router_active(cluster) -> int:
+    return router_status(cluster).active_requests
+
+
+def router_counters(cluster) -> dict[str, float]:
+    return dict(router_status(cluster).counters)
 
 
 def test_deadline_and_cancel_free_request_state(cluster, workload):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -33,8 +33,11 @@ from common.runtime import configure_torch_threads
 from common.service import StartupError
 from common.spec_types import DraftItem, DraftResult, StageTimings
 from common.store import Store
+from common.token_fusion import FusionOutcome, FusionRequest, StepPricing, TokenFusion
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from services.convert import draft_items_from_pb, draft_result_to_pb, model_info_to_pb
+from services.convert import (
+    draft_items_from_pb, draft_result_to_pb, fuse_round_from_pb, fusion_outcomes_to_pb, model_info_to_pb,
+)
 from services.drafter.engine import DrafterEngine
 from services.drafter.settings import DrafterSettings
 
@@ -74,6 +77,23 @@ def run_chain_step(engine: DrafterEngine, items: Sequence[DraftItem]) -> tuple[l
                                  decode_ns=max(0, total - forward_ns - outcome.timings.prefill_ns), total_ns=total)
 
 
+def run_fused_round(engines: Mapping[str, DrafterEngine], width: int, pricing: StepPricing,
+                    requests: Sequence[FusionRequest]) -> tuple[dict[str, FusionOutcome], list[float]]:
+    """A round of token fusion over drafters hosted here: the router's loop (common/token_fusion.py),
+    each step one batched forward per drafter, and no message between steps. Returns each
+    request's outcome and each step's seconds."""
+    loop = TokenFusion(requests, width, pricing)
+    seconds: list[float] = []
+    while not loop.done:
+        calls = loop.step()
+        if not calls:
+            break
+        t0 = time.perf_counter()
+        loop.take({d: list(engines[d].run_step(items).results) if d in engines else None for d, items in calls.items()})
+        seconds.append(time.perf_counter() - t0)
+    return loop.outcomes, seconds
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, app: DrafterApp):
         self.app = app
@@ -91,6 +111,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             async for step in request_iterator:
                 received = time.perf_counter_ns()
                 self.app.last_step = time.monotonic()
+                if step.HasField("fuse"):
+                    yield await self.fused_round(step, context, live, received)
+                    continue
                 groups = [(g.drafter_id, draft_items_from_pb(g)) for g in step.groups] or [(step.drafter_id, draft_items_from_pb(step))]
                 unknown = sorted({d for d, _ in groups if d not in self.app.engines})
                 if unknown:
@@ -126,6 +149,34 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 for d, rid in live.ids:
                     leftovers.setdefault(d, set()).add(rid)
                 await asyncio.shield(self.app.release(leftovers))
+
+
+    async def fused_round(self, step: drafter_pb2.DraftStep, context: grpc.aio.ServicerContext, live: LiveRequests,
+                          received: int) -> drafter_pb2.DraftStepResult:
+        """A whole round of token fusion in this process (DraftStep.fuse)."""
+        width, pricing, requests = fuse_round_from_pb(step.fuse)
+        groups: dict[str, list[DraftItem]] = {}
+        for r in requests:
+            for s in r.sources:
+                groups.setdefault(s.drafter_id, []).append(s.first)
+        unknown = sorted(d for d in groups if d not in self.app.engines)
+        if unknown:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"fuse.requests.sources.drafter_id: this process hosts no drafter "
+                                f"{', '.join(map(repr, unknown))} (it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
+        if self.app.draining:
+            new = self.app.not_held(list(groups.items()))
+            if new:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"drafter process draining (shutting down): it takes no "
+                                    f"new requests ({len(new)} in this round, e.g. {new[0]!r}); use another replica")
+        before = live.begin(((d, item.request_id), False) for d, items in groups.items() for item in items)
+        outcomes, seconds, forward_ns = await self.app.run_fused(width, pricing, requests)
+        live.settle(before, (((s.drafter_id, r.request_id), False, s.drafter_id in outcomes[r.request_id].cache_len)
+                             for r in requests for s in r.sources))
+        reply = drafter_pb2.DraftStepResult(step_id=step.step_id, fused=fusion_outcomes_to_pb(outcomes, seconds))
+        reply.timings.forward_ns = forward_ns
+        reply.timings.total_ns = time.perf_counter_ns() - received
+        reply.timings.queue_ns = max(0, reply.timings.total_ns - forward_ns)
+        return reply
 
 
 class DrafterApp:
@@ -176,6 +227,18 @@ class DrafterApp:
         self.in_flight += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        finally:
+            self.in_flight -= 1
+            self.last_step = time.monotonic()
+
+    async def run_fused(self, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+                        ) -> tuple[dict[str, FusionOutcome], list[float], int]:
+        """A fused round (:func:`run_fused_round`) on the model thread; also its model time in ns."""
+        self.in_flight += 1
+        try:
+            outcomes, seconds = await asyncio.get_running_loop().run_in_executor(
+                self.executor, run_fused_round, self.engines, width, pricing, requests)
+            return outcomes, seconds, int(sum(seconds) * 1e9)
         finally:
             self.in_flight -= 1
             self.last_step = time.monotonic()

@@ -20,12 +20,15 @@ from common.logs import get_logger
 from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
 from common.store import Store
 from common.streams import StreamClient
+from common.token_fusion import FusionOutcome, FusionRequest, StepPricing
 from common.tls import TlsConfig, open_channel
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.convert import (
     draft_group_results_from_pb,
     draft_groups_to_pb,
     draft_step_to_pb,
+    fuse_round_to_pb,
+    fusion_outcomes_from_pb,
     verdict_from_pb,
     verify_batch_to_pb,
 )
@@ -71,6 +74,7 @@ class GrpcDrafterPool:
         self._step = 0
         self._closing: set[asyncio.Task[None]] = set()  # streams of departed processes, closed once answered
         self.calls = 0  # draft steps answered
+        self.fused_rounds = 0  # rounds of token fusion a drafter process ran on its own (one message each)
         self.busy_ns = 0  # drafter model time of those steps (from the drafters' own timings)
         self._task: asyncio.Task[None] | None = None
 
@@ -138,6 +142,35 @@ class GrpcDrafterPool:
             if not out.get(d):
                 out[d] = None
         return out
+
+    def fusion_host(self, request_id: str, drafters: Sequence[str]) -> str | None:
+        """The drafter process that serves every one of ``drafters`` for this request (the replica
+        :func:`pick_replica` picks for each), or None when they are served by different processes."""
+        hosts = set()
+        for d in drafters:
+            address = pick_replica(request_id, [ep.address for ep in self.replicas(d)])
+            if address is None:
+                return None
+            hosts.add(address)
+        return hosts.pop() if len(hosts) == 1 else None
+
+    async def fuse(self, host: str, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+                   ) -> tuple[dict[str, FusionOutcome], list[float]] | None:
+        """A round of token fusion inside the process at ``host`` (one message); None when it failed
+        (the process is marked, as for a failed draft step)."""
+        ep = self.endpoints.get(host)
+        if ep is None or ep.failed:
+            return None
+        self._step += 1
+        try:
+            reply = await ep.stream.call(fuse_round_to_pb(self._step, width, pricing, requests), timeout_s=60)
+        except Exception as exc:
+            self._mark_endpoint(ep, str(exc))
+            return None
+        self.calls += 1
+        self.fused_rounds += 1
+        self.busy_ns += max(0, reply.timings.total_ns - reply.timings.queue_ns)
+        return fusion_outcomes_from_pb(reply.fused)
 
     def release(self, drafter_id: str, request_ids: Sequence[str]) -> None:
         """Free the requests' caches on every healthy replica (a replica that does not hold one

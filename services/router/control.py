@@ -47,7 +47,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
+from common.token_fusion import StepPricing
 from services.router.pass_plan import PassCurve
 
 
@@ -242,13 +243,25 @@ class SpeculationControl:
 
     def worth_a_step(self, next_values: Sequence[float], pipelined: bool) -> bool:
         """Whether one more fused draft step (for the requests whose next nodes are ``next_values``)
-        repays the drafters' time. Pipelined, the step overlaps another batch's verification and
-        only half of its time is counted."""
-        if not self.enabled or self.throughput <= 0 or self.draft_step_s <= 0:
-            return True
-        share = 0.5 if pipelined else 1.0
-        verify_rows = self.cost.slope() * len(next_values)
-        return sum(next_values) >= self.throughput * (share * self.draft_step_s + verify_rows)
+        repays the drafters' time and the nodes' rows. Pipelined, the step overlaps another batch's
+        verification and only half of its time is counted (see :meth:`step_pricing`)."""
+        return self.step_pricing(pipelined).worth_a_step(next_values)
+
+    def step_pricing(self, pipelined: bool) -> StepPricing:
+        """This round's word on nodes and steps, for token fusion wherever it runs (a snapshot:
+        the node threshold, the calibration, and what one more step must bring, as in
+        :meth:`threshold`, :meth:`node_value` and :meth:`worth_a_step`)."""
+        if not self.enabled:
+            return StepPricing()
+        cal = self.calibration
+        rates = tuple(a / n for a, n in zip(cal.accepted, cal.seen))
+        step_tokens = row_tokens = 0.0
+        if self.throughput > 0 and self.draft_step_s > 0:
+            share = 0.5 if pipelined else 1.0
+            step_tokens = self.throughput * share * self.draft_step_s
+            row_tokens = self.throughput * self.cost.slope()
+        return StepPricing(priced=True, threshold=self.threshold(), calibration=rates,
+                           step_tokens=step_tokens, row_tokens=row_tokens)
 
     def pipeline_pays(self) -> bool:
         """Whether a second round in flight pays: while drafting takes at least as long as the

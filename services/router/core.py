@@ -41,7 +41,8 @@ Where each part lives: this module runs the rounds; ``verdicts.py`` applies a re
 request pool's types and the contracts of the drafter pool and verifier; ``scheduler.py`` picks
 batches and speculation lengths; ``gate.py`` decides who drafts; ``domain.py`` detects a drafting
 request's domain and seeds its routing vector (``routing.py``); ``drafting.py`` selects drafters and
-runs token or chunk fusion (``fusion.py`` builds the trees); ``lookup.py`` is the lookup drafter;
+runs token or chunk fusion (``common/fusion.py`` builds the trees, ``common/token_fusion.py`` runs
+token fusion's steps, here or inside a drafter process); ``lookup.py`` is the lookup drafter;
 ``pass_plan.py`` cuts the batch's trees to what pays on the pass-time curve; ``control.py`` prices
 nodes and steps against their cost.
 """
@@ -61,7 +62,7 @@ from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain
 from services.router.drafting import Drafting, common_prefix, sync_item
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 from services.router.gate import DraftGate
 from services.router.requests import (
     FINISH_CANCELLED,

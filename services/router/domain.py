@@ -129,12 +129,12 @@ async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str
     """Domain signal: every live drafter scores each new prompt (mean log-prob) and
     :func:`infer_domain` picks the domain whose specialist finds it most likely. The drafters
     keep the prompt in cache, so this is also their prefill."""
-    calls: dict[str, list[tuple[str, DraftItem]]] = {}
+    calls: dict[str, list[DraftItem]] = {}
     sent = {r.request_id: list(r.sequence) for r in reqs}  # scored in the background, a request may commit meanwhile
     for d in live:
         for r in reqs:
             item, _ = sync_item(r.drafter_cache.get(d, []), sent[r.request_id], top_n=0, score=True)
-            calls.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
+            calls.setdefault(d, []).append(replace(item, request_id=r.request_id))
     answers = await drafting.call(calls)
     scored = []
     for d, results in answers.items():

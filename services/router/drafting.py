@@ -1,10 +1,12 @@
 """Drafting strategies of a round (no gRPC here): who drafts each request, token fusion, chunk fusion.
 
 - :meth:`Drafting.select`: the drafters of one request (routing by expertise, or a fixed set).
-- :meth:`Drafting.tokens`: token fusion. k steps; at each step every selected drafter proposes its
-  top-n, the routing-weighted best becomes the next node and is appended by all of them,
-  runners-up become siblings. Every node is priced by :class:`~services.router.control.SpeculationControl`
-  (a node, and a step, are kept only while they pay).
+- :meth:`Drafting.tokens`: token fusion (the loop is ``common/token_fusion.py``). k steps; at each
+  step every selected drafter proposes its top-n, the routing-weighted best becomes the next node
+  and is appended by all of them, runners-up become siblings. Every node is priced by
+  :class:`~services.router.control.SpeculationControl` (a node, and a step, are kept only while they
+  pay). A request whose drafters all live in one drafter process is fused there, the round in one
+  message; the rest are fused from here, one message per step.
 - :meth:`Drafting.chunks`: chunk fusion. Each drafter drafts a whole k-chain in one message; the
   chains are merged into a prefix tree, then priced and pruned.
 
@@ -14,13 +16,15 @@ longest common prefix, the rest appended): the committed prefix is never recompu
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from common.logs import get_logger
 from common.spec_types import DraftItem, DraftResult
 from services.router.control import SpeculationControl
-from services.router.fusion import DraftTree, Proposal, fuse, fuse_chains
+from common.fusion import DraftTree, fuse_chains
+from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing, TokenFusion
 from services.router.matching import match_draft_results
 from services.router.requests import DrafterPool, Request, RouterConfig
 
@@ -69,65 +73,73 @@ class Drafting:
         return [d for d in chosen if d in live]
 
     async def tokens(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
+        """Token fusion (``common/token_fusion.py``). A request whose drafters all live in one drafter
+        process is fused there, the whole round in one message (``local_fusion``); the others are
+        fused here, one message per draft step. Both run the same loop with this round's pricing."""
         live = list(self.drafters.live())
         width = self.config.tree_width
         selected = {r.request_id: self.select(r, live) if ks[r.request_id] > 0 else [] for r in batch}
-        trees = {r.request_id: DraftTree(drafter_ids=list(selected[r.request_id])) for r in batch}
-        tips = {r.request_id: -1 for r in batch}
-        fused: dict[str, list[int]] = {r.request_id: [] for r in batch}
-        by_id = {r.request_id: r for r in batch}
-        active = {rid for rid, sel in selected.items() if sel}
-        values = {rid: 1.0 for rid in active}  # expected acceptance of each request's fused tip
-        theta = self.control.threshold() if self.config.cost_control else 0.0
         pipelined = self.config.rounds_in_flight > 1 and self.control.pipelining
-        step = 0
-        while active:
-            per_drafter: dict[str, list[tuple[str, DraftItem]]] = {}
-            for rid in sorted(active):
-                r = by_id[rid]
-                for d in selected[rid]:
-                    if step == 0:
-                        item, after = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=width)
-                        r.drafter_cache[d] = after
-                    else:
-                        item = DraftItem(request_id="", append_ids=(fused[rid][-1],), top_n=width)
-                        r.drafter_cache[d].append(fused[rid][-1])
-                    per_drafter.setdefault(d, []).append((rid, replace(item, request_id=rid)))
-            t_step = self.clock()
-            answers = await self.call(per_drafter)
-            self.control.observe_draft_step(self.clock() - t_step, first_of=len(active) if step == 0 else 0)
-            proposals: dict[str, list[Proposal]] = {rid: [] for rid in active}
-            for d, pairs in per_drafter.items():
-                results = match_draft_results([rid for rid, _ in pairs], answers.get(d))
-                for (rid, _), res in zip(pairs, results):
-                    cache = by_id[rid].drafter_cache.get(d, [])
-                    if res is not None and res.ok and res.token_ids and res.cache_len in (0, len(cache)):
-                        proposals[rid].append(Proposal(d, tuple(res.token_ids), tuple(res.probs)))
-                    else:  # the drafter failed for this request: it leaves the request's round
-                        by_id[rid].drafter_cache.pop(d, None)
-                        selected[rid] = [x for x in selected[rid] if x != d]
-            step += 1
-            next_values = []
-            for rid in list(active):
-                ranked = fuse(proposals[rid], by_id[rid].routing.weights(selected[rid]))
-                # a node is verified only when its expected tokens repay its verify row
-                kept = [c for c in ranked[:width] if self.control.node_value(values[rid], c.score) >= theta]
-                if not kept or kept[0] is not ranked[0]:
-                    active.discard(rid)
-                    if kept:  # the fused token does not pay but a runner-up does: keep the runners-up as leaves
-                        for c in kept:
-                            trees[rid].add(tips[rid], c.token, c.score, c.sources, c.top1)
-                    continue
-                tips[rid] = trees[rid].add_fused_step(tips[rid], kept, len(kept))
-                values[rid] = self.control.node_value(values[rid], ranked[0].score)
-                fused[rid].append(ranked[0].token)
-                if step >= ks[rid] or not selected[rid]:
-                    active.discard(rid)
+        pricing = self.control.step_pricing(pipelined) if self.config.cost_control else StepPricing()
+        requests: list[FusionRequest] = []
+        for r in batch:
+            weights = r.routing.weights(selected[r.request_id])
+            sources = []
+            for d in selected[r.request_id]:
+                item, after = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=width)
+                sources.append(FusionSource(d, weights[d], item, len(after)))
+            requests.append(FusionRequest(r.request_id, ks[r.request_id], tuple(sources)))
+        by_host: dict[str | None, list[FusionRequest]] = {}
+        host_of = getattr(self.drafters, "fusion_host", None) if self.config.local_fusion else None
+        for fr in requests:
+            host = host_of(fr.request_id, [s.drafter_id for s in fr.sources]) if host_of and fr.sources else None
+            by_host.setdefault(host, []).append(fr)
+        outcomes: dict[str, FusionOutcome] = {}
+        for part in await asyncio.gather(*(self._fuse_here(reqs, pricing) if host is None else self._fuse_at(host, reqs, pricing)
+                                           for host, reqs in by_host.items())):
+            outcomes.update(part)
+        trees: dict[str, DraftTree] = {}
+        for r in batch:
+            rid = r.request_id
+            out = outcomes.get(rid) or FusionOutcome(DraftTree(drafter_ids=list(selected[rid])), failed=dict.fromkeys(selected[rid], "no answer"))
+            for d in selected[rid]:  # the router's mirror of each drafter's cache
+                if d in out.cache_len:
+                    r.drafter_cache[d] = list(r.sequence) + out.fused[: max(0, out.cache_len[d] - len(r.sequence))]
                 else:
-                    next_values.append(values[rid])
-            if active and self.config.cost_control and not self.control.worth_a_step(next_values, pipelined):
-                active.clear()
+                    r.drafter_cache.pop(d, None)
+            selected[rid] = [d for d in selected[rid] if d in out.cache_len]
+            trees[rid] = out.tree
         return trees, selected
+
+    async def _fuse_here(self, requests: list[FusionRequest], pricing: StepPricing) -> dict[str, FusionOutcome]:
+        """Token fusion driven from the router: one message per drafter process per draft step."""
+        loop = TokenFusion(requests, self.config.tree_width, pricing)
+        first = True
+        while not loop.done:
+            calls = loop.step()
+            if not calls:
+                break
+            drafting = len(loop.active)
+            t_step = self.clock()
+            answers = await self.call(calls)
+            self.control.observe_draft_step(self.clock() - t_step, first_of=drafting if first else 0)
+            first = False
+            loop.take(answers)
+        return loop.outcomes
+
+    async def _fuse_at(self, host: str, requests: list[FusionRequest], pricing: StepPricing) -> dict[str, FusionOutcome]:
+        """Token fusion inside the drafter process ``host``: the whole round in one message. Its
+        step times feed the draft-step pricing as the router's own would. A process that fails
+        fails every drafter of these requests for this round (they go on without drafting)."""
+        answer = await self.drafters.fuse(host, self.config.tree_width, pricing, requests)
+        if answer is None:
+            log.warning("drafter process failed during a fused round; its requests go on without it", host=host)
+            return {}
+        outcomes, step_seconds = answer
+        drafting = sum(1 for fr in requests if fr.sources and fr.steps > 0)
+        for i, seconds in enumerate(step_seconds):
+            self.control.observe_draft_step(seconds, first_of=drafting if i == 0 else 0)
+        return outcomes
 
     async def chunks(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
         live = list(self.drafters.live())
@@ -140,7 +152,7 @@ class Drafting:
                 r.drafter_cache[d] = after
                 per_drafter.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
         t_call = self.clock()
-        answers = await self.call(per_drafter)
+        answers = await self.call({d: [item for _, item in pairs] for d, pairs in per_drafter.items()})
         if per_drafter:  # the whole chunk is the round's first (and only) draft message
             self.control.observe_draft_step(self.clock() - t_call, first_of=sum(1 for s in selected.values() if s))
         chains: dict[str, dict[str, tuple[list[int], list[float]]]] = {r.request_id: {} for r in batch}
@@ -169,10 +181,10 @@ class Drafting:
             trees = {rid: self.control.prune(tree) for rid, tree in trees.items()}
         return trees, {rid: sorted(c) for rid, c in chains.items()}
 
-    async def call(self, per_drafter: Mapping[str, list[tuple[str, DraftItem]]]) -> dict[str, list[DraftResult] | None]:
+    async def call(self, calls: Mapping[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:
         """One draft step for every drafter involved (one message per drafter process). A failed
         drafter answers None and has left the pool; its requests go on without it."""
-        answers = await self.drafters.draft_many({d: [item for _, item in pairs] for d, pairs in per_drafter.items()})
+        answers = await self.drafters.draft_many(calls)
         for d, results in answers.items():
             if results is None:
                 log.warning("drafter failed; its requests go on without it", drafter=d)

@@ -11,14 +11,20 @@ import asyncio
 from collections.abc import Mapping, Sequence
 
 from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
+from common.token_fusion import FusionOutcome, FusionRequest, StepPricing
 from services.drafter.engine import DrafterEngine
-from services.drafter.server import run_chain_step
+from services.drafter.server import run_chain_step, run_fused_round
 from services.verifier.engine import VerifierEngine
 
 
 class LocalDrafterPool:
-    def __init__(self, engines: Mapping[str, DrafterEngine], fail_after: Mapping[str, int] | None = None):
+    """``fuse_locally``: every request's token fusion runs here in one call per round, as in a drafter
+    process that hosts all of its drafters (off: the router drives it, one :meth:`draft_many` per step)."""
+
+    def __init__(self, engines: Mapping[str, DrafterEngine], fail_after: Mapping[str, int] | None = None, fuse_locally: bool = False):
         self.engines = dict(engines)
+        self.fuse_locally = fuse_locally
+        self.fused_rounds = 0
         self.failed: dict[str, str] = {}
         self.calls: dict[str, int] = {d: 0 for d in engines}
         self.fail_after = dict(fail_after or {})  # drafter -> calls after which it "crashes" (tests)
@@ -46,6 +52,17 @@ class LocalDrafterPool:
                 self.mark_failed(d, str(exc))
                 out[d] = None
         return out
+
+    def fusion_host(self, request_id: str, drafters: Sequence[str]) -> str | None:
+        if self.fuse_locally and all(d in self.engines and d not in self.failed for d in drafters):
+            return "local"
+        return None
+
+    async def fuse(self, host: str, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+                   ) -> tuple[dict[str, FusionOutcome], list[float]] | None:
+        await asyncio.sleep(0)
+        self.fused_rounds += 1
+        return run_fused_round(self.engines, width, pricing, requests)
 
     def release(self, drafter_id: str, request_ids: Sequence[str]) -> None:
         if drafter_id in self.failed:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 
 LOOKUP_ID = "lookup"  # the drafter id lookup nodes are credited to (in stats, metrics and trees)
 

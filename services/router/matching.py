@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.spec_types import DraftResult, Verdict
+from common.spec_types import Verdict
+from common.token_fusion import match_draft_results
+
+__all__ = ["match_draft_results", "match_verdicts"]
 
 
 def match_verdicts(expected: Sequence[tuple[str, int]], verdicts: Sequence[Verdict]) -> dict[str, Verdict]:
@@ -36,14 +39,3 @@ def match_verdicts(expected: Sequence[tuple[str, int]], verdicts: Sequence[Verdi
             continue
         out[rid] = v
     return out
-
-
-def match_draft_results(request_ids: Sequence[str], results: Sequence[DraftResult] | None) -> list[DraftResult | None]:
-    """The drafter's answer for each request id in order (None where it gave none). Results
-    without ids (older drafters) fall back to position when the counts agree."""
-    if results is None:
-        return [None] * len(request_ids)
-    by_id = {r.request_id: r for r in results if r.request_id}
-    if not by_id and len(results) == len(request_ids):
-        return list(results)
-    return [by_id.get(rid) for rid in request_ids]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from common.metrics import ServiceMetrics
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 

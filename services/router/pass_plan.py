@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 from services.router.lookup import LOOKUP_ID, LookupNodes
 
 EXACT_ROWS = 8  # passes of up to this many rows have a bin each; larger ones share power-of-two bins

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.spec_types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 from services.router.lookup import LookupIndex
 from services.router.routing import RoutingVector
 from services.router.scheduler import SpeculationLength
@@ -39,6 +39,11 @@ class DrafterPool(Protocol):
 
     def mark_failed(self, drafter_id: str, reason: str) -> None: ...
 
+    # A pool whose drafter processes can fuse a request's tokens themselves also has (the router
+    # looks them up and drives token fusion step by step where they are missing):
+    #   fusion_host(request_id, drafters) -> str | None: the one process serving all of them, if any;
+    #   async fuse(host, width, pricing, requests) -> (outcomes, step seconds) | None: a fused round there.
+
 
 class VerifierBackend(Protocol):
     async def verify(self, items: Sequence[VerifyItem]) -> tuple[list[Verdict], int]:
@@ -60,6 +65,7 @@ class RouterConfig:
     tree_width: int = 3
     drafters_per_request: int = 2
     fusion: str = "token"  # token | chunk
+    local_fusion: bool = True  # token fusion of a request inside the drafter process that hosts all its drafters
     routing: bool = True
     explore_threshold: float = 0.5
     rounds_in_flight: int = 2
@@ -82,7 +88,7 @@ class RouterConfig:
     def from_settings(cls, s: Any) -> RouterConfig:
         return cls(
             min_k=s.min_k, max_k=s.max_k, initial_k=s.initial_k, tree_width=s.tree_width,
-            drafters_per_request=s.drafters_per_request, fusion=s.fusion, routing=s.routing,
+            drafters_per_request=s.drafters_per_request, fusion=s.fusion, local_fusion=s.local_fusion, routing=s.routing,
             explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,

@@ -95,6 +95,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             for key, value in core.counters.as_dict().items():
                 out.counters[key] = float(value)
             out.counters["drafter_calls"] = float(app.pool.calls)
+            out.counters["drafter_fused_rounds"] = float(app.pool.fused_rounds)
             out.counters["drafter_busy_s"] = app.pool.busy_ns / 1e9
             acceptance = core.drafter_acceptance()
             for d in sorted(set(app.pool.by_drafter) | set(acceptance)):

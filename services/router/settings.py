@@ -22,6 +22,8 @@ class RouterSettings(ServiceSettings):
     tree_width: int = setting(3, help="most sibling candidates per tree level (losing fusion candidates become siblings)", check=positive)
     drafters_per_request: int = setting(2, help="drafters that cooperate on one request", check=positive)
     fusion: str = setting("token", help="token: fuse drafter proposals at every draft step; chunk: each drafter drafts a whole chunk, then fuse", choices=("token", "chunk"))
+    local_fusion: bool = setting(True, help="with token fusion, a drafter process that hosts every drafter of a request fuses the "
+                                            "request's whole round itself and answers once (off: one message per draft step)")
     routing: bool = setting(True, help="route by expertise (off: every request uses the first drafters in a fixed order)")
     use_drafters: tuple[str, ...] = setting((), help="only these drafter ids serve requests (repeatable or comma-separated; default: every live drafter)", metavar="DRAFTER_ID")
     all_drafters: bool = setting(False, help="every live drafter drafts every request (SpecInfer-style trees; overrides routing)")

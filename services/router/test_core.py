@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
 from common.spec_types import GREEDY
-from services.drafter.engine import DrafterEngine
 from services.router.core import RouterConfig, RouterCore, common_prefix, sync_item
 from services.router.domain import detect_domains
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
-from services.verifier.engine import VerifierEngine
+from services.router.conftest import MAX_NEW
 from services.verifier.test_greedy_equality import hf_greedy, make_prompts
 
-MAX_NEW = 24
 
 
 async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new: int,
@@ -44,23 +41,6 @@ async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new:
         return out
     finally:
         await core.stop()
-
-
-@pytest.fixture(scope="module")
-def engines(llama_target: Path, llama_near: Path, llama_small: Path):
-    verifier = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa")
-    drafters = {
-        "near": DrafterEngine.from_checkpoint(llama_near, domains=("near-domain",)),
-        "small": DrafterEngine.from_checkpoint(llama_small, domains=("small-domain",)),
-        "self": DrafterEngine.from_checkpoint(llama_target, domains=("self-domain",)),
-    }
-    return verifier, drafters
-
-
-@pytest.fixture(scope="module")
-def reference(llama_target: Path, engines) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-    prompts = make_prompts(6, engines[0].runner.vocab_size, seed=21)
-    return prompts, hf_greedy(llama_target, prompts, MAX_NEW)
 
 
 CONFIGS = {

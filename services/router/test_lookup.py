@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 from services.router.lookup import (
     LOOKUP_ID,
     LookupCalibration,

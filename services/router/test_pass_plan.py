@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
 from services.router.pass_plan import PassCurve, choose_nodes, plan_pass
 

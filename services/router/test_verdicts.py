@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from common.spec_types import GREEDY, Verdict
 from services.router.control import SpeculationControl
-from services.router.fusion import DraftTree
+from common.fusion import DraftTree
 from services.router.gate import DraftGate
 from services.router.lookup import LookupCalibration
 from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Request, RouterConfig

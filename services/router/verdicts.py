@@ -16,7 +16,7 @@ from typing import Any
 from common.logs import get_logger
 from common.spec_types import Verdict
 from services.router.control import SpeculationControl
-from services.router.fusion import DraftTree, credit
+from common.fusion import DraftTree, credit
 from services.router.gate import DraftGate
 from services.router.lookup import LOOKUP_ID, LookupCalibration, LookupNodes, lookup_only, observe_lookup
 from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Event, Request, RequestFailed
