@@ -35,6 +35,7 @@ STYLE = {
     "cosine_no_draft_ahead": ("#c5b0d5", "8", "--"),
     "cosine_unshared_lexicon": ("#98df8a", "1", "--"),
     "cosine_global_gate": ("#f7b6d2", "2", "--"),
+    "cosine_step_fusion": ("#dbdb8d", "3", "--"),
 }
 
 

@@ -51,6 +51,8 @@ HEADLINE = (
     ("vanilla_sd_vs_autoregressive_throughput", "vanilla_sd", "autoregressive", "tokens_per_s", "high"),
     ("cosine_vs_cosine_no_routing_throughput", "cosine", "cosine_no_routing", "tokens_per_s", "high"),
     ("cosine_vs_cosine_no_fusion_throughput", "cosine", "cosine_no_fusion", "tokens_per_s", "high"),
+    ("cosine_vs_cosine_step_fusion_throughput_c1", "cosine", "cosine_step_fusion", "tokens_per_s", "c1"),
+    ("cosine_vs_cosine_step_fusion_throughput", "cosine", "cosine_step_fusion", "tokens_per_s", "high"),
     ("cosine_vs_cosine_no_pipeline_throughput", "cosine", "cosine_no_pipeline", "tokens_per_s", "high"),
     ("cosine_vs_cosine_no_routing_latency", "cosine", "cosine_no_routing", "latency_mean_s", "low"),
     ("cosine_vs_cosine_no_fusion_latency", "cosine", "cosine_no_fusion", "latency_mean_s", "low"),

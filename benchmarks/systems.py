@@ -459,6 +459,7 @@ class ServiceSystem:
             "verify_batches": diff.get("rounds", 0.0), "accepted_tokens": diff.get("accepted_tokens", 0.0),
             "tokens_committed": diff.get("tokens_committed", 0.0), "verifier_busy_s": diff.get("verifier_busy_s", 0.0),
             "drafter_busy_s": diff.get("drafter_busy_s", 0.0), "drafter_calls": diff.get("drafter_calls", 0.0),
+            "drafter_fused_rounds": diff.get("drafter_fused_rounds", 0.0),
             "round_s": diff.get("draft_s", 0.0) + diff.get("verify_s", 0.0) + diff.get("apply_s", 0.0),
             "draft_phase_s": diff.get("draft_s", 0.0), "verify_phase_s": diff.get("verify_s", 0.0), "apply_s": diff.get("apply_s", 0.0),
             "draft_tokens": diff.get("draft_tokens", 0.0), "rounds_drafted_ahead": diff.get("rounds_drafted_ahead", 0.0),
@@ -513,6 +514,8 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
                        "cost-aware control"),
     "cosine_no_routing": (("--no-routing",), (), "cosine with routing off (fixed first drafters)"),
     "cosine_no_fusion": (("--fusion", "chunk"), (), "cosine with chunk fusion instead of per-token fusion"),
+    "cosine_step_fusion": (("--no-local-fusion",), (),
+                           "cosine with token fusion driven by the router, one message per draft step (not one per round)"),
     "cosine_no_pipeline": (("--rounds-in-flight", "1"), (), "cosine with one round in flight (no pipelining)"),
     "cosine_no_control": (("--no-cost-control",), (), "cosine with cost-aware control off (every drafted node verified)"),
     "cosine_drafter_domains": (("--domain-detection", "drafters"), (),
@@ -533,7 +536,7 @@ IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
                "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
                "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup", "cosine_no_draft_ahead",
-               "cosine_unshared_lexicon", "cosine_global_gate")
+               "cosine_unshared_lexicon", "cosine_global_gate", "cosine_step_fusion")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
 DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup",
