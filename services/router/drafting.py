@@ -129,16 +129,20 @@ class Drafting:
 
     async def _fuse_at(self, host: str, requests: list[FusionRequest], pricing: StepPricing) -> dict[str, FusionOutcome]:
         """Token fusion inside the drafter process ``host``: the whole round in one message. Its
-        step times feed the draft-step pricing as the router's own would. A process that fails
-        fails every drafter of these requests for this round (they go on without drafting)."""
+        steps feed the draft-step pricing as the router's own would: each step's model time plus
+        its share of what the round waited beyond them (the message, queueing), so a step is
+        priced at the wall time the round spends on it, as on the router-driven path. A process
+        that fails fails every drafter of these requests for this round (they go on without drafting)."""
+        t0 = self.clock()
         answer = await self.drafters.fuse(host, self.config.tree_width, pricing, requests)
         if answer is None:
             log.warning("drafter process failed during a fused round; its requests go on without it", host=host)
             return {}
         outcomes, step_seconds = answer
+        waited = max(0.0, self.clock() - t0 - sum(step_seconds)) / max(1, len(step_seconds))
         drafting = sum(1 for fr in requests if fr.sources and fr.steps > 0)
         for i, seconds in enumerate(step_seconds):
-            self.control.observe_draft_step(seconds, first_of=drafting if i == 0 else 0)
+            self.control.observe_draft_step(seconds + waited, first_of=drafting if i == 0 else 0)
         return outcomes
 
     async def chunks(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
