@@ -95,3 +95,28 @@ def test_a_tree_does_not_depend_on_where_it_was_fused(engines, reference, cost_c
     assert sum(len(tokens) for tokens, *_ in trees) > len(trees)  # more than one node a request: fusion ran
     if cost_control:  # the pricing cut some trees short of their speculation length
         assert any(len(tokens) < 3 * (2 + i % 4) for i, (tokens, *_) in enumerate(trees))
+
+
+def test_a_fused_rounds_steps_are_priced_at_the_wall_time_the_round_waited(engines, reference):
+    """The process reports model time per step; what the round waited beyond it (the message,
+    queueing) is shared among the steps, so the draft-step pricing sees what a step costs the round."""
+    _, drafters = engines
+    prompts, _ = reference
+
+    class SlowMessages(LocalDrafterPool):
+        async def fuse(self, host, width, pricing, requests):
+            await asyncio.sleep(0.06)  # the message and the queue, beyond the steps' model time
+            outcomes, seconds = await super().fuse(host, width, pricing, requests)
+            return outcomes, [0.001] * len(seconds)
+
+    control = SpeculationControl(enabled=False)
+    pool = SlowMessages(drafters, fuse_locally=True)
+    drafting = Drafting(RouterConfig(drafters_per_request=2, routing=False, cost_control=False), pool, control, time.monotonic)
+    rid, prompt = sorted(prompts.items())[0]
+    batch = [Request(request_id="wall", prompt=tuple(prompt), max_new_tokens=MAX_NEW, sampling=GREEDY, stop_ids=frozenset())]
+    trees, _ = asyncio.run(drafting.tokens(batch, {"wall": 3}))
+    assert len(trees["wall"]) >= 3 and pool.fused_rounds == 1  # three steps in one call
+    assert control.draft_step_s >= 0.001 + 0.06 / 3 * 0.9  # each step carries a third of the wait
+    assert control.first_step.observed == 1
+    for d in drafters:
+        drafters[d].release("wall")
