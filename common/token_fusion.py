@@ -39,6 +39,11 @@ def match_draft_results(request_ids: Sequence[str], results: Sequence[DraftResul
     return [by_id.get(rid) for rid in request_ids]
 
 
+def confidence_bin(confidence: float, bins: int) -> int:
+    """The bin of ``confidence`` among ``bins`` equal bins of [0, 1] (clamped)."""
+    return min(bins - 1, max(0, int(min(1.0, max(0.0, confidence)) * bins)))
+
+
 @dataclass(frozen=True)
 class StepPricing:
     """The cost control's word on nodes and steps for one round (a snapshot; see the module doc).
@@ -57,9 +62,7 @@ class StepPricing:
     def node_value(self, parent_value: float, confidence: float) -> float:
         if not self.calibration:
             return parent_value * confidence
-        bins = len(self.calibration)
-        b = min(bins - 1, max(0, int(min(1.0, max(0.0, confidence)) * bins)))
-        return parent_value * self.calibration[b]
+        return parent_value * self.calibration[confidence_bin(confidence, len(self.calibration))]
 
     def keeps(self, value: float) -> bool:
         return not self.priced or value >= self.threshold

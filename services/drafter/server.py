@@ -86,8 +86,6 @@ def run_fused_round(engines: Mapping[str, DrafterEngine], width: int, pricing: S
     seconds: list[float] = []
     while not loop.done:
         calls = loop.step()
-        if not calls:
-            break
         t0 = time.perf_counter()
         loop.take({d: list(engines[d].run_step(items).results) if d in engines else None for d, items in calls.items()})
         seconds.append(time.perf_counter() - t0)

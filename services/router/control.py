@@ -48,7 +48,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from common.fusion import DraftTree
-from common.token_fusion import StepPricing
+from common.token_fusion import StepPricing, confidence_bin
 from services.router.pass_plan import PassCurve
 
 
@@ -68,7 +68,7 @@ class Calibration:
             self.seen = [self.prior_weight] * self.bins
 
     def _bin(self, p: float) -> int:
-        return min(self.bins - 1, max(0, int(min(1.0, max(0.0, p)) * self.bins)))
+        return confidence_bin(p, self.bins)
 
     def __call__(self, p: float) -> float:
         b = self._bin(p)

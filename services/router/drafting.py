@@ -84,9 +84,10 @@ class Drafting:
         requests: list[FusionRequest] = []
         for r in batch:
             weights = r.routing.weights(selected[r.request_id])
+            sequence = r.sequence
             sources = []
             for d in selected[r.request_id]:
-                item, after = sync_item(r.drafter_cache.get(d, []), r.sequence, top_n=width)
+                item, after = sync_item(r.drafter_cache.get(d, []), sequence, top_n=width)
                 sources.append(FusionSource(d, weights[d], item, len(after)))
             requests.append(FusionRequest(r.request_id, ks[r.request_id], tuple(sources)))
         by_host: dict[str | None, list[FusionRequest]] = {}
@@ -102,9 +103,10 @@ class Drafting:
         for r in batch:
             rid = r.request_id
             out = outcomes.get(rid) or FusionOutcome(DraftTree(drafter_ids=list(selected[rid])), failed=dict.fromkeys(selected[rid], "no answer"))
+            sequence = r.sequence
             for d in selected[rid]:  # the router's mirror of each drafter's cache
                 if d in out.cache_len:
-                    r.drafter_cache[d] = list(r.sequence) + out.fused[: max(0, out.cache_len[d] - len(r.sequence))]
+                    r.drafter_cache[d] = sequence + out.fused[: max(0, out.cache_len[d] - len(sequence))]
                 else:
                     r.drafter_cache.pop(d, None)
             selected[rid] = [d for d in selected[rid] if d in out.cache_len]
@@ -114,16 +116,12 @@ class Drafting:
     async def _fuse_here(self, requests: list[FusionRequest], pricing: StepPricing) -> dict[str, FusionOutcome]:
         """Token fusion driven from the router: one message per drafter process per draft step."""
         loop = TokenFusion(requests, self.config.tree_width, pricing)
-        first = True
+        drafting = len(loop.active)  # the requests of the round's first step
         while not loop.done:
             calls = loop.step()
-            if not calls:
-                break
-            drafting = len(loop.active)
             t_step = self.clock()
             answers = await self.call(calls)
-            self.control.observe_draft_step(self.clock() - t_step, first_of=drafting if first else 0)
-            first = False
+            self.control.observe_draft_step(self.clock() - t_step, first_of=drafting if loop.taken == 0 else 0)
             loop.take(answers)
         return loop.outcomes
 
