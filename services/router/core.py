@@ -63,7 +63,7 @@ from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain
 from services.router.drafting import Drafting, common_prefix, sync_item
 from common.fusion import DraftTree
-from services.router.gate import DraftGate
+from services.router.gate import DraftGate, probe_order
 from services.router.requests import (
     FINISH_CANCELLED,
     AheadDraft,
@@ -264,7 +264,7 @@ class RouterCore:
             r.ahead = None
         # another round in flight overlaps this one's drafting (this round counts itself)
         ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) for r in batch}
-        for r in batch:
+        for r in probe_order(batch):  # a domain's probe goes to its least recently probed request
             if r.request_id in ahead or r.routing_ahead or not self.gate.drafts(
                     r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
                 ks[r.request_id] = 0

@@ -18,10 +18,15 @@ a request with no domain at all starts from the record of every request. Probe i
 per domain too: probes that keep missing on one domain do not space out another's.
 
 A request turned down to plain decoding is *probed*: on the router's rounds that are multiples of
-the probe interval every such request drafts, all at once, so they share one draft step. The
-interval starts at 8 rounds, doubles after each probe round in which fewer first nodes were
-accepted than drafting needs (up to 64), and falls back to 8 after one that paid: a change of load
-or of text turns drafting back on, and probes never cost much more than they find.
+its domain's probe interval, one such request of the domain (``PROBE_SLOTS``) drafts, the one whose
+last probe is oldest (the router offers a round's requests least recently probed first), so the
+requests of a domain take turns. One probe tells whether the domain's drafting pays again as well
+as all of them would, and a probe costs a drafter catch-up of every token committed since the
+request last drafted: sixteen requests probing at once held a 16-client batch's verifier to passes
+of one or two requests for a second. The interval starts at 8 rounds, doubles after each probe round
+in which fewer first nodes were accepted than drafting needs (up to 64), and falls back to 8 after
+one that paid: a change of load or of text turns drafting back on, and probes never cost much more
+than they find.
 
 The lookup drafter is not gated: it costs no drafter time (see ``lookup.py``).
 """
@@ -35,6 +40,7 @@ from services.router.control import SpeculationControl
 from services.router.requests import Request, RouterConfig
 
 PROBE_EVERY, MAX_PROBE_EVERY = 8, 64  # rounds between probe rounds (see the module docstring)
+PROBE_SLOTS = 1  # requests of one domain that probe in one probe round
 FIRST_ACCEPT_WEIGHT = 0.3  # EWMA weight of a round's outcome in a request's first-node record
 PRIOR_WEIGHT = 0.05  # EWMA weight of any request's outcome in the record a new request starts from
 DOMAIN_WEIGHT = 0.15  # the same within a domain (fewer outcomes: it must learn from a request or two)
@@ -47,6 +53,20 @@ class DomainRecord:
 
     first_accept: float = FIRST_ACCEPT_START
     probe_every: int = PROBE_EVERY
+    probe_round: int = -1  # the round of the latest probes
+    probes: int = 0  # requests that probe in that round
+
+    def probe_slot(self, round_index: int) -> bool:
+        """Whether a request of this domain may probe in round ``round_index``: a probe round with
+        a slot left (``PROBE_SLOTS``), which it takes."""
+        if round_index % self.probe_every:
+            return False
+        if self.probe_round != round_index:
+            self.probe_round, self.probes = round_index, 0
+        if self.probes >= PROBE_SLOTS:
+            return False
+        self.probes += 1
+        return True
 
 
 class DraftGate:
@@ -80,7 +100,8 @@ class DraftGate:
     def drafts(self, r: Request, batch_size: int, round_index: int, pipelined: bool, chain: int = 1) -> bool:
         """Whether the drafters draft for ``r`` in a round of ``batch_size`` requests, the router's
         ``round_index``-th; ``pipelined``: another round is in flight and overlaps this one's drafting;
-        ``chain``: the most nodes ``r`` may draft in a chain (its speculation length)."""
+        ``chain``: the most nodes ``r`` may draft in a chain (its speculation length). Ask in the
+        order of :func:`probe_order`, so that a domain's probe goes to its least recently probed request."""
         if not self.config.speculate:
             return False
         if not self.config.cost_control:
@@ -89,9 +110,13 @@ class DraftGate:
             self._theta = self.control.first_node_threshold(batch_size, pipelined=pipelined, chain=chain)
         else:
             self._theta = self.control.threshold()
-        every = self.record(gate_domain(r)).probe_every
-        r.probing = r.first_accept < self._theta and round_index % every == 0
-        return r.first_accept >= self._theta or r.probing
+        if r.first_accept >= self._theta:
+            r.probing = False
+            return True
+        r.probing = self.record(gate_domain(r)).probe_slot(round_index)
+        if r.probing:
+            r.probed_at = round_index
+        return r.probing
 
     def observe(self, r: Request, drafted: bool, verified_model_nodes: bool, first_accepted_is_model: bool) -> None:
         """One verdict of ``r``: whether it drafted, whether any of the drafters' nodes was verified,
@@ -123,6 +148,12 @@ class DraftGate:
             rec.probe_every = PROBE_EVERY if paid else min(MAX_PROBE_EVERY, 2 * rec.probe_every)
             for r in probed:
                 r.probing = r.probe_hit = False
+
+
+def probe_order(batch: Sequence[Request]) -> list[Request]:
+    """``batch`` least recently probed first (never probed before all): the order to ask
+    :meth:`DraftGate.drafts` in, so that the requests of a domain take turns probing."""
+    return sorted(batch, key=lambda r: r.probed_at)
 
 
 def gate_domain(r: Request) -> str:

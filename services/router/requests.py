@@ -156,6 +156,7 @@ class Request:
     lookup: LookupIndex = field(default_factory=LookupIndex)  # n-grams of the committed sequence
     probing: bool = False  # this round's draft is a probe (see RouterCore._drafts_pay)
     probe_hit: bool = False  # and its first drafted node was accepted
+    probed_at: int = -1  # the router round of this request's latest probe (-1: never probed)
     drafting_ahead: bool = False  # its drafters are drafting while the rest of its round is verified
     ahead: AheadDraft | None = None  # what they drafted, verified in its next round
     routing_ahead: bool = False  # being routed (its prompt scored by the drafters) while it decodes plainly

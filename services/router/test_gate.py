@@ -6,7 +6,7 @@ import pytest
 
 from common.spec_types import GREEDY
 from services.router.control import SpeculationControl
-from services.router.gate import FIRST_ACCEPT_START, MAX_PROBE_EVERY, PROBE_EVERY, DraftGate
+from services.router.gate import FIRST_ACCEPT_START, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SLOTS, DraftGate, probe_order
 from services.router.requests import Request, RouterConfig
 
 
@@ -53,7 +53,7 @@ def test_probe_rounds_back_off_while_they_find_nothing_and_reset_once_they_pay()
         round_index = (round_index // gate.probe_every + 1) * gate.probe_every  # the next probe round
         assert not gate.drafts(request("x", 0.01), 16, round_index - 1, False)
         batch = [request(f"p{i}", 0.01) for i in range(16)]
-        assert all(gate.drafts(r, 16, round_index, False) for r in batch)
+        assert sum(gate.drafts(r, 16, round_index, False) for r in batch) == PROBE_SLOTS
         for r in batch:
             gate.observe(r, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
         gate.settle(batch)
@@ -62,9 +62,9 @@ def test_probe_rounds_back_off_while_they_find_nothing_and_reset_once_they_pay()
     assert intervals == [16, 32, 64, MAX_PROBE_EVERY, MAX_PROBE_EVERY]
     round_index = (round_index // gate.probe_every + 1) * gate.probe_every
     batch = [request(f"q{i}", 0.01) for i in range(16)]
-    for r in batch:  # the text changed: every probe's first node is accepted
-        assert gate.drafts(r, 16, round_index, False)
-        gate.observe(r, drafted=True, verified_model_nodes=True, first_accepted_is_model=True)
+    for r in batch:  # the text changed: the probe's first node is accepted
+        drafted = gate.drafts(r, 16, round_index, False)
+        gate.observe(r, drafted=drafted, verified_model_nodes=drafted, first_accepted_is_model=drafted)
     gate.settle(batch)
     assert gate.probe_every == PROBE_EVERY
 
@@ -111,8 +111,9 @@ def test_probes_back_off_per_domain():
     for round_index in (8, 16, 32):
         batch = [request(f"c{round_index}-{i}", 0.01, domain="chat") for i in range(4)]
         batch += [request(f"k{round_index}-{i}", 0.01, guess="code") for i in range(4)]
-        assert all(gate.drafts(r, 8, round_index, False) and r.probing for r in batch)
-        for r in batch:
+        probing = [r for r in batch if gate.drafts(r, 8, round_index, False)]
+        assert all(r.probing for r in probing) and sorted(r.domain or r.domain_guess for r in probing) == ["chat", "code"]
+        for r in probing:
             gate.observe(r, drafted=True, verified_model_nodes=True, first_accepted_is_model=r.domain != "chat")
         gate.settle(batch)
     assert gate.record("chat").probe_every == 8 * 2 ** 3 == MAX_PROBE_EVERY
@@ -122,3 +123,22 @@ def test_probes_back_off_per_domain():
     # once routed, a request is gated by its routing domain, not by the guess it was submitted with
     routed = request("r", 0.01, domain="chat", guess="code")
     assert not gate.drafts(routed, 8, 40, False)
+
+
+def test_a_probe_round_probes_one_request_a_domain_and_the_requests_take_turns():
+    """Sixteen turned-down requests of two domains: each probe round drafts for one of each domain
+    (a probe catches a request's drafters up on everything committed since it last drafted, so all
+    of them at once would stall the batch), the least recently probed one, until every one had its turn."""
+    gate = DraftGate(RouterConfig(), loaded_control())
+    batch = [request(f"c{i}", 0.01, guess="chat") for i in range(8)] + [request(f"k{i}", 0.01, guess="code") for i in range(8)]
+    turns: list[list[str]] = []
+    for round_index in range(PROBE_EVERY, 9 * PROBE_EVERY, PROBE_EVERY):
+        probing = [r.request_id for r in probe_order(batch) if gate.drafts(r, 16, round_index, False)]
+        turns.append(sorted(probing))
+        for r in batch:  # the probes' first nodes are accepted (the interval stays at 8 rounds)...
+            gate.observe(r, drafted=r.probing, verified_model_nodes=r.probing, first_accepted_is_model=r.probing)
+            r.first_accept = 0.01  # ...but every request stays turned down
+        gate.settle(batch)
+        assert not gate.drafts(batch[0], 16, round_index + 1, False)  # no probe between probe rounds
+    assert all(len(t) == 2 and t[0].startswith("c") and t[1].startswith("k") for t in turns)
+    assert sorted(rid for t in turns for rid in t) == sorted(r.request_id for r in batch)  # everyone once
