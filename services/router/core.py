@@ -268,16 +268,17 @@ class RouterCore:
             if r.request_id in ahead or r.routing_ahead or not self.gate.drafts(
                     r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
                 ks[r.request_id] = 0
-        unrouted = [r for r in batch if ks[r.request_id] > 0 and self.routing.needs_scores(r)]
-        if unrouted and len(batch) > 1 and self.config.draft_ahead and self.config.cost_control:
-            # scoring a new prompt is a prefill in every live drafter: it runs while the request
-            # decodes plainly (its first pass is the target's prefill anyway); it drafts once routed.
-            # A round of one request has no other pass to hide the scoring behind: it scores inline,
-            # since scoring beside its own passes only slows them on shared cores
-            for r in unrouted:
+        # a new prompt (unscored, or its first pass: the target's prefill) is routed and read by its
+        # drafters while the request's first passes run, the target's prefill among them: it drafts
+        # once its drafters hold its prompt, and no pass waits for the drafters' prefill of it.
+        # A round of one request has no other pass to hide that behind: it happens inline, since
+        # drafter work beside a round's own passes only slows them on shared cores
+        fresh = [r for r in batch if ks[r.request_id] > 0 and (self.routing.needs_scores(r) or not r.verifier_synced)]
+        if fresh and len(batch) > 1 and self.config.draft_ahead and self.config.cost_control:
+            for r in fresh:
                 ks[r.request_id] = 0
                 r.routing_ahead = True
-            self._off_path(self._route_ahead(unrouted))
+            self._off_path(self._route_ahead(fresh))
         drafting = [r for r in batch if ks[r.request_id] > 0]
         if self._drafts_ahead(batch, drafting, ks):
             # the drafters would hold the whole pass for a few requests: those draft while the others
@@ -399,10 +400,13 @@ class RouterCore:
 
     async def _route_ahead(self, group: list[Request]) -> None:
         """Route new requests (their domain, from the drafters' scores of their prompts where the
-        lexicon cannot tell, which also prefills the drafters) while their rounds decode plainly."""
+        lexicon cannot tell) and bring their drafters to their prompts, while their rounds decode
+        plainly."""
         self.counters.routed_ahead += len(group)
         try:
-            await self.routing.route(group, list(self.drafters.live()))
+            live = list(self.drafters.live())
+            await self.routing.route(group, live)
+            await self.drafting.prefill(group, live)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # they stay unrouted and try again when they next draft

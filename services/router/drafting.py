@@ -113,6 +113,31 @@ class Drafting:
             trees[rid] = out.tree
         return trees, selected
 
+    async def prefill(self, batch: list[Request], live: list[str]) -> None:
+        """Bring the drafters each request would draft with to its committed sequence, without
+        drafting: a new prompt's prefill in the drafters, run beside the target's own, so that the
+        request's first draft step appends only what was committed since. Drafters that already
+        hold the sequence (they scored the prompt) are not called."""
+        by_id = {r.request_id: r for r in batch}
+        sent = {r.request_id: list(r.sequence) for r in batch}  # a request may commit meanwhile
+        calls: dict[str, list[DraftItem]] = {}
+        for r in batch:
+            for d in self.select(r, live):
+                cache = r.drafter_cache.get(d, [])
+                if cache != sent[r.request_id]:
+                    item, _ = sync_item(cache, sent[r.request_id], top_n=0)
+                    calls.setdefault(d, []).append(replace(item, request_id=r.request_id))
+        if not calls:
+            return
+        answers = await self.call(calls)
+        for d, items in calls.items():
+            ids = [item.request_id for item in items]
+            for rid, res in zip(ids, match_draft_results(ids, answers.get(d))):
+                if res is not None and res.ok:
+                    by_id[rid].drafter_cache[d] = sent[rid]
+                else:
+                    by_id[rid].drafter_cache.pop(d, None)
+
     async def _fuse_here(self, requests: list[FusionRequest], pricing: StepPricing) -> dict[str, FusionOutcome]:
         """Token fusion driven from the router: one message per drafter process per draft step."""
         loop = TokenFusion(requests, self.config.tree_width, pricing)

@@ -179,7 +179,7 @@ class Counters:
     verifier_busy_s: float = 0.0
     draft_ahead_s: float = 0.0  # drafting that overlapped another batch's verify pass (off the rounds' path)
     rounds_drafted_ahead: int = 0  # rounds whose drafting requests drafted while the others were verified
-    routed_ahead: int = 0  # new requests routed while they decoded plainly
+    routed_ahead: int = 0  # new requests routed (and their prompts read by their drafters) while they decoded plainly
     domains_by_lexicon: int = 0  # new requests whose domain the lexicon gave (no drafter pass)
     domains_by_drafters: int = 0  # new requests every live drafter scored
     lookup_tokens: int = 0  # draft tokens the lookup drafter put in trees

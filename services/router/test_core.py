@@ -264,6 +264,37 @@ def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engi
     assert all(engine.active_requests == 0 for engine in drafters.values())
 
 
+def test_new_requests_first_pass_does_not_wait_for_their_drafters_to_read_their_prompts(engines, reference):
+    """A batch of new requests whose drafters need no scores (fixed drafters, no routing): their first
+    pass, the target's prefill, goes to the verifier at once, while the drafters read the prompts
+    (one call with nothing to propose) beside it; from then on they draft, their drafters holding
+    the prompts. Output is the target's own."""
+    verifier, drafters = engines
+    prompts, expected = reference
+
+    class RecordingPool(SlowDrafterPool):
+        def __init__(self, engines, delay_s):
+            super().__init__(engines, delay_s)
+            self.top_ns: list[set[int]] = []
+
+        async def draft_many(self, calls):
+            self.top_ns.append({item.top_n for items in calls.values() for item in items})
+            return await super().draft_many(calls)
+
+    pool = RecordingPool(drafters, delay_s=0.05)
+    backend = SlowVerifier(verifier, delay_s=0.02)
+    config = RouterConfig(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
+    core = pool.core = backend.core = RouterCore(config, pool, backend)
+    got = asyncio.run(generate_all(core, prompts, MAX_NEW, drain=True))
+    assert got == expected
+    assert core.counters.routed_ahead == len(prompts)
+    reading, first_pass = pool.spans[0], backend.spans[0]
+    assert pool.top_ns[0] == {0}  # the first call only reads the prompts
+    assert pool.rounds_drafted[0] == 0 and first_pass[0] < reading[1]  # the first pass did not wait for it
+    assert any(v[0] < reading[1] and reading[0] < v[1] for v in backend.spans)  # it ran beside a pass
+    assert any(accepted for _, accepted in core.counters.by_drafter.values())  # they drafted afterwards
+
+
 def test_a_lone_new_request_is_scored_before_its_first_pass(engines, reference):
     """Alone in its round, a new request has no other pass to hide its scoring behind: the drafters
     score its prompt before its first pass (no verify call overlaps the scoring), and it drafts from
