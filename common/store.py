@@ -19,6 +19,11 @@ Key layout (every key starts with the configurable prefix, ``cosine`` by default
   new prompt (at most every few seconds), so a restarted or added router routes its first requests
   without drafter passes.
 
+``{p}:corpus:{domain}`` (list) - the routers' lookup corpus (:mod:`services.router.lookup_corpus`):
+  token sequences the target wrote (the zoo's teacher continuations of its training prompts), one
+  space-separated string each. Written by ``cosine up`` and the benchmarks (replaced whole), read
+  once by a router when it starts.
+
 ``{p}:request:{request_id}`` (hash) - state of one in-flight request, written by the gateway:
     ``prompt_ids`` (JSON list), ``params`` (JSON object), ``status`` (queued | running | done |
     failed | cancelled), ``created_at`` / ``updated_at`` (unix seconds), ``committed`` (number
@@ -47,7 +52,7 @@ import functools
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -201,6 +206,9 @@ class Store:
     def lexicon_key(self, kind: str, domain: str) -> str:
         return f"{self.prefix}:lexicon:{kind}:{domain}"
 
+    def corpus_key(self, domain: str) -> str:
+        return f"{self.prefix}:corpus:{domain}"
+
     def request_key(self, request_id: str) -> str:
         return f"{self.prefix}:request:{request_id}"
 
@@ -299,6 +307,29 @@ class Store:
                     counts[int(name)] = counts.get(int(name), 0) + int(value)
             out[domain] = (examples, counts)
         return out
+
+    @_outage
+    async def seed_corpus(self, corpus: Mapping[str, Iterable[Sequence[int]]]) -> None:
+        """Replace the lookup corpus with ``corpus`` (domain -> token sequences)."""
+        stale = [key async for key in self._r.scan_iter(match=self.corpus_key("*"), count=200)]
+        async with self._r.pipeline(transaction=True) as pipe:
+            if stale:
+                pipe.delete(*stale)
+            for domain, sequences in corpus.items():
+                rows = [" ".join(str(int(t)) for t in seq) for seq in sequences]
+                if rows:
+                    pipe.rpush(self.corpus_key(domain), *rows)
+            await pipe.execute()
+
+    @_outage
+    async def load_corpus(self) -> dict[str, list[list[int]]]:
+        """The lookup corpus: domain -> token sequences ({} when none was seeded)."""
+        keys = sorted([key async for key in self._r.scan_iter(match=self.corpus_key("*"), count=200)])
+        async with self._r.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.lrange(key, 0, -1)
+            raw = await pipe.execute()
+        return {key.split(":")[-1]: [[int(t) for t in row.split()] for row in rows] for key, rows in zip(keys, raw)}
 
     # ---- request state ---------------------------------------------------------------------
 

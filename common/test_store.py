@@ -147,3 +147,22 @@ def test_lexicon_seed_and_learned_prompts_add_up(redis_url, redis_prefix):
     assert both == {"code": (3, {7: 5, 8: 1, 10: 1}), "prose": (1, {9: 4}), "chat": (1, {11: 1})}
     assert reseeded == {"code": (2, {12: 1, 7: 2, 10: 1}), "chat": (1, {11: 1})}
     assert reset == {"code": (1, {12: 1})}
+
+
+def test_the_lookup_corpus_is_replaced_whole_and_read_back_as_written(redis_url, redis_prefix):
+    async def body():
+        store = Store.from_url(redis_url, prefix=redis_prefix)
+        try:
+            empty = await store.load_corpus()
+            await store.seed_corpus({"code": [[1, 2, 3], [4, 5]], "prose": [[6, 7, 8, 9]]})
+            first = await store.load_corpus()
+            await store.seed_corpus({"code": [[10, 11]]})  # a new seed replaces every domain's sequences
+            second = await store.load_corpus()
+        finally:
+            await store.close()
+        return empty, first, second
+
+    empty, first, second = run(body())
+    assert empty == {}
+    assert first == {"code": [[1, 2, 3], [4, 5]], "prose": [[6, 7, 8, 9]]}
+    assert second == {"code": [[10, 11]]}

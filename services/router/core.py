@@ -60,10 +60,11 @@ from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
-from services.router.lookup import LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain
+from services.router.lookup import CORPUS, TEXT, LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain
+from services.router.lookup_corpus import DomainCorpora
 from services.router.drafting import Drafting, common_prefix, sync_item
 from common.fusion import DraftTree
-from services.router.gate import DraftGate, probe_order
+from services.router.gate import DraftGate, gate_domain, probe_order
 from services.router.requests import (
     FINISH_CANCELLED,
     AheadDraft,
@@ -111,6 +112,7 @@ class RouterCore:
         limits: SubmitLimits | None = None,
         load_lexicon: Callable[[], Awaitable[DomainLexicon | None]] | None = None,
         record_lexicon: Callable[[str, Sequence[int]], Awaitable[None]] | None = None,
+        load_corpus: Callable[[], Awaitable[DomainCorpora | None]] | None = None,
     ):
         self.config = config
         self.limits = limits  # the target's vocabulary and context, for checking submissions
@@ -125,6 +127,8 @@ class RouterCore:
         self.load = LoadControl()
         self.control = SpeculationControl(enabled=config.cost_control)
         self.lookup_calibration = LookupCalibration(max_ngram=config.lookup_max_ngram)
+        self.corpus: DomainCorpora | None = None  # the lookup corpus, once loaded (lookup_corpus.py)
+        self._load_corpus = load_corpus if config.lookup and config.lookup_corpus else None
         self.drafting = Drafting(config, drafters, self.control, clock)
         self.gate = DraftGate(config, self.control)
         # the domain lexicon shared through Redis (the zoo's seed + what routers learned), when given
@@ -145,6 +149,8 @@ class RouterCore:
     def start(self) -> None:
         # the shared lexicon from the start: the draft gate keys new requests by its guess of their domain
         self._background(self.routing.reload(throttled=False))
+        if self._load_corpus is not None:
+            self._background(self._corpus_loader())
         for i in range(max(1, self.config.rounds_in_flight)):
             self._workers.append(asyncio.create_task(self._worker(i), name=f"round-worker-{i}"))
 
@@ -292,7 +298,7 @@ class RouterCore:
         trees, selected = await self._draft(batch, ks)
         for rid, got in ahead.items():
             trees[rid], selected[rid] = got.tree, list(got.selected)
-        lookups = {r.request_id: self._lookup(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
+        lookups = {r.request_id: self._lookups(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
         if self.config.cost_control and any(len(t) for t in trees.values()):
             # the whole batch's nodes against the measured pass-time curve (pass_plan.py)
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
@@ -334,7 +340,7 @@ class RouterCore:
         matched = match_verdicts([(r.request_id, len(r.prompt) + len(r.generated)) for r in batch], verdicts)
         for r in batch:
             self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9),
-                        lookups.get(r.request_id))
+                        lookups.get(r.request_id, ()))
         self.gate.settle(batch)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before,
@@ -418,6 +424,17 @@ class RouterCore:
                     self._release_drafters(r)
             self._wakeup.set()
 
+    async def _corpus_loader(self, every_s: float = 2.0) -> None:
+        """Load the lookup corpus; until there is one (Redis out, or not seeded yet), try again."""
+        assert self._load_corpus is not None
+        while not self._closed:
+            corpus = await self._load_corpus()
+            if corpus is not None:
+                self.corpus = corpus
+                self.counters.corpus_sequences = corpus.sequences
+                return
+            await asyncio.sleep(every_s)
+
     def _off_path(self, coro: Awaitable[None]) -> None:
         """Drafter work off the verifier's path (see the module docstring); cancelled at stop."""
         task = asyncio.ensure_future(coro)
@@ -425,21 +442,25 @@ class RouterCore:
         self._off_path_tasks.add(task)
         task.add_done_callback(self._off_path_tasks.discard)
 
-    def _lookup(self, r: Request, tree: DraftTree) -> LookupNodes | None:
-        """Add the lookup drafter's chain to ``r``'s tree, its nodes priced by their verify rows alone
-        (the lookup drafter costs no drafter time)."""
-        chain, match = r.lookup.propose(r.sequence, min(self.config.max_k, r.max_new_tokens - len(r.generated) - 1))
-        if not chain:
-            return None
+    def _lookups(self, r: Request, tree: DraftTree) -> tuple[LookupNodes, ...]:
+        """Add the lookup drafter's chains to ``r``'s tree (from its own text, and from the lookup
+        corpus once loaded), their nodes priced by their verify rows alone (the lookup drafter costs
+        no drafter time)."""
+        k = min(self.config.max_k, r.max_new_tokens - len(r.generated) - 1)
+        proposals = [(TEXT, *r.lookup.propose(r.sequence, k))]
+        if self.corpus is not None:
+            proposals.append((CORPUS, *self.corpus.propose(gate_domain(r), r.sequence, k)))
         theta = self.control.threshold() if self.config.cost_control else 0.0
         width = self.config.tree_width if self.config.fusion == "token" else max(1, self.config.drafters_per_request)
-        return add_lookup_chain(tree, chain, match, r.sampling.greedy, self.lookup_calibration, theta, width)
+        chains = (add_lookup_chain(tree, chain, match, r.sampling.greedy, self.lookup_calibration, theta, width, source)
+                  for source, chain, match in proposals if chain)
+        return tuple(c for c in chains if c.nodes)
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
-               updates: list[ProfileUpdate], round_ns: int, lookup: LookupNodes | None = None) -> None:
+               updates: list[ProfileUpdate], round_ns: int, lookups: Sequence[LookupNodes] = ()) -> None:
         if r.done:
             return
-        outcome = self.verdicts.apply(r, tree, selected, verdict, updates, round_ns, lookup)
+        outcome = self.verdicts.apply(r, tree, selected, verdict, updates, round_ns, lookups)
         if outcome.ends:
             self._finish(r, outcome.finish_reason, outcome.error)
 

@@ -10,7 +10,9 @@ It costs no drafter time, only verify rows, so its nodes are priced by their ver
 (:meth:`~services.router.control.SpeculationControl.threshold`): a request whose model drafting does
 not pay this round still gets the lookup nodes that do. Its proposals join the round's tree as one
 more chain beside the drafters' (a node both propose is shared), and the verifier treats them like
-any draft: a deterministic proposal, so acceptance stays the target's own (lossless).
+any draft: a deterministic proposal, so acceptance stays the target's own (lossless). A second
+chain may come from the lookup corpus, what the target wrote for other prompts
+(``lookup_corpus.py``); the two are siblings where they differ.
 
 How likely a lookup token is accepted depends on how long the match was and how deep the token
 is (a token after an accepted lookup token is far likelier right). :class:`LookupCalibration` learns
@@ -22,11 +24,14 @@ is right a third of the time, after a 4-token match 95% of the time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.fusion import DraftTree
 
 LOOKUP_ID = "lookup"  # the drafter id lookup nodes are credited to (in stats, metrics and trees)
+# where a lookup chain came from: the request's own text, or the lookup corpus (lookup_corpus.py)
+TEXT, CORPUS = "text", "corpus"
+CORPUS_MAX_MATCH = 8  # longest corpus match the calibration tells apart
 
 
 @dataclass
@@ -63,37 +68,43 @@ class LookupIndex:
 
 @dataclass
 class LookupCalibration:
-    """P(a lookup token is accepted | its parent was), per (greedy, match length, depth), online."""
+    """P(a lookup token is accepted | its parent was), per (source, greedy, match length, depth), online.
+
+    A match in the request's own text (``TEXT``) and one in the lookup corpus (``CORPUS``) are told
+    apart: the same match length predicts less in other text."""
 
     max_ngram: int = 4
     max_depth: int = 3  # depths from here on share one estimate
     prior_weight: float = 4.0
-    _counts: dict[tuple[bool, int, int], list[float]] = field(default_factory=dict)
+    _counts: dict[tuple[str, bool, int, int], list[float]] = field(default_factory=dict)
 
-    def _key(self, greedy: bool, n: int, depth: int) -> tuple[bool, int, int]:
-        return greedy, max(1, min(n, self.max_ngram)), min(depth, self.max_depth)
+    def _key(self, source: str, greedy: bool, n: int, depth: int) -> tuple[str, bool, int, int]:
+        longest = CORPUS_MAX_MATCH if source == CORPUS else self.max_ngram
+        return source, greedy, max(1, min(n, longest)), min(depth, self.max_depth)
 
     @staticmethod
-    def prior(n: int, depth: int) -> float:
+    def prior(n: int, depth: int, source: str = TEXT) -> float:
         """Before any verdict: a first token is as good as its match is long; one after an accepted
-        lookup token is likely right (the text is repeating)."""
+        lookup token is likely right (the text is repeating). A corpus match needs to be longer."""
+        if source == CORPUS:
+            return 0.6 if depth > 0 else min(0.2 + 0.06 * n, 0.6)
         if depth > 0:
             return 0.7
         return {1: 0.3, 2: 0.4}.get(n, 0.6)
 
-    def _entry(self, key: tuple[bool, int, int]) -> list[float]:
+    def _entry(self, key: tuple[str, bool, int, int]) -> list[float]:
         entry = self._counts.get(key)
         if entry is None:
-            p = self.prior(key[1], key[2])
+            p = self.prior(key[2], key[3], key[0])
             entry = self._counts[key] = [p * self.prior_weight, self.prior_weight]
         return entry
 
-    def __call__(self, greedy: bool, n: int, depth: int) -> float:
-        accepted, seen = self._entry(self._key(greedy, n, depth))
+    def __call__(self, greedy: bool, n: int, depth: int, source: str = TEXT) -> float:
+        accepted, seen = self._entry(self._key(source, greedy, n, depth))
         return accepted / seen
 
-    def observe(self, greedy: bool, n: int, depth: int, accepted: bool) -> None:
-        entry = self._entry(self._key(greedy, n, depth))
+    def observe(self, greedy: bool, n: int, depth: int, accepted: bool, source: str = TEXT) -> None:
+        entry = self._entry(self._key(source, greedy, n, depth))
         entry[0] += 1.0 if accepted else 0.0
         entry[1] += 1.0
 
@@ -106,17 +117,22 @@ class LookupNodes:
     match: int
     nodes: tuple[int, ...] = ()
     rates: tuple[float, ...] = ()  # each node's calibrated acceptance rate when it was proposed
+    source: str = TEXT
+
+    def cut(self, kept: Sequence[int]) -> LookupNodes:
+        """The same chain with its nodes renumbered to ``kept`` (a prefix of the path)."""
+        return replace(self, nodes=tuple(kept), rates=self.rates[:len(kept)])
 
 
 def add_lookup_chain(tree: DraftTree, chain: Sequence[int], match: int, greedy: bool, calibration: LookupCalibration,
-                     threshold: float, width: int) -> LookupNodes:
+                     threshold: float, width: int, source: str = TEXT) -> LookupNodes:
     """Merge a lookup chain into ``tree`` while each node's expected tokens (the product of the
     calibrated rates along its path) repay a verify row (``threshold``). A node the drafters
     proposed too is shared (and credited to both); a new one becomes a sibling, so a level may hold
     one node more than ``width``."""
     parent, value, nodes, rates = -1, 1.0, [], []
     for depth, token in enumerate(chain):
-        rate = calibration(greedy, match, depth)
+        rate = calibration(greedy, match, depth, source)
         value *= rate
         if value < threshold:
             break
@@ -132,7 +148,7 @@ def add_lookup_chain(tree: DraftTree, chain: Sequence[int], match: int, greedy: 
         nodes.append(node)
         rates.append(rate)
         parent = node
-    return LookupNodes(greedy, match, tuple(nodes), tuple(rates))
+    return LookupNodes(greedy, match, tuple(nodes), tuple(rates), source)
 
 
 def observe_lookup(calibration: LookupCalibration, tree: DraftTree, lookup: LookupNodes,
@@ -146,16 +162,17 @@ def observe_lookup(calibration: LookupCalibration, tree: DraftTree, lookup: Look
         if parent >= 0 and parent not in accepted:
             break
         hit = node in accepted
-        calibration.observe(lookup.greedy, lookup.match, depth, hit)
+        calibration.observe(lookup.greedy, lookup.match, depth, hit, lookup.source)
         if not hit:
             break
         got += 1
     return got
 
 
-def lookup_only(tree: DraftTree, lookup: LookupNodes | None) -> frozenset[int]:
+def lookup_only(tree: DraftTree, lookups: Sequence[LookupNodes]) -> frozenset[int]:
     """The nodes of ``tree`` that only the lookup drafter proposed (no drafter model shares them)."""
-    if lookup is None or not lookup.nodes:
+    nodes = [n for lookup in lookups for n in lookup.nodes]
+    if not nodes:
         return frozenset()
     bit = 1 << tree.drafter_ids.index(LOOKUP_ID)
-    return frozenset(n for n in lookup.nodes if tree.source_masks[n] == bit)
+    return frozenset(n for n in nodes if tree.source_masks[n] == bit)

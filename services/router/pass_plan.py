@@ -140,34 +140,37 @@ def choose_nodes(values: Mapping[str, Sequence[float]], parents: Mapping[str, Se
     return keep
 
 
-def keep_nodes(tree: DraftTree, keep: set[int], lookup: LookupNodes | None) -> tuple[DraftTree, LookupNodes | None]:
-    """The tree with only ``keep`` (parent-closed), and its lookup nodes renumbered."""
+def keep_nodes(tree: DraftTree, keep: set[int], lookups: Sequence[LookupNodes]) -> tuple[DraftTree, tuple[LookupNodes, ...]]:
+    """The tree with only ``keep`` (parent-closed), and its lookup chains renumbered."""
     if len(keep) == len(tree):
-        return tree, lookup
+        return tree, tuple(lookups)
     out, index = tree.subtree(keep)
-    if lookup is not None:
+    cut = []
+    for lookup in lookups:
         kept = []
         for n in lookup.nodes:  # a path: cut where the first node was dropped
             if n not in index:
                 break
             kept.append(index[n])
-        lookup = LookupNodes(lookup.greedy, lookup.match, tuple(kept), lookup.rates[:len(kept)])
-    return out, lookup
+        cut.append(lookup.cut(kept))
+    return out, tuple(cut)
 
 
-def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, LookupNodes | None], plain_rows: int,
-              rate: Callable[[float], float], seconds: Callable[[int], float | None]) -> tuple[dict[str, DraftTree], dict[str, LookupNodes | None]]:
+def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, Sequence[LookupNodes]], plain_rows: int,
+              rate: Callable[[float], float], seconds: Callable[[int], float | None]) -> tuple[dict[str, DraftTree], dict[str, tuple[LookupNodes, ...]]]:
     """The batch's trees cut to the nodes that pay on the pass-time curve (see the module
     docstring). ``plain_rows``: rows of the pass without any drafted node (a row per request plus
-    the prompts being prefilled)."""
+    the prompts being prefilled). ``lookups``: each request's lookup chains."""
     values, parents = {}, {}
     for rid, tree in trees.items():
-        lookup = lookups.get(rid)
-        rates = dict(zip(lookup.nodes, lookup.rates)) if lookup is not None else {}
+        rates: dict[int, float] = {}
+        for lookup in lookups.get(rid, ()):
+            for node, r in zip(lookup.nodes, lookup.rates):
+                rates[node] = max(r, rates.get(node, 0.0))  # a node both chains proposed: the surer one
         values[rid] = node_values(tree, rate, rates)
         parents[rid] = tree.parents
     keep = choose_nodes(values, parents, plain_rows, seconds)
     out_trees, out_lookups = {}, {}
     for rid, tree in trees.items():
-        out_trees[rid], out_lookups[rid] = keep_nodes(tree, keep[rid], lookups.get(rid))
+        out_trees[rid], out_lookups[rid] = keep_nodes(tree, keep[rid], lookups.get(rid, ()))
     return out_trees, out_lookups

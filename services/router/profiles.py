@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Sequence
 
 from services.router.lexicon import DomainLexicon
+from services.router.lookup_corpus import DomainCorpora
 
 from common.logs import get_logger
 from common.store import Store, StoreUnavailable, sum_acceptance
@@ -74,6 +75,20 @@ class ProfileStore:
             lexicon.absorb(domain, examples, counts)
         log.debug("domain lexicon loaded", prompts={d: n for d, (n, _) in sorted(loaded.items())})
         return lexicon
+
+    async def corpus(self) -> DomainCorpora | None:
+        """The lookup corpus seeded into Redis; None while Redis is out or none was seeded."""
+        try:
+            loaded = await self.store.load_corpus()
+        except StoreUnavailable as exc:
+            log.warning("lookup corpus unreadable; lookup drafts from the requests' own text meanwhile", error=str(exc))
+            return None
+        if not loaded:
+            return None
+        corpora = DomainCorpora.build(loaded)
+        log.info("lookup corpus loaded", sequences={d: c.sequences for d, c in sorted(corpora.by_domain.items())},
+                 tokens=len(corpora.everything))
+        return corpora
 
     async def learned(self, domain: str, prompt: Sequence[int]) -> None:
         """Share one prompt the drafters scored; dropped while Redis is out (see the module docstring)."""

@@ -80,6 +80,7 @@ class RouterConfig:
     draft_ahead: bool = True  # with cost control, drafting and new prompts' scoring run while other requests are verified
     lookup: bool = True  # the lookup drafter proposes from the request's own text (services.router.lookup)
     lookup_max_ngram: int = 4
+    lookup_corpus: bool = True  # and from the lookup corpus, when one is loaded (services.router.lookup_corpus)
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
     gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)
@@ -93,6 +94,7 @@ class RouterConfig:
             max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
             adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,
             pipeline_control=s.pipeline_control, draft_ahead=s.draft_ahead, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
+            lookup_corpus=s.lookup_corpus,
             speculate=s.speculate, domain_detection=s.domain_detection, gate_by_domain=s.domain_gate,
         )
 
@@ -184,6 +186,9 @@ class Counters:
     domains_by_drafters: int = 0  # new requests every live drafter scored
     lookup_tokens: int = 0  # draft tokens the lookup drafter put in trees
     lookup_accepted: int = 0  # of them, accepted by the target
+    corpus_tokens: int = 0  # of the lookup tokens, those the lookup corpus proposed
+    corpus_accepted: int = 0  # of them, accepted by the target
+    corpus_sequences: int = 0  # sequences in the router's lookup corpus
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -196,4 +201,5 @@ class Counters:
             "rounds_drafted_ahead": self.rounds_drafted_ahead, "routed_ahead": self.routed_ahead, "verifier_busy_s": self.verifier_busy_s, "wall_s": wall,
             "domains_by_lexicon": self.domains_by_lexicon, "domains_by_drafters": self.domains_by_drafters,
             "lookup_tokens": self.lookup_tokens, "lookup_accepted": self.lookup_accepted,
+            "corpus_tokens": self.corpus_tokens, "corpus_accepted": self.corpus_accepted, "corpus_sequences": self.corpus_sequences,
         }

@@ -172,6 +172,7 @@ class RouterApp:
                                profiles=profiles.priors, record=profiles.record,
                                load_lexicon=profiles.lexicon if self.settings.shared_lexicon else None,
                                record_lexicon=profiles.learned if self.settings.shared_lexicon else None,
+                               load_corpus=profiles.corpus,
                                limits=SubmitLimits(info.vocab_size, info.max_context) if info.vocab_size and info.max_context else None)
         self.core.start()
         self.verifier_ready = True

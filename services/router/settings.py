@@ -44,6 +44,9 @@ class RouterSettings(ServiceSettings):
     lookup_drafts: bool = setting(True, help="add the lookup drafter's free proposals to every request's tree: the tokens that followed the "
                                              "longest earlier occurrence of the request's suffix in its own text, kept while they repay their verify rows")
     lookup_max_ngram: int = setting(4, help="longest suffix (tokens) the lookup drafter matches", check=positive)
+    lookup_corpus: bool = setting(True, help="the lookup drafter also proposes from the lookup corpus in Redis (what the target wrote for "
+                                             "the zoo's training prompts, seeded by `cosine up` / `cosine profile`): the tokens that followed "
+                                             "the longest occurrence of the request's suffix there, from its domain's text when it has one")
     explore_threshold: float = setting(0.5, help="when a request's recent acceptance rate falls under this, try a less-used drafter", check=in_range(0.0, 1.0))
     # batching and pipelining
     rounds_in_flight: int = setting(2, help="rounds kept in flight (>= 2 lets one batch draft while another verifies; 1 disables pipelining)", check=positive)

@@ -88,8 +88,8 @@ def test_a_lookup_chain_shares_the_drafters_nodes_and_branches_where_it_differs(
     assert tree.top1[0] == {"a", LOOKUP_ID} and tree.source_masks[0] == 0b11
     assert [tree.tokens[n] for n in got.nodes] == [10, 12, 13]
     assert tree.parents[got.nodes[1]] == 0 and tree.parents[got.nodes[2]] == got.nodes[1]
-    assert lookup_only(tree, got) == {got.nodes[1], got.nodes[2]}
-    assert tree.depth() == 3 and tree.depth(without=lookup_only(tree, got)) == 2
+    assert lookup_only(tree, [got]) == {got.nodes[1], got.nodes[2]}
+    assert tree.depth() == 3 and tree.depth(without=lookup_only(tree, [got])) == 2
 
 
 def test_a_lookup_chain_stops_where_it_no_longer_pays_or_its_level_is_full():

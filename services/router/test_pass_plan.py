@@ -71,10 +71,11 @@ def test_the_plan_keeps_the_likeliest_nodes_of_the_whole_batch_as_whole_subtrees
     for _ in range(100):
         for depth in range(4):
             cal.observe(True, 4, depth, True)
-    lookups = {"strong": None, "weak": add_lookup_chain(trees["weak"], [9, 10], 4, True, cal, 0.0, width=2)}
+    lookups = {"strong": (), "weak": (add_lookup_chain(trees["weak"], [9, 10], 4, True, cal, 0.0, width=2),)}
     out, lk = plan_pass(trees, lookups, plain_rows=2, rate=lambda p: p, seconds=seconds)
     assert out["strong"].tokens == [1, 2, 3]
     # the weak drafter's chain goes (0.15, then 0.14 below it); the lookup branch beside it stays
     assert out["weak"].tokens == [9, 10] and out["weak"].parents == [-1, 0]
-    assert lk["weak"].nodes == (0, 1) and out["weak"].top1[0] == {LOOKUP_ID}
-    assert lk["weak"].rates == lookups["weak"].rates
+    (kept,) = lk["weak"]
+    assert kept.nodes == (0, 1) and out["weak"].top1[0] == {LOOKUP_ID}
+    assert kept.rates == lookups["weak"][0].rates and lk["strong"] == ()

@@ -10,6 +10,7 @@ request for a re-prefill (the verifier lost it) or fails it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from common.spec_types import Verdict
 from services.router.control import SpeculationControl
 from common.fusion import DraftTree, credit
 from services.router.gate import DraftGate
-from services.router.lookup import LOOKUP_ID, LookupCalibration, LookupNodes, lookup_only, observe_lookup
+from services.router.lookup import CORPUS, LOOKUP_ID, LookupCalibration, LookupNodes, lookup_only, observe_lookup
 from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Event, Request, RequestFailed
 from services.router.resume import lost_by_verifier, mark_for_resume
 
@@ -55,7 +56,7 @@ class VerdictApplication:
         self.metrics = metrics  # services.router.metrics.RouterMetrics, or None
 
     def apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict, updates: list[ProfileUpdate],
-              round_ns: int, lookup: LookupNodes | None = None) -> Outcome:
+              round_ns: int, lookups: Sequence[LookupNodes] = ()) -> Outcome:
         if not verdict.ok:
             if lost_by_verifier(verdict) and r.verifier_synced and mark_for_resume(r):
                 log.info("verifier lost the request; re-prefilling its committed tokens", request_id=r.request_id,
@@ -65,14 +66,15 @@ class VerdictApplication:
         r.verifier_synced = True
         r.resumes = 0
         # the drafter models' own view of the round: the nodes only the lookup drafter proposed left out
-        only = lookup_only(tree, lookup)
+        only = lookup_only(tree, lookups)
         model_accepted = sum(1 for n in verdict.accepted_nodes if n not in only)
         if len(tree) > len(only):
             self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only)
         first = verdict.accepted_nodes[:1]
         self.gate.observe(r, bool(selected), len(tree) > len(only), bool(first) and first[0] not in only)
-        if lookup is not None and lookup.nodes:
-            self._credit_lookup(r, tree, lookup, verdict)
+        for lookup in lookups:
+            if lookup.nodes:
+                self._credit_lookup(r, tree, lookup, verdict)
         self._count(r, tree, verdict)
         credited = credit(tree, verdict.accepted_nodes)
         depth = tree.depth(without=only)
@@ -87,6 +89,9 @@ class VerdictApplication:
         got = observe_lookup(self.lookup_calibration, tree, lookup, verdict.accepted_nodes)
         self.counters.lookup_tokens += len(lookup.nodes)
         self.counters.lookup_accepted += got
+        if lookup.source == CORPUS:
+            self.counters.corpus_tokens += len(lookup.nodes)
+            self.counters.corpus_accepted += got
         r.stats.drafters_used.add(LOOKUP_ID)
         if got:
             r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + got

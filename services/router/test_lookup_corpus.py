@@ -1,0 +1,110 @@
+"""The lookup corpus: what it proposes (unit and property tests), and the router drafting from it
+in process with the real engines, losslessly."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.router.conftest import MAX_NEW
+from services.router.core import RouterConfig, RouterCore
+from services.router.inprocess import LocalDrafterPool, LocalVerifier
+from services.router.lookup import CORPUS, TEXT, LookupCalibration
+from services.router.lookup_corpus import DomainCorpora, LookupCorpus
+from services.router.test_core import generate_all
+
+
+def test_the_longest_match_wins_and_a_proposal_stops_at_the_end_of_its_sequence():
+    corpus = LookupCorpus(min_match=2, max_match=8)
+    corpus.extend([[1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8], [5, 5, 2, 3]])
+    # "2 3" occurs three times; only the first occurrence is preceded by "1"
+    assert corpus.propose([0, 1, 2, 3], 3) == ([4, 5, 6], 3)
+    # "9 2 3": the second sequence, whose tokens end after two
+    assert corpus.propose([9, 2, 3], 4) == ([7, 8], 3)
+    # a tie on length: the latest occurrence that has tokens after it ("5 2 3" ends its sequence)
+    assert corpus.propose([4, 2, 3], 2) == ([7, 8], 2)
+    assert corpus.propose([7, 7], 3) == ([], 0)  # no bigram match
+    assert corpus.propose([2, 3], 0) == ([], 0)
+    assert len(corpus) == 15 and corpus.sequences == 3
+
+
+def test_a_full_corpus_takes_no_more_sequences():
+    corpus = LookupCorpus(max_tokens=10)
+    assert corpus.extend([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]) == 2
+    assert corpus.propose([5, 6], 2) == ([7, 8], 2) and corpus.propose([9, 10], 1) == ([], 0)
+
+
+def test_a_request_looks_in_its_domain_s_text_or_in_all_of_it():
+    corpora = DomainCorpora.build({"code": [[1, 2, 3, 40]], "prose": [[1, 2, 3, 50]]})
+    assert corpora.propose("code", [1, 2, 3], 1) == ([40], 3)
+    assert corpora.propose("prose", [1, 2, 3], 1) == ([50], 3)
+    assert corpora.propose("", [1, 2, 3], 1)[0] in ([40], [50])  # no domain: every domain's text
+    assert corpora.sequences == 2
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=30), min_size=1, max_size=6),
+       st.lists(st.integers(0, 5), min_size=0, max_size=12), st.integers(1, 6))
+def test_a_proposal_is_what_followed_a_real_occurrence_of_the_suffix(sequences, query, k):
+    """Whatever the text: the proposal is the tokens that followed an occurrence, in one corpus
+    sequence, of the query's last ``match`` tokens; and no longer match exists."""
+    corpus = LookupCorpus(min_match=2, max_match=5, max_candidates=1000)
+    corpus.extend(sequences)
+    got, match = corpus.propose(query, k)
+    longest = 0
+    for seq in sequences:
+        if len(seq) <= corpus.min_match:
+            continue
+        for end in range(corpus.min_match, len(seq)):  # seq[end] follows the occurrence ending before it
+            n = 0
+            while n < min(5, len(query), end) and seq[end - n - 1] == query[-n - 1]:
+                n += 1
+            if n >= corpus.min_match:
+                longest = max(longest, n)
+    if not got:
+        assert match == 0 and (longest == 0 or k == 0)
+        return
+    assert match == longest and 1 <= len(got) <= k
+    assert any(seq[end - match:end] == query[-match:] and seq[end:end + len(got)] == got
+               for seq in sequences if len(seq) > corpus.min_match for end in range(match, len(seq)))
+
+
+def test_corpus_matches_are_calibrated_apart_from_the_request_s_own_text():
+    cal = LookupCalibration()
+    assert cal(True, 2, 0, CORPUS) < cal(True, 2, 0, TEXT)
+    for _ in range(50):
+        cal.observe(True, 6, 0, False, CORPUS)
+    assert cal(True, 6, 0, CORPUS) < 0.1 and cal(True, 4, 0, TEXT) == LookupCalibration.prior(4, 0)
+
+
+def corpus_of(prompts: dict[str, list[int]], outputs: dict[str, list[int]]):
+    async def load() -> DomainCorpora:
+        return DomainCorpora.build({"any": [prompts[rid] + outputs[rid] for rid in prompts]})
+    return load
+
+
+def test_the_router_drafts_from_the_corpus_and_the_output_stays_the_target_s(engines, reference):
+    """No drafter model: a corpus holding what the target wrote for these prompts before (a repeated
+    request) is accepted, far fewer rounds than tokens; a corpus of wrong continuations is rejected
+    and changes nothing. Cost control off: every proposal is verified, whatever this machine's timings."""
+    verifier, _ = engines
+    prompts, expected = reference
+    config = RouterConfig(cost_control=False, rounds_in_flight=1)
+    core = RouterCore(config, LocalDrafterPool({}), LocalVerifier(verifier), load_corpus=corpus_of(prompts, expected))
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    assert core.counters.corpus_sequences == len(prompts)
+    assert core.counters.corpus_accepted > len(prompts) * MAX_NEW // 2
+    assert core.counters.rounds < len(prompts) * MAX_NEW // 2
+
+    wrong = {rid: [(t + 1) % verifier.runner.vocab_size for t in out] for rid, out in expected.items()}
+    core = RouterCore(config, LocalDrafterPool({}), LocalVerifier(verifier), load_corpus=corpus_of(prompts, wrong))
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    assert core.counters.corpus_tokens > 0 and core.counters.corpus_accepted < core.counters.corpus_tokens // 4
+
+    off = RouterCore(RouterConfig(cost_control=False, lookup_corpus=False), LocalDrafterPool({}), LocalVerifier(verifier),
+                     load_corpus=corpus_of(prompts, expected))
+    assert asyncio.run(generate_all(off, prompts, MAX_NEW)) == expected
+    assert off.counters.corpus_tokens == 0 and off.corpus is None
+    assert verifier.active_requests == 0
