@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                                                router_args=("--max-queue", str(max(1024, args.streams))),
                                                gateway_args=("--request-timeout-s", str(args.timeout))))
             address = cluster.start()
-            asyncio.run(seed_profiles(cluster.redis_url, cluster.spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon))
+            asyncio.run(seed_profiles(cluster.redis_url, cluster.spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon,
+                                      corpus=zoo.lookup_corpus))
         print(f"soak       {args.streams} streams x {args.max_new_tokens} tokens through {address} ({zoo_dir})",
               file=sys.stderr, flush=True)
         outcomes, wall = asyncio.run(run_streams(address, prompts, args.streams, args.max_new_tokens, args.timeout, progress=True))

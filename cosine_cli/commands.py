@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +132,10 @@ def _load_zoo(path: str):
 
 
 async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str, float]], prior_weight: float, reset: bool = False,
-                        lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None) -> int:
-    """Write the zoo's acceptance matrix as profile priors and, when given, its domain lexicon
-    (``reset``: drop the online figures and the lexicon routers learned)."""
+                        lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
+                        corpus: Mapping[str, Sequence[Sequence[int]]] | None = None) -> int:
+    """Write the zoo's acceptance matrix as profile priors and, when given, its domain lexicon and
+    the routers' lookup corpus (``reset``: drop the online figures and the lexicon routers learned)."""
     from common.store import Store
 
     store = Store.from_url(redis_url, prefix=prefix)
@@ -143,6 +144,8 @@ async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str,
             await store.seed_profile(drafter, row, prior_weight, reset=reset)
         if lexicon:
             await store.seed_lexicon(lexicon, reset=reset)
+        if corpus:
+            await store.seed_corpus(corpus)
     finally:
         await store.close()
     return len(matrix)
@@ -165,9 +168,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.start()
         if not args.target:
             zoo = _load_zoo(args.zoo)
-            n = asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon))
+            n = asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon,
+                                          corpus=zoo.lookup_corpus))
             print(f"profiles   {n} drafter profile(s) seeded from {args.zoo}/zoo.json"
-                  + (f"; domain lexicon from {sum(n for n, _ in zoo.lexicon.values())} training prompts" if zoo.lexicon else ""),
+                  + (f"; domain lexicon from {sum(n for n, _ in zoo.lexicon.values())} training prompts" if zoo.lexicon else "")
+                  + (f"; lookup corpus of {sum(map(len, zoo.lookup_corpus.values()))} sequences" if zoo.lookup_corpus else ""),
                   file=sys.stderr)
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps(cluster.state()))
@@ -326,15 +331,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
             return 2
         drafters = dict(spec.partition("=")[::2] for spec in args.drafter)
         matrix = measure_matrix(args.target, drafters, _read_prompts(args.prompts), args.k, args.new_tokens)
-        source, lexicon = "measurement", None
+        source, lexicon, corpus = "measurement", None, None
     else:
         zoo = _load_zoo(args.zoo)
         matrix = {d: dict(row) for d, row in zoo.acceptance.items()}
-        source, lexicon = f"{args.zoo}/zoo.json", zoo.lexicon
+        source, lexicon, corpus = f"{args.zoo}/zoo.json", zoo.lexicon, zoo.lookup_corpus
     for name, row in sorted(matrix.items()):
         print(f"{name:<16}" + "  ".join(f"{d}={v:.2f}" for d, v in sorted(row.items())))
-    n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon))
-    print(f"seeded {n} drafter profile(s) from {source} into {url}" + (" with the zoo's domain lexicon" if lexicon else ""))
+    n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon, corpus=corpus))
+    print(f"seeded {n} drafter profile(s) from {source} into {url}" + (" with the zoo's domain lexicon" if lexicon else "")
+          + (" and lookup corpus" if corpus else ""))
     return 0
 
 
@@ -357,7 +363,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     results = []
     try:
         cluster.start()
-        asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon))
+        asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon, corpus=zoo.lookup_corpus))
         work = mixed_workload(zoo.prompts, args.requests)
         results = asyncio.run(run_workload(cluster.gateway_address, work, args.concurrency, args.max_new_tokens, progress=True,
                                            client_options=cluster.client_tls()))

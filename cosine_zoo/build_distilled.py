@@ -31,7 +31,7 @@ from common.logs import get_logger
 from cosine_zoo import distill, evaluate, instructions
 from cosine_zoo.build import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
 from cosine_zoo.corpus import DOMAINS, build_corpus, make_prompts, prompt_from
-from cosine_zoo.manifest import FORMAT, Zoo, load_zoo, write_lexicon, write_manifest, write_prompts
+from cosine_zoo.manifest import FORMAT, Zoo, load_zoo, write_lexicon, write_lookup_corpus, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile
 from cosine_zoo.train import count_params
 
@@ -91,6 +91,9 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
 
     write_prompts(out, {d: [p for p in heldout_prompts[d]] for d in DISTILL_DOMAINS})
     write_lexicon(out, {d: [ex.prompt for ex in teacher["train"][d]] for d in DISTILL_DOMAINS})
+    # what the target wrote for the training prompts (never the held-out ones): the routers' lookup corpus
+    write_lookup_corpus(out, {d: [ex.prompt + ex.continuation for ex in teacher["train"][d] if ex.targets is None]
+                              for d in DISTILL_DOMAINS})
     manifest = {
         "format": FORMAT,
         "profile": profile.name,

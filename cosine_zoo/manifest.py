@@ -7,6 +7,9 @@ Layout (all paths in the manifest are relative to the zoo directory)::
     lexicon.json        token counts of the training prompts per domain: seeds the routers'
                         domain lexicon, so new requests are routed without drafter passes (optional:
                         zoos built before it have none, and their routers learn it online)
+    lookup_corpus.json  the target's greedy continuations of the training prompts (token ids, prompt
+                        first) per domain: seeds the routers' lookup corpus (optional: zoos built
+                        before it have none, and their lookup drafts from each request's own text)
     tokenizer/          the shared tokenizer (also copied into every model directory)
     target/             the target: an ordinary transformers checkpoint (float32 safetensors)
     drafters/<name>/    one checkpoint per drafter (one per domain, plus "generalist")
@@ -30,6 +33,8 @@ MANIFEST = "zoo.json"
 PROMPTS = "prompts.jsonl"
 LEXICON = "lexicon.json"
 LEXICON_FORMAT = "cosine-lexicon/1"
+LOOKUP_CORPUS = "lookup_corpus.json"
+LOOKUP_CORPUS_FORMAT = "cosine-lookup-corpus/1"
 FORMAT = "cosine-zoo/1"
 
 
@@ -62,6 +67,8 @@ class Zoo:
     manifest: Mapping[str, Any]  # zoo.json as written (training figures, timings, environment)
     # domain -> (training prompts, token id -> count over them); empty when the zoo has no lexicon.json
     lexicon: Mapping[str, tuple[int, Mapping[int, int]]] = field(default_factory=dict)
+    # domain -> token sequences the target wrote; empty when the zoo has no lookup_corpus.json
+    lookup_corpus: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
     def figures(self) -> dict[str, Any]:
         """Everything in the manifest that a rebuild with the same seed must reproduce (no timings)."""
@@ -106,6 +113,25 @@ def read_lexicon(path: Path) -> dict[str, tuple[int, dict[int, int]]]:
         return {d: (int(v["examples"]), {int(t): int(c) for t, c in v["counts"].items()}) for d, v in raw["domains"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ZooError(f"{path}: unreadable lexicon ({type(exc).__name__}: {exc})") from exc
+
+
+def write_lookup_corpus(root: Path, sequences: Mapping[str, Iterable[Sequence[int]]]) -> None:
+    """The token sequences the target wrote, per domain, for the routers' lookup corpus."""
+    domains = {d: [[int(t) for t in seq] for seq in seqs] for d, seqs in sequences.items()}
+    (root / LOOKUP_CORPUS).write_text(json.dumps({"format": LOOKUP_CORPUS_FORMAT, "domains": domains}) + "\n")
+
+
+def read_lookup_corpus(path: Path) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """``write_lookup_corpus``'s file as domain -> sequences; {} when the zoo has none."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("format") != LOOKUP_CORPUS_FORMAT:
+            raise ValueError(f"expected format {LOOKUP_CORPUS_FORMAT!r}")
+        return {d: tuple(tuple(int(t) for t in seq) for seq in seqs) for d, seqs in raw["domains"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ZooError(f"{path}: unreadable lookup corpus ({type(exc).__name__}: {exc})") from exc
 
 
 def load_zoo(path: str | Path, check_tokenizers: bool = True) -> Zoo:
@@ -160,6 +186,7 @@ def zoo_from_manifest(root: Path, m: Mapping[str, Any]) -> Zoo:
         prompts=read_prompts(root / m["prompts"]["path"], domains),
         manifest=m,
         lexicon=read_lexicon(root / LEXICON),
+        lookup_corpus=read_lookup_corpus(root / LOOKUP_CORPUS),
     )
 
 

@@ -11,7 +11,7 @@ from cosine_zoo.build import BuildOptions, build_zoo
 from cosine_zoo.build_distilled import DISTILL_DOMAINS
 from cosine_zoo.distill import Example, choose_draft_vocab, make_batch, resolve_layers
 from cosine_zoo.instructions import instructions, render, subjects
-from cosine_zoo.manifest import LEXICON, ZooError, read_lexicon, write_lexicon
+from cosine_zoo.manifest import LEXICON, LOOKUP_CORPUS, ZooError, read_lexicon, read_lookup_corpus, write_lexicon, write_lookup_corpus
 from cosine_zoo.profiles import tiny_distill
 
 
@@ -156,3 +156,17 @@ def test_zoo_carries_the_domain_lexicon_of_its_training_prompts(tiny_distilled_z
     (tmp_path / LEXICON).write_text("{}")
     with pytest.raises(ZooError, match="lexicon"):
         read_lexicon(tmp_path / LEXICON)
+
+
+def test_zoo_carries_the_target_s_continuations_of_its_training_prompts_as_lookup_corpus(tiny_distilled_zoo, tmp_path):
+    zoo = tiny_distilled_zoo
+    m = json.loads((zoo.root / "zoo.json").read_text())
+    # the generated examples only (a teacher-forced window is real text, not the target's): prompt then continuation
+    assert {d: len(seqs) for d, seqs in zoo.lookup_corpus.items()} == {d: v["generated"] for d, v in m["teacher"].items()}
+    assert all(len(seq) > 1 for seqs in zoo.lookup_corpus.values() for seq in seqs)
+    write_lookup_corpus(tmp_path, {"code": [(5, 5, 6)], "chat": [[7, 8]]})
+    assert read_lookup_corpus(tmp_path / LOOKUP_CORPUS) == {"code": ((5, 5, 6),), "chat": ((7, 8),)}
+    assert read_lookup_corpus(tmp_path / "absent.json") == {}  # a zoo built before the corpus: none, no error
+    (tmp_path / LOOKUP_CORPUS).write_text('{"format": "cosine-lookup-corpus/1", "domains": {"code": [["x"]]}}')
+    with pytest.raises(ZooError, match="lookup corpus"):
+        read_lookup_corpus(tmp_path / LOOKUP_CORPUS)

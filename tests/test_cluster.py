@@ -322,3 +322,26 @@ def test_duplicate_request_id_gets_already_exists_and_leaves_the_first_alone(clu
     res, dup = asyncio.run(body())
     assert dup is not None and dup.code == grpc.StatusCode.ALREADY_EXISTS and "request_id" in dup.message
     assert list(res.token_ids)[:len(reference[prompt])] == reference[prompt]
+
+
+def test_a_lookup_corpus_seeded_into_redis_is_drafted_from_and_the_output_stays_the_target_s(cluster, workload, reference,
+                                                                                            tiny_zoo):
+    """Last in this module (the router keeps the corpus it loaded): the target's own continuations
+    of these prompts, seeded through Redis as `cosine up` seeds a zoo's, reach the running router
+    (it looks for a corpus until one is seeded) and its lookup drafter proposes from them."""
+    tok = load_tokenizer(tiny_zoo.target.path)
+    corpus: dict[str, list[list[int]]] = {}
+    for domain, prompt in workload:
+        corpus.setdefault(domain, []).append(tok(prompt).input_ids + reference[prompt])
+    asyncio.run(seed_profiles(cluster.redis_url, cluster.spec.prefix, tiny_zoo.acceptance, 20.0, corpus=corpus))
+    deadline = time.monotonic() + 20
+    while router_counters(cluster).get("corpus_sequences", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    before = router_counters(cluster)
+    assert before["corpus_sequences"] == len(set(p for _, p in workload))
+    with Client(cluster.gateway_address, timeout=60) as client:
+        for _, prompt in workload:  # one at a time: the corpus chain has each tree to itself
+            assert list(client.generate(prompt, max_new_tokens=MAX_NEW).token_ids) == reference[prompt]
+    after = router_counters(cluster)
+    assert after["corpus_tokens"] > before["corpus_tokens"]
+    assert after["corpus_accepted"] - before["corpus_accepted"] > 0
