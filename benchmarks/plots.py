@@ -36,6 +36,8 @@ STYLE = {
     "cosine_unshared_lexicon": ("#98df8a", "1", "--"),
     "cosine_global_gate": ("#f7b6d2", "2", "--"),
     "cosine_step_fusion": ("#dbdb8d", "3", "--"),
+    "cosine_no_corpus": ("#9edae5", "4", "--"),
+    "services_plain": ("#c49c94", "x", ":"),
 }
 
 

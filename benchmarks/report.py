@@ -52,6 +52,8 @@ HEADLINE = (
     ("cosine_vs_cosine_no_routing_throughput", "cosine", "cosine_no_routing", "tokens_per_s", "high"),
     ("cosine_vs_cosine_no_fusion_throughput", "cosine", "cosine_no_fusion", "tokens_per_s", "high"),
     ("cosine_vs_cosine_step_fusion_throughput_c1", "cosine", "cosine_step_fusion", "tokens_per_s", "c1"),
+    ("cosine_vs_cosine_no_corpus_throughput_c1", "cosine", "cosine_no_corpus", "tokens_per_s", "c1"),
+    ("cosine_vs_cosine_no_corpus_throughput", "cosine", "cosine_no_corpus", "tokens_per_s", "high"),
     ("cosine_vs_cosine_step_fusion_throughput", "cosine", "cosine_step_fusion", "tokens_per_s", "high"),
     ("cosine_vs_cosine_no_pipeline_throughput", "cosine", "cosine_no_pipeline", "tokens_per_s", "high"),
     ("cosine_vs_cosine_no_routing_latency", "cosine", "cosine_no_routing", "latency_mean_s", "low"),

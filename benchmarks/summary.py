@@ -28,6 +28,8 @@ GOALS = (
     ("cosine_vs_cosine_fixed_pipeline_throughput", "cosine / cosine with a fixed pipeline, tokens/s, high load", ""),
     ("cosine_vs_cosine_no_lookup_throughput_c1", "cosine / cosine without the lookup drafter, tokens/s, 1 client", ""),
     ("cosine_vs_cosine_no_lookup_throughput", "cosine / cosine without the lookup drafter, tokens/s, high load", ""),
+    ("cosine_vs_cosine_no_corpus_throughput_c1", "cosine / cosine without the lookup corpus, tokens/s, 1 client", ""),
+    ("cosine_vs_cosine_no_corpus_throughput", "cosine / cosine without the lookup corpus, tokens/s, high load", ""),
     ("cosine_vs_cosine_no_draft_ahead_throughput_c16", "cosine / cosine waiting for its drafters, tokens/s, 16 clients", ""),
     ("cosine_vs_cosine_no_draft_ahead_throughput", "cosine / cosine waiting for its drafters, tokens/s, high load", ""),
 )

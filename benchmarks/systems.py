@@ -344,11 +344,13 @@ class ServicePlane:
 
     def __init__(self, target: str, drafters: Mapping[str, str], domains: Mapping[str, Sequence[str]],
                  acceptance: Mapping[str, Mapping[str, float]], cores: int, log_dir: str, prior_weight: float = 20.0,
-                 lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None):
+                 lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
+                 corpus: Mapping[str, Sequence[Sequence[int]]] | None = None):
         from cosine_cli.cluster import ClusterSpec, LocalCluster
 
         self.acceptance = acceptance
         self.lexicon = lexicon or {}
+        self.corpus = corpus or {}
         self.prior_weight = prior_weight
         self.cluster = LocalCluster(ClusterSpec(
             target=target, drafters=dict(drafters), drafter_domains={k: list(v) for k, v in domains.items()},
@@ -378,7 +380,7 @@ class ServicePlane:
         from cosine_cli.commands import seed_profiles
 
         asyncio.run(seed_profiles(self.cluster.redis_url, self.cluster.spec.prefix, dict(self.acceptance), self.prior_weight, reset=True,
-                                  lexicon=self.lexicon))
+                                  lexicon=self.lexicon, corpus=self.corpus))
 
     def stop(self) -> None:
         if self.started:
@@ -464,6 +466,8 @@ class ServiceSystem:
             "draft_phase_s": diff.get("draft_s", 0.0), "verify_phase_s": diff.get("verify_s", 0.0), "apply_s": diff.get("apply_s", 0.0),
             "draft_tokens": diff.get("draft_tokens", 0.0), "rounds_drafted_ahead": diff.get("rounds_drafted_ahead", 0.0),
             "draft_ahead_s": diff.get("draft_ahead_s", 0.0), "routed_ahead": diff.get("routed_ahead", 0.0),
+            "lookup_tokens": diff.get("lookup_tokens", 0.0), "lookup_accepted": diff.get("lookup_accepted", 0.0),
+            "corpus_tokens": diff.get("corpus_tokens", 0.0), "corpus_accepted": diff.get("corpus_accepted", 0.0),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
         return RunResult(records, wall, counters, {d: n for d, n in rounds.items() if n})
@@ -529,6 +533,11 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "cosine_unpriced_drafting": (("--no-draft-pricing",), (),
                                  "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)"),
     "cosine_no_lookup": (("--no-lookup-drafts",), (), "cosine without the lookup drafter (only the drafter models propose)"),
+    "services_plain": (("--no-speculate",), (),
+                       "the target alone through the same services (gateway, router, verifier), drafting off: what the "
+                       "serving path costs without speculation"),
+    "cosine_no_corpus": (("--no-lookup-corpus",), (),
+                         "cosine whose lookup drafter proposes from each request's own text only (no lookup corpus)"),
     "cosine_no_draft_ahead": (("--no-draft-ahead",), (),
                               "cosine whose rounds wait for their drafting requests (none drafts while the others are verified)"),
 }
@@ -536,11 +545,12 @@ IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
                "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
                "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup", "cosine_no_draft_ahead",
-               "cosine_unshared_lexicon", "cosine_global_gate", "cosine_step_fusion")
+               "cosine_unshared_lexicon", "cosine_global_gate", "cosine_step_fusion", "cosine_no_corpus",
+               "services_plain")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
 DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup",
-                   "cosine_no_draft_ahead")
+                   "cosine_no_draft_ahead", "cosine_no_corpus")
 
 
 def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int | None, cores: int, log_dir: str,
@@ -554,7 +564,8 @@ def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int
     plane = None
     if any(n in SERVICE_SYSTEMS for n in names):
         plane = ServicePlane(target, {n: str(d.path) for n, d in zoo.drafters.items()},
-                             {n: d.domains for n, d in zoo.drafters.items()}, zoo.acceptance, cores, log_dir, lexicon=zoo.lexicon)
+                             {n: d.domains for n, d in zoo.drafters.items()}, zoo.acceptance, cores, log_dir, lexicon=zoo.lexicon,
+                             corpus=zoo.lookup_corpus)
     out: list[Any] = []
     for n in names:
         if n == "autoregressive":
