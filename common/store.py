@@ -21,8 +21,9 @@ Key layout (every key starts with the configurable prefix, ``cosine`` by default
 
 ``{p}:corpus:{domain}`` (list) - the routers' lookup corpus (:mod:`services.router.lookup_corpus`):
   token sequences the target wrote (the zoo's teacher continuations of its training prompts), one
-  space-separated string each. Written by ``cosine up`` and the benchmarks (replaced whole), read
-  once by a router when it starts.
+  space-separated string each. Written by ``cosine up``, ``cosine profile`` and the benchmarks
+  (replaced whole). ``{p}:corpus-version`` (integer) counts the seedings: a router reads the corpus
+  when it starts and again whenever the version moved (it checks every few seconds).
 
 ``{p}:request:{request_id}`` (hash) - state of one in-flight request, written by the gateway:
     ``prompt_ids`` (JSON list), ``params`` (JSON object), ``status`` (queued | running | done |
@@ -209,6 +210,9 @@ class Store:
     def corpus_key(self, domain: str) -> str:
         return f"{self.prefix}:corpus:{domain}"
 
+    def corpus_version_key(self) -> str:
+        return f"{self.prefix}:corpus-version"
+
     def request_key(self, request_id: str) -> str:
         return f"{self.prefix}:request:{request_id}"
 
@@ -319,7 +323,13 @@ class Store:
                 rows = [" ".join(str(int(t)) for t in seq) for seq in sequences]
                 if rows:
                     pipe.rpush(self.corpus_key(domain), *rows)
+            pipe.incr(self.corpus_version_key())
             await pipe.execute()
+
+    @_outage
+    async def corpus_version(self) -> int:
+        """How many times the lookup corpus was seeded (0: never)."""
+        return int(await self._r.get(self.corpus_version_key()) or 0)
 
     @_outage
     async def load_corpus(self) -> dict[str, list[list[int]]]:

@@ -153,13 +153,14 @@ def test_the_lookup_corpus_is_replaced_whole_and_read_back_as_written(redis_url,
     async def body():
         store = Store.from_url(redis_url, prefix=redis_prefix)
         try:
-            empty = await store.load_corpus()
+            empty, v0 = await store.load_corpus(), await store.corpus_version()
             await store.seed_corpus({"code": [[1, 2, 3], [4, 5]], "prose": [[6, 7, 8, 9]]})
-            first = await store.load_corpus()
+            first, v1 = await store.load_corpus(), await store.corpus_version()
             await store.seed_corpus({"code": [[10, 11]]})  # a new seed replaces every domain's sequences
-            second = await store.load_corpus()
+            second, v2 = await store.load_corpus(), await store.corpus_version()
         finally:
             await store.close()
+        assert v0 == 0 and v1 == 1 and v2 == 2  # routers reload when the version moves
         return empty, first, second
 
     empty, first, second = run(body())

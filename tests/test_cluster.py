@@ -328,7 +328,7 @@ def test_a_lookup_corpus_seeded_into_redis_is_drafted_from_and_the_output_stays_
                                                                                             tiny_zoo):
     """Last in this module (the router keeps the corpus it loaded): the target's own continuations
     of these prompts, seeded through Redis as `cosine up` seeds a zoo's, reach the running router
-    (it looks for a corpus until one is seeded) and its lookup drafter proposes from them."""
+    (it checks the corpus's version every few seconds) and its lookup drafter proposes from them."""
     tok = load_tokenizer(tiny_zoo.target.path)
     corpus: dict[str, list[list[int]]] = {}
     for domain, prompt in workload:
@@ -345,3 +345,10 @@ def test_a_lookup_corpus_seeded_into_redis_is_drafted_from_and_the_output_stays_
     after = router_counters(cluster)
     assert after["corpus_tokens"] > before["corpus_tokens"]
     assert after["corpus_accepted"] - before["corpus_accepted"] > 0
+    # seeded anew (as `cosine profile --corpus` does): the running router picks the new one up
+    first = sorted(corpus)[0]
+    asyncio.run(seed_profiles(cluster.redis_url, cluster.spec.prefix, tiny_zoo.acceptance, 20.0, corpus={first: corpus[first]}))
+    deadline = time.monotonic() + 20
+    while router_counters(cluster)["corpus_sequences"] != len(corpus[first]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert router_counters(cluster)["corpus_sequences"] == len(corpus[first])

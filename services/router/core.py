@@ -112,7 +112,7 @@ class RouterCore:
         limits: SubmitLimits | None = None,
         load_lexicon: Callable[[], Awaitable[DomainLexicon | None]] | None = None,
         record_lexicon: Callable[[str, Sequence[int]], Awaitable[None]] | None = None,
-        load_corpus: Callable[[], Awaitable[DomainCorpora | None]] | None = None,
+        load_corpus: Callable[[int], Awaitable[tuple[int, DomainCorpora | None] | None]] | None = None,
     ):
         self.config = config
         self.limits = limits  # the target's vocabulary and context, for checking submissions
@@ -425,14 +425,15 @@ class RouterCore:
             self._wakeup.set()
 
     async def _corpus_loader(self, every_s: float = 2.0) -> None:
-        """Load the lookup corpus; until there is one (Redis out, or not seeded yet), try again."""
+        """Load the lookup corpus, and again whenever it is seeded anew (``load_corpus(version)``
+        answers only when the seeded version differs from the one it is given)."""
         assert self._load_corpus is not None
+        version = 0
         while not self._closed:
-            corpus = await self._load_corpus()
-            if corpus is not None:
-                self.corpus = corpus
-                self.counters.corpus_sequences = corpus.sequences
-                return
+            got = await self._load_corpus(version)
+            if got is not None:
+                version, self.corpus = got
+                self.counters.corpus_sequences = self.corpus.sequences if self.corpus is not None else 0
             await asyncio.sleep(every_s)
 
     def _off_path(self, coro: Awaitable[None]) -> None:

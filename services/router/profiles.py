@@ -76,19 +76,22 @@ class ProfileStore:
         log.debug("domain lexicon loaded", prompts={d: n for d, (n, _) in sorted(loaded.items())})
         return lexicon
 
-    async def corpus(self) -> DomainCorpora | None:
-        """The lookup corpus seeded into Redis; None while Redis is out or none was seeded."""
+    async def corpus(self, known_version: int) -> tuple[int, DomainCorpora | None] | None:
+        """The lookup corpus seeded into Redis and its version, when the version differs from
+        ``known_version`` (its corpora None when the seed is empty); None when unchanged or while
+        Redis is out."""
         try:
+            version = await self.store.corpus_version()
+            if version == known_version:
+                return None
             loaded = await self.store.load_corpus()
         except StoreUnavailable as exc:
             log.warning("lookup corpus unreadable; lookup drafts from the requests' own text meanwhile", error=str(exc))
             return None
-        if not loaded:
-            return None
-        corpora = DomainCorpora.build(loaded)
-        log.info("lookup corpus loaded", sequences={d: c.sequences for d, c in sorted(corpora.by_domain.items())},
-                 tokens=len(corpora.everything))
-        return corpora
+        corpora = DomainCorpora.build(loaded) if loaded else None
+        log.info("lookup corpus loaded", version=version, tokens=len(corpora.everything) if corpora else 0,
+                 sequences={d: c.sequences for d, c in sorted(corpora.by_domain.items())} if corpora else {})
+        return version, corpora
 
     async def learned(self, domain: str, prompt: Sequence[int]) -> None:
         """Share one prompt the drafters scored; dropped while Redis is out (see the module docstring)."""

@@ -80,8 +80,10 @@ def test_corpus_matches_are_calibrated_apart_from_the_request_s_own_text():
 
 
 def corpus_of(prompts: dict[str, list[int]], outputs: dict[str, list[int]]):
-    async def load() -> DomainCorpora:
-        return DomainCorpora.build({"any": [prompts[rid] + outputs[rid] for rid in prompts]})
+    async def load(known_version: int) -> tuple[int, DomainCorpora] | None:
+        if known_version == 1:
+            return None  # unchanged
+        return 1, DomainCorpora.build({"any": [prompts[rid] + outputs[rid] for rid in prompts]})
     return load
 
 

@@ -72,9 +72,8 @@ class VerdictApplication:
             self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only)
         first = verdict.accepted_nodes[:1]
         self.gate.observe(r, bool(selected), len(tree) > len(only), bool(first) and first[0] not in only)
-        for lookup in lookups:
-            if lookup.nodes:
-                self._credit_lookup(r, tree, lookup, verdict)
+        if any(lookup.nodes for lookup in lookups):
+            self._credit_lookup(r, tree, lookups, verdict)
         self._count(r, tree, verdict)
         credited = credit(tree, verdict.accepted_nodes)
         depth = tree.depth(without=only)
@@ -85,16 +84,23 @@ class VerdictApplication:
         r.spec.update(model_accepted, depth)
         return self._commit(r, tree, verdict, round_ns)
 
-    def _credit_lookup(self, r: Request, tree: DraftTree, lookup: LookupNodes, verdict: Verdict) -> None:
-        got = observe_lookup(self.lookup_calibration, tree, lookup, verdict.accepted_nodes)
-        self.counters.lookup_tokens += len(lookup.nodes)
-        self.counters.lookup_accepted += got
-        if lookup.source == CORPUS:
-            self.counters.corpus_tokens += len(lookup.nodes)
-            self.counters.corpus_accepted += got
+    def _credit_lookup(self, r: Request, tree: DraftTree, lookups: Sequence[LookupNodes], verdict: Verdict) -> None:
+        """Calibrate each lookup chain by its source, and credit the lookup drafter once per node
+        (a node both chains proposed counts once)."""
+        proposed: set[int] = set()
+        accepted: set[int] = set()
+        for lookup in lookups:
+            got = observe_lookup(self.lookup_calibration, tree, lookup, verdict.accepted_nodes)
+            proposed.update(lookup.nodes)
+            accepted.update(lookup.nodes[:got])
+            if lookup.source == CORPUS:
+                self.counters.corpus_tokens += len(lookup.nodes)
+                self.counters.corpus_accepted += got
+        self.counters.lookup_tokens += len(proposed)
+        self.counters.lookup_accepted += len(accepted)
         r.stats.drafters_used.add(LOOKUP_ID)
-        if got:
-            r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + got
+        if accepted:
+            r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + len(accepted)
 
     def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
         accepted = len(verdict.accepted_nodes)
