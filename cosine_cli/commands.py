@@ -65,6 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--redis-prefix", default="cosine")
     pr.add_argument("--prior-weight", type=float, default=20.0, help="how many rounds the offline figures count for")
     pr.add_argument("--reset", action="store_true", help="drop online statistics too")
+    pr.add_argument("--corpus", metavar="FILE",
+                    help='JSON lines of {"domain": ..., "text": ...}: text the target wrote (completions with their prompts, '
+                         "e.g. from your logs), tokenized with the target's tokenizer (--target, else the zoo's) and seeded as the "
+                         "routers' lookup corpus instead of the zoo's")
     pr.set_defaults(func=cmd_profile)
 
     demo = sub.add_parser("demo", help="build the default zoo if absent, start the cluster, serve a mixed-domain workload, report, stop")
@@ -320,6 +324,14 @@ def _read_prompts(path: str) -> dict[str, list[str]]:
     return out
 
 
+def _read_corpus(path: str, tokenizer_path: str) -> dict[str, list[list[int]]]:
+    """``cosine profile --corpus``'s file as domain -> token sequences (the target's tokenizer)."""
+    from common.checkpoints import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    return {domain: [list(tok(t).input_ids) for t in texts] for domain, texts in _read_prompts(path).items()}
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     url = args.redis_url or _state().get("redis_url")
     if not url:
@@ -336,11 +348,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
         zoo = _load_zoo(args.zoo)
         matrix = {d: dict(row) for d, row in zoo.acceptance.items()}
         source, lexicon, corpus = f"{args.zoo}/zoo.json", zoo.lexicon, zoo.lookup_corpus
+    if args.corpus:
+        corpus = _read_corpus(args.corpus, args.target if args.measure else str(_load_zoo(args.zoo).tokenizer_path))
     for name, row in sorted(matrix.items()):
         print(f"{name:<16}" + "  ".join(f"{d}={v:.2f}" for d, v in sorted(row.items())))
     n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon, corpus=corpus))
     print(f"seeded {n} drafter profile(s) from {source} into {url}" + (" with the zoo's domain lexicon" if lexicon else "")
-          + (" and lookup corpus" if corpus else ""))
+          + (f"; lookup corpus of {sum(map(len, corpus.values()))} sequences" if corpus else ""))
     return 0
 
 

@@ -38,6 +38,27 @@ def test_profile_from_zoo_and_by_measuring(tiny_zoo, redis_url, redis_prefix, tm
     assert all(0 <= s.prior <= 4 for s in measured.domains.values())
 
 
+def test_profile_seeds_a_lookup_corpus_of_the_user_s_text(tiny_zoo, redis_url, redis_prefix, tmp_path, capsys):
+    from common.checkpoints import load_tokenizer
+
+    texts = tmp_path / "outputs.jsonl"
+    texts.write_text(json.dumps({"domain": "code", "text": "def f(x):\n    return x"}) + "\n"
+                     + json.dumps({"domain": "code", "text": "import os"}) + "\n")
+    assert main(["profile", "--zoo", str(tiny_zoo.root), "--corpus", str(texts), "--redis-url", redis_url,
+                 "--redis-prefix", redis_prefix]) == 0
+    assert "lookup corpus of 2 sequences" in capsys.readouterr().out
+
+    async def load():
+        store = Store.from_url(redis_url, prefix=redis_prefix)
+        try:
+            return await store.load_corpus()
+        finally:
+            await store.close()
+
+    tok = load_tokenizer(tiny_zoo.tokenizer_path)
+    assert asyncio.run(load()) == {"code": [tok("def f(x):\n    return x").input_ids, tok("import os").input_ids]}
+
+
 def test_thread_budget_never_oversubscribes():
     for cores in (1, 2, 4, 16):
         for procs in (1, 2, 3):
