@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,15 +104,23 @@ def write_lexicon(root: Path, prompts: Mapping[str, Iterable[Sequence[int]]]) ->
 
 def read_lexicon(path: Path) -> dict[str, tuple[int, dict[int, int]]]:
     """``write_lexicon``'s file as domain -> (examples, counts); {} when the zoo has none."""
+    return _read_domains(path, LEXICON_FORMAT, "lexicon",
+                         lambda v: (int(v["examples"]), {int(t): int(c) for t, c in v["counts"].items()}))
+
+
+def _read_domains(path: Path, fmt: str, what: str, parse: Callable[[Any], Any]) -> dict[str, Any]:
+    """A per-domain JSON file of the zoo (``{"format": fmt, "domains": {domain: value}}``), each
+    value through ``parse``; {} when the file is absent (zoos built before it), a ZooError naming
+    ``what`` when it cannot be read."""
     if not path.is_file():
         return {}
     try:
         raw = json.loads(path.read_text())
-        if raw.get("format") != LEXICON_FORMAT:
-            raise ValueError(f"expected format {LEXICON_FORMAT!r}")
-        return {d: (int(v["examples"]), {int(t): int(c) for t, c in v["counts"].items()}) for d, v in raw["domains"].items()}
+        if raw.get("format") != fmt:
+            raise ValueError(f"expected format {fmt!r}")
+        return {d: parse(v) for d, v in raw["domains"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ZooError(f"{path}: unreadable lexicon ({type(exc).__name__}: {exc})") from exc
+        raise ZooError(f"{path}: unreadable {what} ({type(exc).__name__}: {exc})") from exc
 
 
 def write_lookup_corpus(root: Path, sequences: Mapping[str, Iterable[Sequence[int]]]) -> None:
@@ -123,15 +131,7 @@ def write_lookup_corpus(root: Path, sequences: Mapping[str, Iterable[Sequence[in
 
 def read_lookup_corpus(path: Path) -> dict[str, tuple[tuple[int, ...], ...]]:
     """``write_lookup_corpus``'s file as domain -> sequences; {} when the zoo has none."""
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-        if raw.get("format") != LOOKUP_CORPUS_FORMAT:
-            raise ValueError(f"expected format {LOOKUP_CORPUS_FORMAT!r}")
-        return {d: tuple(tuple(int(t) for t in seq) for seq in seqs) for d, seqs in raw["domains"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ZooError(f"{path}: unreadable lookup corpus ({type(exc).__name__}: {exc})") from exc
+    return _read_domains(path, LOOKUP_CORPUS_FORMAT, "lookup corpus", lambda seqs: tuple(tuple(int(t) for t in seq) for seq in seqs))
 
 
 def load_zoo(path: str | Path, check_tokenizers: bool = True) -> Zoo:
