@@ -15,8 +15,8 @@ A **round** for a batch of requests (see DESIGN.md):
    the longest common prefix, the rest appended), then token fusion (k steps; at each step every
    selected drafter proposes top-n, the routing-weighted best becomes the next tree node and is
    appended by all of them, runners-up become sibling leaves) or chunk fusion (each drafter
-   drafts a k-chain, chains merged). The lookup drafter adds its chain from the request's own
-   text to every tree, for free.
+   drafts a k-chain, chains merged). The lookup drafter adds its chains from the request's own
+   text and from the lookup corpus to every tree, for free.
 3. *plan + verify*: the batch's nodes are cut to the count that maximises expected tokens per
    second of the pass on the measured pass-time curve; all trees go to the verifier in one message.
 4. *apply*: committed tokens grow by the accepted path + the next token; drafters that proposed
@@ -42,7 +42,8 @@ request pool's types and the contracts of the drafter pool and verifier; ``sched
 batches and speculation lengths; ``gate.py`` decides who drafts; ``domain.py`` detects a drafting
 request's domain and seeds its routing vector (``routing.py``); ``drafting.py`` selects drafters and
 runs token or chunk fusion (``common/fusion.py`` builds the trees, ``common/token_fusion.py`` runs
-token fusion's steps, here or inside a drafter process); ``lookup.py`` is the lookup drafter;
+token fusion's steps, here or inside a drafter process); ``lookup_drafting.py`` adds the lookup
+drafter's chains (``lookup.py``: from a request's own text; ``lookup_corpus.py``: from the corpus);
 ``pass_plan.py`` cuts the batch's trees to what pays on the pass-time curve; ``control.py`` prices
 nodes and steps against their cost.
 """
@@ -60,11 +61,11 @@ from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
-from services.router.lookup import CORPUS, TEXT, LookupCalibration, LookupIndex, LookupNodes, add_lookup_chain
-from services.router.lookup_corpus import DomainCorpora
+from services.router.lookup import LookupIndex, LookupNodes
+from services.router.lookup_drafting import CorpusLoader, LookupDrafting
 from services.router.drafting import Drafting, common_prefix, sync_item
 from common.fusion import DraftTree
-from services.router.gate import DraftGate, gate_domain, probe_order
+from services.router.gate import DraftGate, probe_order
 from services.router.requests import (
     FINISH_CANCELLED,
     AheadDraft,
@@ -112,7 +113,7 @@ class RouterCore:
         limits: SubmitLimits | None = None,
         load_lexicon: Callable[[], Awaitable[DomainLexicon | None]] | None = None,
         record_lexicon: Callable[[str, Sequence[int]], Awaitable[None]] | None = None,
-        load_corpus: Callable[[int], Awaitable[tuple[int, DomainCorpora | None] | None]] | None = None,
+        load_corpus: CorpusLoader | None = None,
     ):
         self.config = config
         self.limits = limits  # the target's vocabulary and context, for checking submissions
@@ -126,16 +127,14 @@ class RouterCore:
         self.counters = Counters()
         self.load = LoadControl()
         self.control = SpeculationControl(enabled=config.cost_control)
-        self.lookup_calibration = LookupCalibration(max_ngram=config.lookup_max_ngram)
-        self.corpus: DomainCorpora | None = None  # the lookup corpus, once loaded (lookup_corpus.py)
-        self._load_corpus = load_corpus if config.lookup and config.lookup_corpus else None
+        self.lookups = LookupDrafting(config, self.control, self.counters, load_corpus)
         self.drafting = Drafting(config, drafters, self.control, clock)
         self.gate = DraftGate(config, self.control)
         # the domain lexicon shared through Redis (the zoo's seed + what routers learned), when given
         shared = None if load_lexicon is None or record_lexicon is None else SharedLexicon(
             load_lexicon, lambda domain, prompt: self._background(record_lexicon(domain, prompt)))
         self.routing = RequestRouting(config, self.drafting, DomainLexicon(), self.counters, profiles, shared, clock)
-        self.verdicts = VerdictApplication(self.control, self.gate, self.lookup_calibration, self.counters, metrics)
+        self.verdicts = VerdictApplication(self.control, self.gate, self.lookups.calibration, self.counters, metrics)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
@@ -149,8 +148,8 @@ class RouterCore:
     def start(self) -> None:
         # the shared lexicon from the start: the draft gate keys new requests by its guess of their domain
         self._background(self.routing.reload(throttled=False))
-        if self._load_corpus is not None:
-            self._background(self._corpus_loader())
+        if self.lookups.load_corpus is not None:
+            self._background(self.lookups.keep_corpus_loaded(lambda: self._closed))
         for i in range(max(1, self.config.rounds_in_flight)):
             self._workers.append(asyncio.create_task(self._worker(i), name=f"round-worker-{i}"))
 
@@ -298,7 +297,7 @@ class RouterCore:
         trees, selected = await self._draft(batch, ks)
         for rid, got in ahead.items():
             trees[rid], selected[rid] = got.tree, list(got.selected)
-        lookups = {r.request_id: self._lookups(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
+        lookups = {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
         if self.config.cost_control and any(len(t) for t in trees.values()):
             # the whole batch's nodes against the measured pass-time curve (pass_plan.py)
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
@@ -424,38 +423,12 @@ class RouterCore:
                     self._release_drafters(r)
             self._wakeup.set()
 
-    async def _corpus_loader(self, every_s: float = 2.0) -> None:
-        """Load the lookup corpus, and again whenever it is seeded anew (``load_corpus(version)``
-        answers only when the seeded version differs from the one it is given)."""
-        assert self._load_corpus is not None
-        version = 0
-        while not self._closed:
-            got = await self._load_corpus(version)
-            if got is not None:
-                version, self.corpus = got
-                self.counters.corpus_sequences = self.corpus.sequences if self.corpus is not None else 0
-            await asyncio.sleep(every_s)
-
     def _off_path(self, coro: Awaitable[None]) -> None:
         """Drafter work off the verifier's path (see the module docstring); cancelled at stop."""
         task = asyncio.ensure_future(coro)
         self._off_path_started += 1
         self._off_path_tasks.add(task)
         task.add_done_callback(self._off_path_tasks.discard)
-
-    def _lookups(self, r: Request, tree: DraftTree) -> tuple[LookupNodes, ...]:
-        """Add the lookup drafter's chains to ``r``'s tree (from its own text, and from the lookup
-        corpus once loaded), their nodes priced by their verify rows alone (the lookup drafter costs
-        no drafter time)."""
-        k = min(self.config.max_k, r.max_new_tokens - len(r.generated) - 1)
-        proposals = [(TEXT, *r.lookup.propose(r.sequence, k))]
-        if self.corpus is not None:
-            proposals.append((CORPUS, *self.corpus.propose(gate_domain(r), r.sequence, k)))
-        theta = self.control.threshold() if self.config.cost_control else 0.0
-        width = self.config.tree_width if self.config.fusion == "token" else max(1, self.config.drafters_per_request)
-        chains = (add_lookup_chain(tree, chain, match, r.sampling.greedy, self.lookup_calibration, theta, width, source)
-                  for source, chain, match in proposals if chain)
-        return tuple(c for c in chains if c.nodes)
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
                updates: list[ProfileUpdate], round_ns: int, lookups: Sequence[LookupNodes] = ()) -> None:

@@ -108,5 +108,5 @@ def test_the_router_drafts_from_the_corpus_and_the_output_stays_the_target_s(eng
     off = RouterCore(RouterConfig(cost_control=False, lookup_corpus=False), LocalDrafterPool({}), LocalVerifier(verifier),
                      load_corpus=corpus_of(prompts, expected))
     assert asyncio.run(generate_all(off, prompts, MAX_NEW)) == expected
-    assert off.counters.corpus_tokens == 0 and off.corpus is None
+    assert off.counters.corpus_tokens == 0 and off.lookups.corpus is None
     assert verifier.active_requests == 0
