@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.streams < 1 or args.max_new_tokens < 1:
         ap.error("--streams and --max-new-tokens must be >= 1")
-    from cosine_cli.commands import _load_zoo, seed_profiles
+    from cosine_cli.commands import _load_zoo, seed_zoo
 
     zoo_dir = TINY_ZOO if args.tiny_zoo else args.zoo
     if args.tiny_zoo:
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                                router_args=("--max-queue", str(max(1024, args.streams))),
                                                gateway_args=("--request-timeout-s", str(args.timeout))))
             address = cluster.start()
-            asyncio.run(seed_profiles(cluster.redis_url, cluster.spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon,
-                                      corpus=zoo.lookup_corpus))
+            asyncio.run(seed_zoo(cluster.redis_url, cluster.spec.prefix, zoo))
         print(f"soak       {args.streams} streams x {args.max_new_tokens} tokens through {address} ({zoo_dir})",
               file=sys.stderr, flush=True)
         outcomes, wall = asyncio.run(run_streams(address, prompts, args.streams, args.max_new_tokens, args.timeout, progress=True))

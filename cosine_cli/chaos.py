@@ -18,7 +18,7 @@ import json
 import sys
 from typing import Any
 
-from cosine_cli.commands import DEFAULT_ZOO, _load_zoo, seed_profiles
+from cosine_cli.commands import DEFAULT_ZOO, _load_zoo, seed_zoo
 
 REPORT_SCHEMA = "cosine-chaos/1"
 COLUMNS = ("phase", "sent", "completed", "failed", "retries", "differ", "in flight", "restarts", "back after")
@@ -97,7 +97,7 @@ async def run_chaos(args: argparse.Namespace, victims: list[str], say) -> dict[s
     cluster = LocalCluster(spec)
     try:
         await cluster.start_async(progress=True)
-        await seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon, corpus=zoo.lookup_corpus)
+        await seed_zoo(cluster.redis_url, spec.prefix, zoo)
         cluster.supervise(backoff=Backoff(initial_s=0.5), say=say)
         say(f"chaos      reference run: {len(prompts)} requests, {args.concurrency} at a time, {args.max_new_tokens} new tokens")
         outcomes = await run_workload(cluster.gateway_address, prompts, args.concurrency, args.max_new_tokens, args.retry_window)

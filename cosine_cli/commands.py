@@ -155,6 +155,12 @@ async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str,
     return len(matrix)
 
 
+async def seed_zoo(redis_url: str, prefix: str, zoo: Any) -> int:
+    """:func:`seed_profiles` with everything a zoo carries: its acceptance matrix (prior weight 20),
+    its domain lexicon and its lookup corpus."""
+    return await seed_profiles(redis_url, prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon, corpus=zoo.lookup_corpus)
+
+
 def _wait_for_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,8 +178,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.start()
         if not args.target:
             zoo = _load_zoo(args.zoo)
-            n = asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon,
-                                          corpus=zoo.lookup_corpus))
+            n = asyncio.run(seed_zoo(cluster.redis_url, spec.prefix, zoo))
             print(f"profiles   {n} drafter profile(s) seeded from {args.zoo}/zoo.json"
                   + (f"; domain lexicon from {sum(n for n, _ in zoo.lexicon.values())} training prompts" if zoo.lexicon else "")
                   + (f"; lookup corpus of {sum(map(len, zoo.lookup_corpus.values()))} sequences" if zoo.lookup_corpus else ""),
@@ -344,12 +349,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
         drafters = dict(spec.partition("=")[::2] for spec in args.drafter)
         matrix = measure_matrix(args.target, drafters, _read_prompts(args.prompts), args.k, args.new_tokens)
         source, lexicon, corpus = "measurement", None, None
+        tokenizer = args.target
     else:
         zoo = _load_zoo(args.zoo)
         matrix = {d: dict(row) for d, row in zoo.acceptance.items()}
         source, lexicon, corpus = f"{args.zoo}/zoo.json", zoo.lexicon, zoo.lookup_corpus
+        tokenizer = str(zoo.tokenizer_path)
     if args.corpus:
-        corpus = _read_corpus(args.corpus, args.target if args.measure else str(_load_zoo(args.zoo).tokenizer_path))
+        corpus = _read_corpus(args.corpus, tokenizer)
     for name, row in sorted(matrix.items()):
         print(f"{name:<16}" + "  ".join(f"{d}={v:.2f}" for d, v in sorted(row.items())))
     n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon, corpus=corpus))
@@ -377,7 +384,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     results = []
     try:
         cluster.start()
-        asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon, corpus=zoo.lookup_corpus))
+        asyncio.run(seed_zoo(cluster.redis_url, spec.prefix, zoo))
         work = mixed_workload(zoo.prompts, args.requests)
         results = asyncio.run(run_workload(cluster.gateway_address, work, args.concurrency, args.max_new_tokens, progress=True,
                                            client_options=cluster.client_tls()))

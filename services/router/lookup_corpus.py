@@ -84,12 +84,12 @@ class LookupCorpus:
                 best_pos, best_n = pos, n
                 if n == limit:
                     break
-        out: list[int] = []
+        out: list[int] = []  # never empty: every indexed position holds a token of its sequence
         for t in tokens[best_pos:best_pos + k]:
             if t == SEPARATOR:
                 break
             out.append(t)
-        return out, best_n if out else 0
+        return out, best_n
 
 
 @dataclass
