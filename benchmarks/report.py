@@ -6,7 +6,7 @@ Report schema (``cosine-bench/1``; documented in docs/benchmarks.md)::
       "schema": "cosine-bench/1",
       "machine":  {platform, python, torch, transformers, cpu, cores, memory_gib, torch_threads, gpu},
       "scenario": {name, zoo, max_new_tokens, reference, workloads: {name: spec}, systems: {name: spec},
-                   order, wall_s, greedy_check},
+                   order, skipped: {system: {workloads, why}}, wall_s, greedy_check},
       "systems":  {system: {workload: metrics}},
       "ratios":   {headline ratio: value | null, ...,
                    "by_workload": {workload: {"<a>_vs_<b>_throughput" | "<a>_vs_<b>_latency": value}}}

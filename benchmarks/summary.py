@@ -39,6 +39,10 @@ def _f(x: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
 def systems_table(report: Mapping[str, Any]) -> str:
     roles = report["ratios"]["workloads"]
     hi, lo, c1 = roles.get("high", ""), roles.get("low", ""), roles.get("c1", "")
@@ -59,7 +63,7 @@ def systems_table(report: Mapping[str, Any]) -> str:
                     f"{m('closed_c16', 'tokens_per_s', '{:.1f}')} | {m(lo, 'latency_mean_s', '{:.2f}')} | "
                     f"{m(hi, 'tokens_per_s', '{:.1f}')} | {m(hi, 'latency_mean_s', '{:.2f}')} | "
                     f"{m(hi, 'mean_accepted_len', '{:.2f}')} | "
-                    f"{_f((per.get(hi, {}).get('verifier_busy_frac') or 0) * 100)}% | {split_s} | "
+                    f"{_pct(per.get(hi, {}).get('verifier_busy_frac'))} | {split_s} | "
                     f"{m(hi, 'bound_tokens_per_s', '{:.1f}')} |")
     return "\n".join(rows)
 

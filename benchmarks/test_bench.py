@@ -95,6 +95,42 @@ def test_a_greedy_mismatch_fails_the_benchmark_loudly(tiny_zoo, tmp_path):
     assert m["position"] == m["got_len"] - 1 and m["got"][-1] == m["expected"][-1] + 1
 
 
+class _OneAtATime(AutoregressiveSystem):
+    """The autoregressive system declared as serving one request at a time, like transformers' generate."""
+
+    one_at_a_time = True
+
+
+@pytest.mark.parametrize("serial_first", [False, True])
+def test_a_one_at_a_time_system_runs_only_the_unloaded_workloads(tiny_zoo, tmp_path, serial_first):
+    def factory(names, zoo, eos_id, pad_id, cores, log_dir, threads):
+        plain = AutoregressiveSystem(str(zoo.target.path), eos_id, 1, name="plain")
+        serial = _OneAtATime(str(zoo.target.path), eos_id, 1, name="serial")
+        return ([serial, plain] if serial_first else [plain, serial]), None
+
+    out = tmp_path / "report.json"
+    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick", cores=1, plots=False, progress=False,
+                        max_new_tokens=4)
+    report = run_bench(opts, system_factory=factory)
+    every = {"closed_c1", "closed_c4", "open_low", "open_high", "closed_c4_sampling"}
+    assert set(report["systems"]["plain"]) == every
+    # the first system measures the capacity the open-loop rates come from (closed_c4 here), whatever it is
+    ran = {"closed_c1", "open_low"} | ({"closed_c4"} if serial_first else set())
+    assert set(report["systems"]["serial"]) == ran
+    assert set(report["scenario"]["skipped"]["serial"]["workloads"]) == every - ran
+    assert "plain" not in report["scenario"]["skipped"]
+    # a workload it skipped has no ratio against it, and the summary shows a dash, not a zero
+    assert "plain_vs_serial_throughput" not in report["ratios"]["by_workload"]["open_high"]
+    from benchmarks.summary import systems_table
+
+    row = next(line for line in systems_table(report).splitlines() if line.startswith("| serial |"))
+    assert "| - | - |" in row and "0%" not in row
+    # named workloads run as asked, loaded or not
+    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick", cores=1, plots=False, progress=False,
+                        max_new_tokens=4, workloads=["closed_c4"])
+    assert set(run_bench(opts, system_factory=factory)["systems"]["serial"]) == {"closed_c4"}
+
+
 @pytest.mark.slow
 def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo, tmp_path):
     out = tmp_path / "bench" / "report.json"
