@@ -1,6 +1,7 @@
-"""The router's control plane: request pool, pipelined rounds, routing, fusion, verdicts.
+"""The router's rounds: gate, route, draft, plan, verify, apply; pipelined, drafting ahead.
 
-No gRPC here: drafters and the verifier are reached through the small :class:`DrafterPool` and
+The request pool they draw from is ``pool.py``'s (:class:`RequestPool`, a base of
+:class:`RouterCore`); where every other part lives: the package docstring. No gRPC here: drafters and the verifier are reached through the small :class:`DrafterPool` and
 :class:`VerifierBackend` protocols (gRPC stream clients in production, in-process engines in
 tests), so the whole round logic is unit-testable.
 
@@ -35,17 +36,6 @@ while another verifies; a request is in at most one round at a time. With cost c
 only while pipelining pays (``SpeculationControl.pipeline_pays``: drafting outlasts the verify
 pass), each round then taking its share of the pool; otherwise one round carries the whole pool,
 so the verifier pays its fixed cost per pass once.
-
-Where each part lives: this module runs the rounds; ``verdicts.py`` applies a request's verdict
-(commit, credit, calibrations, profile updates); ``requests.py`` holds the
-request pool's types and the contracts of the drafter pool and verifier; ``scheduler.py`` picks
-batches and speculation lengths; ``gate.py`` decides who drafts; ``domain.py`` detects a drafting
-request's domain and seeds its routing vector (``routing.py``); ``drafting.py`` selects drafters and
-runs token or chunk fusion (``common/fusion.py`` builds the trees, ``common/token_fusion.py`` runs
-token fusion's steps, here or inside a drafter process); ``lookup_drafting.py`` adds the lookup
-drafter's chains (``lookup.py``: from a request's own text; ``lookup_corpus.py``: from the corpus);
-``pass_plan.py`` cuts the batch's trees to what pays on the pass-time curve; ``control.py`` prices
-nodes and steps against their cost.
 """
 
 from __future__ import annotations
@@ -56,12 +46,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from common.logs import get_logger
-from common.spec_types import SamplingParams, TokenTree, Verdict, VerifyItem
-from services.router.admission import SubmitLimits, check_submission
+from common.spec_types import TokenTree, Verdict, VerifyItem
+from services.router.admission import SubmitLimits
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
-from services.router.lookup import LookupIndex, LookupNodes
+from services.router.lookup import LookupNodes
 from services.router.lookup_drafting import CorpusLoader, LookupDrafting
 from services.router.drafting import Drafting, common_prefix, sync_item
 from common.fusion import DraftTree
@@ -87,7 +77,8 @@ from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
 from services.router.resume import backoff_s, mark_for_resume
 from services.router.verdicts import ProfileUpdate, VerdictApplication
-from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
+from services.router.pool import RequestPool
+from services.router.scheduler import Candidate, LoadControl, pick_batch
 
 # the names the servicer, the benchmarks and the tests import from here
 __all__ = [
@@ -99,8 +90,7 @@ __all__ = [
 log = get_logger("router")
 
 
-
-class RouterCore:
+class RouterCore(RequestPool):
     def __init__(
         self,
         config: RouterConfig,
@@ -162,37 +152,6 @@ class RouterCore:
             self._finish(req, error=RequestFailed("router shutting down", "unavailable"))
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
-
-    # ---- submission --------------------------------------------------------------------------
-
-    def submit(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-               stop_ids: Sequence[int] = (), domain_hint: str = "") -> Request:
-        if self._closed:
-            raise RequestFailed("router shutting down", "unavailable")
-        check_submission(request_id, prompt, max_new_tokens, sampling, stop_ids, domain_hint, self.limits)
-        if request_id in self.requests:
-            raise RequestFailed(f"request_id: request {request_id} is already running", "already_exists")
-        if len(self.requests) >= self.config.max_queue:
-            raise RequestFailed(f"router queue is full ({self.config.max_queue} requests)", "resource_exhausted")
-        guess = domain_hint or (self.routing.guess(prompt) if self.config.gate_by_domain else "")
-        req = Request(
-            request_id=request_id, prompt=tuple(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-            stop_ids=frozenset(stop_ids), domain=domain_hint, domain_guess=guess,
-            spec=SpeculationLength(self.config.initial_k, self.config.min_k, self.config.max_k),
-            ready_since=self.clock(), lookup=LookupIndex(self.config.lookup_max_ngram),
-            first_accept=self.gate.start(guess),  # what drafting did for the recent requests of its domain
-        )
-        self.requests[request_id] = req
-        self._wakeup.set()
-        return req
-
-    def cancel(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is None or req.done:
-            return
-        req.cancelled = True
-        if not req.in_round:
-            self._finish(req, FINISH_CANCELLED)
 
     # ---- rounds ------------------------------------------------------------------------------
 
@@ -396,13 +355,6 @@ class RouterCore:
                 self._hand_back(r)
             self._wakeup.set()
 
-    def _hand_back(self, r: Request) -> None:
-        """``r``'s round is over: back in the pool, or finished if it was cancelled meanwhile."""
-        r.in_round = False
-        r.ready_since = self.clock()
-        if r.cancelled and not r.done:
-            self._finish(r, FINISH_CANCELLED)
-
     async def _route_ahead(self, group: list[Request]) -> None:
         """Route new requests (their domain, from the drafters' scores of their prompts where the
         lexicon cannot tell) and bring their drafters to their prompts, while their rounds decode
@@ -438,27 +390,6 @@ class RouterCore:
         if outcome.ends:
             self._finish(r, outcome.finish_reason, outcome.error)
 
-    def _finish(self, r: Request, reason: str = "", error: RequestFailed | None = None) -> None:
-        if r.done:
-            return
-        r.done = True
-        self.requests.pop(r.request_id, None)
-        self.counters.requests_finished += 1
-        r.events.put_nowait(Event(finished=True, finish_reason=reason, error=error))
-        self._release_drafters(r)
-        try:
-            self.verifier.release([r.request_id])
-        except Exception as exc:
-            log.debug("verifier release failed", error=str(exc))
-
-    def _release_drafters(self, r: Request) -> None:
-        for d in list(r.drafter_cache):
-            try:
-                self.drafters.release(d, [r.request_id])
-            except Exception as exc:
-                log.debug("drafter release failed", drafter=d, error=str(exc))
-        r.drafter_cache.clear()
-
     def _background(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._bg.add(task)
@@ -470,13 +401,6 @@ class RouterCore:
 
         task.add_done_callback(done)
 
-    # ---- introspection -----------------------------------------------------------------------
-
-    def queue_depth(self) -> int:
-        return sum(1 for r in self.requests.values() if not r.in_round)
-
-    def drafter_acceptance(self) -> dict[str, tuple[float, float]]:
-        return {d: (v[0], v[1] / v[0] if v[0] else 0.0) for d, v in self.counters.by_drafter.items()}
 
 
 def _to_token_tree(tree: DraftTree) -> TokenTree:
