@@ -9,12 +9,14 @@ Report schema (``cosine-bench/1``; documented in docs/benchmarks.md)::
                    order, skipped: {system: {workloads, why}}, wall_s, greedy_check},
       "systems":  {system: {workload: metrics}},
       "ratios":   {headline ratio: value | null, ...,
-                   "by_workload": {workload: {"<a>_vs_<b>_throughput" | "<a>_vs_<b>_latency": value}}}
+                   "by_workload": {workload: {"<a>_vs_<b>_throughput" | "<a>_vs_<b>_latency"
+                                              | "<a>_vs_<b>_sustained" (closed loops of several clients): value}}}
     }
 
 Metrics of one (system, workload) pair (every key always present; null when not measurable)::
 
-    requests, failed, output_tokens, wall_s, tokens_per_s, requests_per_s, offered_rps,
+    requests, failed, output_tokens, wall_s, tokens_per_s, sustained_tokens_per_s (closed loops of
+    several clients: tokens/s while every client was busy, without the drain), requests_per_s, offered_rps,
     latency_mean_s, latency_p50_s, latency_p99_s, ttft_mean_s, ttft_p50_s, ttft_p99_s, tpot_mean_s,
     mean_accepted_len (draft tokens accepted per request per round), tokens_per_round,
     verify_batches, mean_batch_requests, verifier_busy_frac,
@@ -135,9 +137,10 @@ def metrics(result: RunResult, workload: Workload, one_at_a_time: bool = False) 
     usage = {d: {dom: n / per_domain[dom] for dom, n in row.items()} for d, row in served.items()}
     tps = tokens / wall if wall > 0 else None
     bound = committed / busy if busy > 0 else None
+    sustained = sustained_tokens_per_s(ok, workload) if not one_at_a_time else None
     return {
         "requests": len(recs), "failed": len(recs) - len(ok), "output_tokens": tokens, "wall_s": wall,
-        "tokens_per_s": tps, "requests_per_s": len(ok) / wall if wall > 0 else None,
+        "tokens_per_s": tps, "sustained_tokens_per_s": sustained, "requests_per_s": len(ok) / wall if wall > 0 else None,
         "offered_rps": workload.offered_rps or None,
         "latency_mean_s": _mean(lat), "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
         "ttft_mean_s": _mean(ttft), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
@@ -156,6 +159,31 @@ def metrics(result: RunResult, workload: Workload, one_at_a_time: bool = False) 
         "counters": dict(c),
         "errors": sorted({r.error for r in recs if r.error})[:5],
     }
+
+
+def sustained_tokens_per_s(records: Sequence[Any], workload: Workload) -> float | None:
+    """Closed loop of several clients: output tokens per second while every client had a request in
+    flight, i.e. until the last request was issued (the clients share one queue, so none idles before
+    it is empty). What follows, the drain, is the workload's end rather than the system's pace: the
+    last requests finish alone in thin passes, and speculation, finishing requests at different rounds,
+    spreads that drain out. Tokens inside the window are counted per request as if emitted evenly
+    from its first token to its last (a speculative system emits them in bursts of a round). None for
+    open loops, one client, or when every request was issued at once."""
+    if workload.spec.kind != "closed" or workload.spec.concurrency <= 1 or not records:
+        return None
+    end = max(r.issued_s for r in records)
+    if end <= 0:
+        return None
+    emitted = 0.0
+    for r in records:
+        n = len(r.token_ids)
+        if not n or r.first_token_s is None or r.first_token_s > end:
+            continue
+        if r.finished_s <= end or n == 1:
+            emitted += n
+        else:
+            emitted += 1 + (n - 1) * (end - r.first_token_s) / max(r.finished_s - r.first_token_s, 1e-9)
+    return emitted / end
 
 
 def compute_ratios(systems: Mapping[str, Mapping[str, Mapping[str, Any]]], roles: Mapping[str, str]) -> dict[str, Any]:
@@ -183,6 +211,9 @@ def compute_ratios(systems: Mapping[str, Mapping[str, Mapping[str, Any]]], roles
                     continue
                 row[f"{a}_vs_{base}_throughput"] = _div(get(a, w, "tokens_per_s"), get(base, w, "tokens_per_s"))
                 row[f"{a}_vs_{base}_latency"] = _div(get(a, w, "latency_mean_s"), get(base, w, "latency_mean_s"))
+                sustained = _div(get(a, w, "sustained_tokens_per_s"), get(base, w, "sustained_tokens_per_s"))
+                if sustained is not None:
+                    row[f"{a}_vs_{base}_sustained"] = sustained
         by_workload[w] = row
     out["by_workload"] = by_workload
     return out

@@ -68,6 +68,22 @@ def systems_table(report: Mapping[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def sustained_table(report: Mapping[str, Any], a: str = "cosine", bases: tuple[str, ...] = ("autoregressive", "vanilla_sd")) -> str:
+    """Closed loops of several clients: ``a`` against each base, tokens/s over the whole workload and
+    while every client was busy (without the drain at the workload's end); empty without such figures."""
+    per_workload = report["ratios"].get("by_workload", {})
+    rows = []
+    for w, r in sorted(per_workload.items(), key=lambda kv: report["scenario"]["workloads"].get(kv[0], {}).get("concurrency") or 0):
+        cells = [(r.get(f"{a}_vs_{b}_throughput"), r.get(f"{a}_vs_{b}_sustained")) for b in bases]
+        if all(s is None for _, s in cells):
+            continue
+        rows.append(f"| {w} | " + " | ".join(f"{_f(t, '{:.2f}')} | {_f(s, '{:.2f}')}" for t, s in cells) + " |")
+    if not rows:
+        return ""
+    head = "| workload | " + " | ".join(f"{a} / {b}: whole run | while all clients busy" for b in bases) + " |"
+    return "\n".join([head, "|---|" + "---|---|" * len(bases), *rows])
+
+
 def goals_table(report: Mapping[str, Any]) -> str:
     ratios = report["ratios"]
     rows = ["| figure | measured | goal |", "|---|---|---|"]
@@ -97,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
           f"mismatches: {len(check['mismatches'])}\n")
     print(systems_table(report) + "\n")
     print(goals_table(report))
+    sustained = sustained_table(report)
+    if sustained:
+        print("\n" + sustained)
     return 0
 
 

@@ -59,6 +59,31 @@ def test_percentile_and_ratios():
     assert r["by_workload"]["hi"]["cosine_vs_vanilla_sd_throughput"] == pytest.approx(1.5)
 
 
+def test_sustained_throughput_counts_the_tokens_emitted_while_every_client_was_busy():
+    from benchmarks.report import sustained_tokens_per_s
+
+    spec = WorkloadSpec("c2", "closed", 3, concurrency=2)
+    wl = build_workload(spec, [("d", "p", (1, 2))] * 3, 5)
+    # two clients: requests 0 and 1 issued at 0; request 2 issued at 4 s when request 0 finished; the
+    # window is [0, 4]: request 0 whole (5 tokens), request 1 (first token at 1 s, last of 9 at 9 s)
+    # half-way through its remaining 8 (1 + 8 * 3/8 = 4), request 2 nothing yet (first token at 5 s)
+    recs = [RequestRecord(0, "d", tuple(range(5)), issued_s=0.0, first_token_s=1.0, finished_s=4.0),
+            RequestRecord(1, "d", tuple(range(9)), issued_s=0.0, first_token_s=1.0, finished_s=9.0),
+            RequestRecord(2, "d", tuple(range(3)), issued_s=4.0, first_token_s=5.0, finished_s=7.0)]
+    assert sustained_tokens_per_s(recs, wl) == pytest.approx((5 + 4) / 4.0)
+    # not defined for an open loop, for one client, or when every request was issued at once
+    open_wl = build_workload(WorkloadSpec("o", "open", 3, load=1.0), [("d", "p", (1, 2))] * 3, 5, reference_rps=1.0)
+    assert sustained_tokens_per_s(recs, open_wl) is None
+    one = build_workload(WorkloadSpec("c1", "closed", 3, concurrency=1), [("d", "p", (1, 2))] * 3, 5)
+    assert sustained_tokens_per_s(recs, one) is None
+    assert sustained_tokens_per_s([RequestRecord(0, "d", (1,), 0.0, 0.5, 1.0)], wl) is None
+    # and the ratio between two systems appears beside the whole-run one
+    per = {"a": {"c2": {"tokens_per_s": 2.0, "sustained_tokens_per_s": 3.0, "latency_mean_s": 1.0}},
+           "autoregressive": {"c2": {"tokens_per_s": 4.0, "sustained_tokens_per_s": 3.0, "latency_mean_s": 1.0}}}
+    row = compute_ratios(per, {})["by_workload"]["c2"]
+    assert row["a_vs_autoregressive_throughput"] == pytest.approx(0.5) and row["a_vs_autoregressive_sustained"] == pytest.approx(1.0)
+
+
 def test_greedy_check_names_the_first_divergence():
     expected = {(1, 2): (5, 6, 7, 8)}
     good = RequestRecord(0, "code", token_ids=(5, 6, 7, 8))
