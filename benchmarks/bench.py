@@ -54,8 +54,8 @@ class Scenario:
 
 def _default() -> Scenario:
     # sized for the smol zoo (a 135 M target, about 15-120 tokens/s on 2 CPU cores) to finish within
-    # 25 minutes: a closed loop of 16 clients runs 4 requests per client, so the drain at its end (the
-    # last requests finishing alone, which speculation spreads out) is a quarter of it, not half
+    # 25 minutes with ratios that agree between runs: a closed loop of 16 clients runs 4 requests per
+    # client, so the drain at its end (the last requests finishing alone) weighs half what it did with 2
     w = (
         WorkloadSpec("closed_c1", "closed", 12, concurrency=1, label="closed loop, 1 client"),
         WorkloadSpec("closed_c4", "closed", 16, concurrency=4, label="closed loop, 4 clients"),
