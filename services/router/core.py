@@ -1,9 +1,10 @@
 """The router's rounds: gate, route, draft, plan, verify, apply; pipelined, drafting ahead.
 
 The request pool they draw from is ``pool.py``'s (:class:`RequestPool`, a base of
-:class:`RouterCore`); where every other part lives: the package docstring. No gRPC here: drafters and the verifier are reached through the small :class:`DrafterPool` and
-:class:`VerifierBackend` protocols (gRPC stream clients in production, in-process engines in
-tests), so the whole round logic is unit-testable.
+:class:`RouterCore`); where every other part lives: the package docstring. No gRPC here: drafters
+and the verifier are reached through the small :class:`DrafterPool` and :class:`VerifierBackend`
+protocols (gRPC stream clients in production, in-process engines in tests), so the whole round
+logic is unit-testable.
 
 A **round** for a batch of requests (see DESIGN.md):
 
