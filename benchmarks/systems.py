@@ -533,6 +533,7 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "cosine_unpriced_drafting": (("--no-draft-pricing",), (),
                                  "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)"),
     "cosine_no_lookup": (("--no-lookup-drafts",), (), "cosine without the lookup drafter (only the drafter models propose)"),
+    "cosine_one_drafter": (("--drafters-per-request", "1"), (), "cosine with one drafter per request"),
     "services_plain": (("--no-speculate",), (),
                        "the target alone through the same services (gateway, router, verifier), drafting off: what the "
                        "serving path costs without speculation"),
@@ -546,7 +547,7 @@ ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "sp
                "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
                "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup", "cosine_no_draft_ahead",
                "cosine_unshared_lexicon", "cosine_global_gate", "cosine_step_fusion", "cosine_no_corpus",
-               "services_plain")
+               "services_plain", "cosine_one_drafter")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
 DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup",
