@@ -28,7 +28,11 @@ the first step's time (:attr:`SpeculationControl.first_step`, a fixed + per-requ
 verifier's). At one client nothing overlaps the drafters' time, so weak drafters are turned off and
 the request decodes plainly; with a full batch the step's time is shared and drafting goes on. When
 drafting takes longer than verifying (drafters the bottleneck), requests are drafted by one drafter
-instead of several: draft less.
+instead of several: draft less. The drafters beyond a request's first are priced as well
+(:meth:`SpeculationControl.extras_pay`): what they add (accepted tokens the first drafter and the
+lookup drafter would not have proposed) against what they cost (their share of the round's draft
+time, at the verifier's throughput); while they do not repay it, one drafter drafts, and every
+``EXTRAS_PROBE_EVERY``-th request drafted for takes the configured number again, to find out.
 
 Pipelining is priced too (:meth:`SpeculationControl.pipeline_pays`). A second round in flight
 lets one batch draft while another verifies, but it splits the pool into two batches, and each
@@ -50,6 +54,9 @@ from dataclasses import dataclass, field
 from common.fusion import DraftTree
 from common.token_fusion import StepPricing, confidence_bin
 from services.router.pass_plan import PassCurve
+
+EXTRAS_PROBE_EVERY = 8  # while extra drafters do not pay, one in this many requests drafted for still takes them
+EXTRAS_MIN_ROUNDS = 4  # rounds with extra drafters measured before they may be turned off
 
 
 @dataclass
@@ -138,6 +145,10 @@ class SpeculationControl:
     pipelining: bool = True  # whether a second round in flight currently pays (see pipeline_pays)
     pass_ratio: float = 0.0  # measured over predicted pass time, passes with no drafter work beside them (EWMA)
     pass_ratio_beside: float = 0.0  # the same, passes that ran beside drafting ahead or a prompt's scoring (EWMA)
+    extras_gain: float = 0.0  # accepted tokens only the drafters beyond each request's first proposed, per round (EWMA)
+    extras_cost: float = 0.0  # their share of the round's draft time, in tokens of verifier throughput (EWMA)
+    extras_rounds: int = 0  # rounds in which some request had extra drafters
+    _extras_asked: int = 0
 
     # ---- decisions -------------------------------------------------------------------------------
 
@@ -276,11 +287,33 @@ class SpeculationControl:
         return self.pipelining
 
     def drafters_per_request(self, configured: int) -> int:
-        """Draft less when drafting is the bottleneck: one drafter per request while a round's
-        drafting takes longer than its verification."""
-        if self.enabled and configured > 1 and self.draft_round_s > self.verify_round_s > 0:
+        """Draft less when drafting is the bottleneck (one drafter per request while a round's
+        drafting takes longer than its verification) or when the drafters beyond the first do not
+        repay their time (:meth:`extras_pay`; every ``EXTRAS_PROBE_EVERY``-th request asked about
+        still takes ``configured``, so that a change is seen)."""
+        if not self.enabled or configured <= 1:
+            return configured
+        if self.draft_round_s > self.verify_round_s > 0:
             return 1
+        if self.extras_rounds >= EXTRAS_MIN_ROUNDS and not self.extras_pay():
+            self._extras_asked += 1
+            return configured if self._extras_asked % EXTRAS_PROBE_EVERY == 0 else 1
         return configured
+
+    def extras_pay(self) -> bool:
+        """Whether the drafters beyond each request's first bring more accepted tokens than their
+        draft time costs (:meth:`observe_extras`); true until measured."""
+        return self.extras_rounds < EXTRAS_MIN_ROUNDS or self.extras_gain >= self.extras_cost
+
+    def observe_extras(self, gained: int, seconds: float, pipelined: bool) -> None:
+        """One round in which some requests had drafters beyond their first: ``gained``, the accepted
+        tokens only those drafters proposed (:func:`services.router.drafting.extras_gain`), and
+        ``seconds``, their share of the round's draft time; half of it counts while another round
+        is in flight (as in :meth:`worth_a_step`)."""
+        share = 0.5 if pipelined else 1.0
+        self.extras_rounds += 1
+        self.extras_gain = self._ewma_zero(self.extras_gain, float(gained), self.extras_rounds)
+        self.extras_cost = self._ewma_zero(self.extras_cost, self.throughput * share * seconds, self.extras_rounds)
 
     def prune(self, tree: DraftTree) -> DraftTree:
         """The tree without the nodes (and their descendants) whose value is under the threshold."""
@@ -300,6 +333,10 @@ class SpeculationControl:
 
     def _ewma(self, old: float, new: float) -> float:
         return new if old <= 0 else (1 - self.smoothing) * old + self.smoothing * new
+
+    def _ewma_zero(self, old: float, new: float, count: int) -> float:
+        """As :meth:`_ewma`, for a figure that may well be 0: the first observation starts it."""
+        return new if count <= 1 else (1 - self.smoothing) * old + self.smoothing * new
 
     def observe_pass(self, tokens: int, busy_s: float, committed: int, prefill: bool = False, beside: bool = False) -> None:
         """One verify pass: ``tokens`` rows took ``busy_s`` of verifier time and committed ``committed``.

@@ -54,7 +54,7 @@ from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupNodes
 from services.router.lookup_drafting import CorpusLoader, LookupDrafting
-from services.router.drafting import Drafting, common_prefix, sync_item
+from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item
 from common.fusion import DraftTree
 from services.router.gate import DraftGate, probe_order
 from services.router.requests import (
@@ -301,6 +301,7 @@ class RouterCore(RequestPool):
             self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9),
                         lookups.get(r.request_id, ()))
         self.gate.settle(batch)
+        self._observe_extras(batch, trees, selected, matched, lookups, set(ahead), t1 - t0)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before,
                                   prefill=any(it.append_ids for it in items),
@@ -326,6 +327,20 @@ class RouterCore(RequestPool):
         if self.config.fusion == "chunk":
             return await self.drafting.chunks(batch, ks)
         return await self.drafting.tokens(batch, ks)
+
+    def _observe_extras(self, batch: list[Request], trees: dict[str, DraftTree], selected: dict[str, list[str]],
+                        matched: dict[str, Verdict], lookups: dict[str, Any], ahead: set[str], draft_s: float) -> None:
+        """What the drafters beyond each request's first brought this round and what they cost
+        (``SpeculationControl.observe_extras``); rounds whose trees were drafted ahead do not count
+        (their draft time is not this round's)."""
+        inline = {r.request_id: selected.get(r.request_id, []) for r in batch if r.request_id not in ahead}
+        if not self.config.cost_control or not any(len(chosen) > 1 for chosen in inline.values()):
+            return
+        gained = 0
+        for rid, chosen in inline.items():
+            also = {n for lookup in lookups.get(rid, ()) for n in lookup.nodes}
+            gained += extras_gain(trees[rid], chosen, matched[rid].accepted_nodes, also)
+        self.control.observe_extras(gained, extras_seconds(inline, draft_s), pipelined=self.rounds_in_flight > 1)
 
     def _drafts_ahead(self, batch: list[Request], drafting: list[Request], ks: dict[str, int]) -> bool:
         """Whether this round's drafting requests draft off the verifier's path: with cost control,

@@ -17,7 +17,7 @@ longest common prefix, the rest appended): the committed prefix is never recompu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
 from common.logs import get_logger
@@ -49,6 +49,31 @@ def sync_item(cache: Sequence[int], sequence: Sequence[int], top_n: int, chain_l
     if chain_len or score:
         item = replace(item, chain_len=chain_len, score_append=score)
     return item, list(sequence)
+
+
+def extras_gain(tree: DraftTree, selected: Sequence[str], accepted_nodes: Sequence[int], also: Collection[int] = ()) -> int:
+    """Accepted tokens of a request's round that only its drafters beyond the first (``selected[0]``,
+    the best routed) brought: the accepted path from its first node that neither the first drafter
+    (among any of its candidates) nor another source (``also``: the lookup drafter's nodes) proposed.
+    Without the extras the path would have stopped there (a lower bound on what they add: the
+    first drafter might have gone on differently). 0 with one drafter."""
+    if len(selected) < 2 or selected[0] not in tree.drafter_ids:
+        return 0
+    bit = 1 << tree.drafter_ids.index(selected[0])
+    for i, node in enumerate(accepted_nodes):
+        if node not in also and not tree.source_masks[node] & bit:
+            return len(accepted_nodes) - i
+    return 0
+
+
+def extras_seconds(selected: Mapping[str, Sequence[str]], draft_s: float) -> float:
+    """The share of a round's ``draft_s`` that its extra drafters cost: the drafters that are only
+    ever some request's second or later (no request's first), each taken to cost an equal share of
+    the round (the drafter models of a zoo are one shape, and a drafter host runs them one after
+    another)."""
+    every = {d for chosen in selected.values() for d in chosen}
+    leads = {chosen[0] for chosen in selected.values() if chosen}
+    return draft_s * len(every - leads) / len(every) if every else 0.0
 
 
 class Drafting:

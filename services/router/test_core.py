@@ -76,6 +76,19 @@ def test_router_output_equals_target_greedy(name, engines, reference):
     assert all(e.active_requests == 0 for e in drafters.values())
 
 
+def test_rounds_with_two_drafters_per_request_price_the_second(engines, reference):
+    """One request, rounds one at a time, drafting inline: every round in which it drafted with two
+    drafters feeds the extras' pricing (what the second drafter brought and cost), losslessly."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    rid = sorted(prompts)[0]
+    config = RouterConfig(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup=False)
+    core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
+    assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
+    assert core.counters.draft_tokens > 0
+    assert core.control.extras_rounds > 0 and core.control.extras_cost > 0
+
+
 def test_dead_drafter_does_not_fail_its_requests(engines, reference):
     verifier, drafters = engines
     prompts, expected = reference
