@@ -55,8 +55,9 @@ def extras_gain(tree: DraftTree, selected: Sequence[str], accepted_nodes: Sequen
     """Accepted tokens of a request's round that only its drafters beyond the first (``selected[0]``,
     the best routed) brought: the accepted path from its first node that neither the first drafter
     (among any of its candidates) nor another source (``also``: the lookup drafter's nodes) proposed.
-    Without the extras the path would have stopped there (a lower bound on what they add: the
-    first drafter might have gone on differently). 0 with one drafter."""
+    Without the extras the path would have stopped there. A lower bound on what they add: their
+    votes may also have put one of the first drafter's runners-up on the chain that drafting goes on
+    from, which this does not count. 0 with one drafter."""
     if len(selected) < 2 or selected[0] not in tree.drafter_ids:
         return 0
     bit = 1 << tree.drafter_ids.index(selected[0])
