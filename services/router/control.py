@@ -295,7 +295,7 @@ class SpeculationControl:
             return configured
         if self.draft_round_s > self.verify_round_s > 0:
             return 1
-        if self.extras_rounds >= EXTRAS_MIN_ROUNDS and not self.extras_pay():
+        if not self.extras_pay():
             self._extras_asked += 1
             return configured if self._extras_asked % EXTRAS_PROBE_EVERY == 0 else 1
         return configured

@@ -301,7 +301,7 @@ class RouterCore(RequestPool):
             self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9),
                         lookups.get(r.request_id, ()))
         self.gate.settle(batch)
-        self._observe_extras(batch, trees, selected, matched, lookups, set(ahead), t1 - t0)
+        self._observe_extras(batch, trees, selected, matched, set(ahead), t1 - t0)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before,
                                   prefill=any(it.append_ids for it in items),
@@ -329,17 +329,14 @@ class RouterCore(RequestPool):
         return await self.drafting.tokens(batch, ks)
 
     def _observe_extras(self, batch: list[Request], trees: dict[str, DraftTree], selected: dict[str, list[str]],
-                        matched: dict[str, Verdict], lookups: dict[str, Any], ahead: set[str], draft_s: float) -> None:
+                        matched: dict[str, Verdict], ahead: set[str], draft_s: float) -> None:
         """What the drafters beyond each request's first brought this round and what they cost
         (``SpeculationControl.observe_extras``); rounds whose trees were drafted ahead do not count
         (their draft time is not this round's)."""
         inline = {r.request_id: selected.get(r.request_id, []) for r in batch if r.request_id not in ahead}
         if not self.config.cost_control or not any(len(chosen) > 1 for chosen in inline.values()):
             return
-        gained = 0
-        for rid, chosen in inline.items():
-            also = {n for lookup in lookups.get(rid, ()) for n in lookup.nodes}
-            gained += extras_gain(trees[rid], chosen, matched[rid].accepted_nodes, also)
+        gained = sum(extras_gain(trees[rid], chosen, matched[rid].accepted_nodes) for rid, chosen in inline.items())
         self.control.observe_extras(gained, extras_seconds(inline, draft_s), pipelined=self.rounds_in_flight > 1)
 
     def _drafts_ahead(self, batch: list[Request], drafting: list[Request], ks: dict[str, int]) -> bool:

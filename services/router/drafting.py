@@ -17,7 +17,7 @@ longest common prefix, the rest appended): the committed prefix is never recompu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from common.logs import get_logger
@@ -25,6 +25,7 @@ from common.spec_types import DraftItem, DraftResult
 from services.router.control import SpeculationControl
 from common.fusion import DraftTree, fuse_chains
 from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing, TokenFusion
+from services.router.lookup import LOOKUP_ID
 from services.router.matching import match_draft_results
 from services.router.requests import DrafterPool, Request, RouterConfig
 
@@ -51,18 +52,21 @@ def sync_item(cache: Sequence[int], sequence: Sequence[int], top_n: int, chain_l
     return item, list(sequence)
 
 
-def extras_gain(tree: DraftTree, selected: Sequence[str], accepted_nodes: Sequence[int], also: Collection[int] = ()) -> int:
+def extras_gain(tree: DraftTree, selected: Sequence[str], accepted_nodes: Sequence[int]) -> int:
     """Accepted tokens of a request's round that only its drafters beyond the first (``selected[0]``,
     the best routed) brought: the accepted path from its first node that neither the first drafter
-    (among any of its candidates) nor another source (``also``: the lookup drafter's nodes) proposed.
-    Without the extras the path would have stopped there. A lower bound on what they add: their
-    votes may also have put one of the first drafter's runners-up on the chain that drafting goes on
-    from, which this does not count. 0 with one drafter."""
+    (among any of its candidates) nor the lookup drafter (never gated: its nodes are there anyway)
+    proposed, as the tree's source masks record. Without the extras the path would have stopped
+    there. A lower bound on what they add: their votes may also have put one of the first drafter's
+    runners-up on the chain that drafting goes on from, which this does not count. 0 with one drafter."""
     if len(selected) < 2 or selected[0] not in tree.drafter_ids:
         return 0
-    bit = 1 << tree.drafter_ids.index(selected[0])
+    anyway = 0
+    for d in (selected[0], LOOKUP_ID):
+        if d in tree.drafter_ids:
+            anyway |= 1 << tree.drafter_ids.index(d)
     for i, node in enumerate(accepted_nodes):
-        if node not in also and not tree.source_masks[node] & bit:
+        if not tree.source_masks[node] & anyway:
             return len(accepted_nodes) - i
     return 0
 

@@ -7,6 +7,7 @@ import pytest
 from common.fusion import DraftTree
 from services.router.control import EXTRAS_MIN_ROUNDS, EXTRAS_PROBE_EVERY, SpeculationControl
 from services.router.drafting import extras_gain, extras_seconds
+from services.router.lookup import LOOKUP_ID
 
 
 def tree_of(nodes: list[tuple[int, int, set[str]]]) -> DraftTree:
@@ -25,7 +26,8 @@ def test_gain_is_the_accepted_path_from_the_first_node_the_lead_did_not_propose(
     assert extras_gain(tree, ["x", "g"], (0, 1, 2, 3)) == 3  # with x leading, g alone brought node 1 on
     assert extras_gain(tree, ["g"], (0, 1, 2, 3)) == 0  # one drafter: nothing extra
     # a node the lookup drafter proposed too would have been there without the extra drafter
-    assert extras_gain(tree, ["g", "x"], (0, 1, 2, 3), also={2}) == 0
+    tree.source_masks[2] |= tree.mask_of({LOOKUP_ID})
+    assert extras_gain(tree, ["g", "x"], (0, 1, 2, 3)) == 0
 
 
 def test_gain_of_a_lead_missing_from_the_tree_is_zero():
