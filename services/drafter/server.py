@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +28,7 @@ from common.grpc_server import ServerHandle
 from common.live_requests import LiveRequests
 from common.logs import get_logger
 from common.metrics import ServiceMetrics, bind_engine_metrics
+from common.model_thread import ModelThread
 from common.runtime import configure_torch_threads
 from common.service import StartupError
 from common.spec_types import DraftItem, DraftResult, StageTimings
@@ -181,12 +181,13 @@ class DrafterApp:
     role = "drafter"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, settings: DrafterSettings, store: Store, engines: dict[str, DrafterEngine]):
+    def __init__(self, settings: DrafterSettings, store: Store, engines: dict[str, DrafterEngine],
+                 model_thread: ModelThread | None = None):
         self.settings = settings
         self.store = store
         self.engines = engines
         self.servicer = DrafterServicer(self)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+        self.model_thread = model_thread or ModelThread("drafter-model")  # the thread that loaded the drafters
         self.draining = False
         self.streams = 0  # open Draft streams
         self.in_flight = 0  # draft steps on the model thread or waiting for it
@@ -224,7 +225,7 @@ class DrafterApp:
 
         self.in_flight += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+            return await self.model_thread.run(work)
         finally:
             self.in_flight -= 1
             self.last_step = time.monotonic()
@@ -234,8 +235,7 @@ class DrafterApp:
         """A fused round (:func:`run_fused_round`) on the model thread; also its model time in ns."""
         self.in_flight += 1
         try:
-            outcomes, seconds = await asyncio.get_running_loop().run_in_executor(
-                self.executor, run_fused_round, self.engines, width, pricing, requests)
+            outcomes, seconds = await self.model_thread.run(run_fused_round, self.engines, width, pricing, requests)
             return outcomes, seconds, int(sum(seconds) * 1e9)
         finally:
             self.in_flight -= 1
@@ -249,7 +249,7 @@ class DrafterApp:
                     n += bool(self.engines[d].release(rid))
             return n
 
-        n = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        n = await self.model_thread.run(work)
         if n:
             log.info("released caches of a closed stream", requests=n)
 
@@ -264,7 +264,7 @@ class DrafterApp:
         pass
 
     async def stop(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.model_thread.shutdown()
 
     def member_info(self) -> dict[str, Any]:
         return {"drafters": sorted(self.engines)}
@@ -273,9 +273,10 @@ class DrafterApp:
 async def build_app(settings: DrafterSettings, store: Store) -> DrafterApp:
     threads = configure_torch_threads(settings.torch_threads)
     engines: dict[str, DrafterEngine] = {}
+    model_thread = ModelThread("drafter-model")
     for name, path in settings.parsed_drafters().items():
         try:
-            engine = await asyncio.to_thread(
+            engine = await model_thread.run(
                 DrafterEngine.from_checkpoint, path, device=settings.device, dtype=settings.dtype,
                 kv_token_budget=settings.kv_budget_tokens, domains=_domains_of(path, name),
                 max_top_n=settings.max_top_n, max_chain_len=settings.max_chain_len,
@@ -288,7 +289,7 @@ async def build_app(settings: DrafterSettings, store: Store) -> DrafterApp:
                  domains=list(engine.domains), threads=threads)
     if not engines:
         log.warning("no drafter model given (--drafters NAME=PATH); this process will refuse draft steps")
-    return DrafterApp(settings, store, engines)
+    return DrafterApp(settings, store, engines, model_thread)
 
 
 def _domains_of(path: str, name: str) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -20,6 +19,7 @@ from common.grpc_server import ServerHandle
 from common.live_requests import LiveRequests
 from common.logs import get_logger
 from common.metrics import ServiceMetrics, bind_engine_metrics
+from common.model_thread import ModelThread
 from common.runtime import configure_torch_threads
 from common.service import StartupError
 from common.spec_types import VerifyItem, VerifyOutcome
@@ -73,22 +73,22 @@ class VerifierApp:
     role = "verifier"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, settings: VerifierSettings, store: Store, engine: VerifierEngine | None):
+    def __init__(self, settings: VerifierSettings, store: Store, engine: VerifierEngine | None,
+                 model_thread: ModelThread | None = None):
         self.settings = settings
         self.store = store
         self.engine = engine
         self.servicer = VerifierServicer(self)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
+        self.model_thread = model_thread or ModelThread("verifier-model")  # the thread that loaded the target
         self.busy_ns = 0
         self.passes: Any = None
 
     async def verify(self, items: Sequence[VerifyItem]) -> VerifyOutcome:
         """Verify a batch; one forward pass per slice of at most --max-batch-tokens tokens."""
         assert self.engine is not None
-        loop = asyncio.get_running_loop()
         repeats = repeated_items(items)  # refused here: the split below could put them in different passes
         todo = [item for i, item in enumerate(items) if i not in repeats]
-        outcomes = [await loop.run_in_executor(self.executor, self.engine.verify, part)
+        outcomes = [await self.model_thread.run(self.engine.verify, part)
                     for part in split_by_tokens(todo, self.settings.max_batch_tokens)]
         outcome = merge_outcomes(outcomes, repeats)
         self.busy_ns += outcome.timings.total_ns
@@ -102,7 +102,7 @@ class VerifierApp:
         engine = self.engine
         if engine is None:
             return
-        n = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: sum(engine.release(r) for r in request_ids))
+        n = await self.model_thread.run(lambda: sum(engine.release(r) for r in request_ids))
         if n:
             log.info("released caches of a closed stream", requests=n)
 
@@ -120,7 +120,7 @@ class VerifierApp:
         pass
 
     async def stop(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.model_thread.shutdown()
 
     def member_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"target": self.settings.target}
@@ -134,9 +134,10 @@ class VerifierApp:
 async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
     threads = configure_torch_threads(settings.torch_threads)
     engine = None
+    model_thread = ModelThread("verifier-model")
     if settings.target:
         try:
-            engine = await asyncio.to_thread(
+            engine = await model_thread.run(
                 VerifierEngine.from_checkpoint, settings.target, device=settings.device, dtype=settings.dtype,
                 attention_backend=settings.attention, kv_token_budget=settings.kv_budget_tokens,
                 max_tree_nodes=settings.max_tree_nodes,
@@ -148,7 +149,7 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
                  attention_backend=m.attention_backend, threads=threads, fingerprint=m.tokenizer_fingerprint)
     else:
         log.warning("no target model given (--target PATH); this verifier will refuse Verify streams")
-    return VerifierApp(settings, store, engine)
+    return VerifierApp(settings, store, engine, model_thread)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,53 @@
+"""The one thread a serving process runs its models on: loading, warm-up and every pass.
+
+With more than one torch thread, a CPU process must make all its parallel model work from a single
+thread. PyTorch's CPU kernels (OpenMP, MKL, oneDNN) keep their worker teams per calling thread:
+once one thread has run a parallel region, a second thread's regions run far slower (SmolLM2-135M
+on 2 cores, two torch threads: a decode step takes 30 ms from the thread that loaded the model and
+56 ms from another one, more than the 43 ms of a single torch thread). A service that loads its
+model with ``asyncio.to_thread`` and runs its passes on an executor of its own falls into exactly
+that, and more threads then make it slower, not faster.
+
+:class:`ModelThread` is a single-worker executor with the loop-side helper the services need; the
+verifier and the drafter load their models on it and run every pass on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ModelThread:
+    """Runs callables one at a time on one dedicated thread (see the module doc for why)."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._ident: int | None = None
+
+    @property
+    def ident(self) -> int | None:
+        """The worker thread's identifier, once it has run something."""
+        return self._ident
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        self._ident = threading.get_ident()
+        return fn(*args, **kwargs)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the model thread, awaited from the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(self._call, fn, args, kwargs))
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the model thread, waited for from any other thread."""
+        return self._executor.submit(self._call, fn, args, kwargs).result()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
