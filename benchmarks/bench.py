@@ -93,7 +93,7 @@ class BenchOptions:
     max_new_tokens: int | None = None
     requests: int | None = None  # overrides every workload's request count
     cores: int = 0
-    threads: int = 1  # torch intra-op threads of the in-process systems (within the cores)
+    threads: int = 0  # torch intra-op threads of the in-process systems (0: one per core)
     plots: bool = True
     progress: bool = True
     log_dir: str = ""
@@ -363,8 +363,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: the scenario's)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the scenario's, per workload)")
     p.add_argument("--cores", type=int, default=0, help="cores every system may use (default: all); the service processes split them")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the in-process systems, at most --cores (default 1: "
-                   "with models this small more threads only add synchronisation, and stall when another process holds a core)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads of the in-process systems, at most --cores (default 0: "
+                   "one per core, the same cores the service processes share)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_bench)
 

@@ -59,13 +59,14 @@ def test_profile_seeds_a_lookup_corpus_of_the_user_s_text(tiny_zoo, redis_url, r
     assert asyncio.run(load()) == {"code": [tok("def f(x):\n    return x").input_ids, tok("import os").input_ids]}
 
 
-def test_thread_budget_never_oversubscribes():
+def test_thread_budget_gives_the_verifier_every_core_and_the_drafters_half():
     for cores in (1, 2, 4, 16):
         for procs in (1, 2, 3):
             v, d = thread_budget(cores, procs)
-            assert v >= 1 and d >= 1
-            assert v + d * procs <= max(cores, 1 + procs)
-    assert thread_budget(2, 1) == (1, 1)
+            assert v == cores and d >= 1
+            assert d * procs <= max(cores // 2, procs)
+    assert thread_budget(2, 1) == (2, 1)
+    assert thread_budget(16, 2) == (16, 4)
 
 
 def test_drafters_are_spread_over_processes():
