@@ -357,8 +357,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zoo", default=".cosine/zoo-smol", help="model zoo directory")
     p.add_argument("--out", default="bench-out/report.json", help="report path; the plots go beside it")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="default", help="default: the full run; quick: seconds (tests)")
-    p.add_argument("--systems", default="", help="comma-separated systems, or 'all' (default: autoregressive, hf_assisted, "
-                   "vanilla_sd, cosine, cosine_no_fusion, cosine_no_control, cosine_no_lookup, cosine_no_draft_ahead, cosine_no_corpus)")
+    p.add_argument("--systems", default="", help="comma-separated systems, or 'all' (default: autoregressive, services_plain, hf_assisted, "
+                   "vanilla_sd, cosine, cosine_token_fusion, cosine_no_control, cosine_no_lookup, cosine_no_draft_ahead, cosine_no_corpus)")
     p.add_argument("--workloads", default="", help="comma-separated subset of the scenario's workloads (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: the scenario's)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the scenario's, per workload)")

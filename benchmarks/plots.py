@@ -25,7 +25,7 @@ STYLE = {
     "specinfer_tree": ("#9467bd", "D", "-"),
     "cosine": ("#d62728", "*", "-"),
     "cosine_no_routing": ("#ff7f0e", "P", "--"),
-    "cosine_no_fusion": ("#2ca02c", "X", "--"),
+    "cosine_token_fusion": ("#2ca02c", "X", "--"),
     "cosine_no_pipeline": ("#e377c2", "h", "--"),
     "cosine_drafter_domains": ("#bcbd22", "p", "--"),
     "cosine_no_control": ("#17becf", "d", "--"),

@@ -20,7 +20,7 @@ GOALS = (
     ("cosine_vs_vanilla_sd_latency", "cosine / vanilla_sd, mean latency, low load", "<= 0.75"),
     ("cosine_vs_hf_assisted_throughput_c1", "cosine / hf_assisted, tokens/s, 1 client", ">= 1.5"),
     ("cosine_vs_cosine_no_control_throughput", "cosine / cosine without cost control, tokens/s, high load", ""),
-    ("cosine_vs_cosine_no_fusion_throughput", "cosine / cosine with chunk fusion, tokens/s, high load", ""),
+    ("cosine_vs_cosine_token_fusion_throughput", "cosine / cosine with token fusion, tokens/s, high load", ""),
     ("cosine_vs_cosine_step_fusion_throughput_c1", "cosine / cosine fusing tokens step by step from the router, tokens/s, 1 client", ""),
     ("cosine_vs_cosine_step_fusion_throughput", "cosine / cosine fusing tokens step by step from the router, tokens/s, high load", ""),
     ("cosine_vs_cosine_unpriced_drafting_throughput_c1", "cosine / cosine without draft pricing, tokens/s, 1 client", ""),

@@ -514,11 +514,11 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
                    ("generalist",), "one generalist drafter, fixed k=4, no routing, no fusion, no pipelining (the paper's baseline)"),
     "specinfer_tree": (("--all-drafters", "--no-routing", "--fusion", "chunk", "--rounds-in-flight", "1", *FIXED_K), (),
                        "every drafter drafts every request; chains merged into one token tree; no routing, no fusion, no pipelining"),
-    "cosine": ((), (), "everything on: routing by expertise, token fusion, lookup drafting, pipelining while it pays, adaptive k, "
+    "cosine": ((), (), "everything on: routing by expertise, chunk fusion into a token tree, lookup drafting, pipelining while it pays, adaptive k, "
                        "cost-aware control"),
     "cosine_no_routing": (("--no-routing",), (), "cosine with routing off (fixed first drafters)"),
-    "cosine_no_fusion": (("--fusion", "chunk"), (), "cosine with chunk fusion instead of per-token fusion"),
-    "cosine_step_fusion": (("--no-local-fusion",), (),
+    "cosine_token_fusion": (("--fusion", "token"), (), "cosine with per-token fusion (fused at every draft step) instead of chunk fusion"),
+    "cosine_step_fusion": (("--fusion", "token", "--no-local-fusion"), (),
                            "cosine with token fusion driven by the router, one message per draft step (not one per round)"),
     "cosine_no_pipeline": (("--rounds-in-flight", "1"), (), "cosine with one round in flight (no pipelining)"),
     "cosine_no_control": (("--no-cost-control",), (), "cosine with cost-aware control off (every drafted node verified)"),
@@ -544,14 +544,14 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
 }
 IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
 ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
-               "cosine_no_routing", "cosine_no_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
+               "cosine_no_routing", "cosine_token_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
                "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup", "cosine_no_draft_ahead",
                "cosine_unshared_lexicon", "cosine_global_gate", "cosine_step_fusion", "cosine_no_corpus",
                "services_plain", "cosine_one_drafter")
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
-DEFAULT_SYSTEMS = ("autoregressive", "hf_assisted", "vanilla_sd", "cosine", "cosine_no_fusion", "cosine_no_control", "cosine_no_lookup",
-                   "cosine_no_draft_ahead", "cosine_no_corpus")
+DEFAULT_SYSTEMS = ("autoregressive", "services_plain", "hf_assisted", "vanilla_sd", "cosine", "cosine_token_fusion", "cosine_no_control",
+                   "cosine_no_lookup", "cosine_no_draft_ahead", "cosine_no_corpus")
 
 
 def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int | None, cores: int, log_dir: str,

@@ -35,7 +35,9 @@ def cluster(tiny_zoo, tmp_path_factory):
     # On the tiny zoo a verify pass costs less than one draft message, so priced drafting would
     # (rightly) turn speculation off; these tests are about the speculative path, so they keep
     # the drafters' time unpriced and every request drafts whenever its nodes pay their rows.
-    c = LocalCluster(spec_for(tiny_zoo, tmp_path_factory.mktemp("cluster"), router_args=("--no-draft-pricing",)))
+    # Token fusion, so that the drafter process's fused rounds are tested over real sockets (the
+    # other cluster tests run the default, chunk fusion).
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path_factory.mktemp("cluster"), router_args=("--no-draft-pricing", "--fusion", "token")))
     c.start(progress=False)
     asyncio.run(seed_profiles(c.redis_url, c.spec.prefix, tiny_zoo.acceptance, 20.0))
     yield c

@@ -21,7 +21,7 @@ class RouterSettings(ServiceSettings):
     initial_k: int = setting(4, help="speculation length of a request's first round", check=positive)
     tree_width: int = setting(3, help="most sibling candidates per tree level (losing fusion candidates become siblings)", check=positive)
     drafters_per_request: int = setting(2, help="drafters that cooperate on one request", check=positive)
-    fusion: str = setting("token", help="token: fuse drafter proposals at every draft step; chunk: each drafter drafts a whole chunk, then fuse", choices=("token", "chunk"))
+    fusion: str = setting("chunk", help="chunk: each drafter drafts a whole chunk in one call, the chunks fused into one tree; token: fuse drafter proposals at every draft step (k steps a round)", choices=("chunk", "token"))
     local_fusion: bool = setting(True, help="with token fusion, a drafter process that hosts every drafter of a request fuses the "
                                             "request's whole round itself and answers once (off: one message per draft step)")
     routing: bool = setting(True, help="route by expertise (off: every request uses the first drafters in a fixed order)")

@@ -44,12 +44,12 @@ async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new:
 
 
 CONFIGS = {
-    "token-fusion-2-drafters": RouterConfig(drafters_per_request=2, tree_width=3, rounds_in_flight=2),
-    "token-fusion-width-1": RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, max_batch_requests=2),
+    "token-fusion-2-drafters": RouterConfig(drafters_per_request=2, fusion="token", tree_width=3, rounds_in_flight=2),
+    "token-fusion-width-1": RouterConfig(drafters_per_request=1, fusion="token", tree_width=1, rounds_in_flight=1, max_batch_requests=2),
     "chunk-fusion": RouterConfig(drafters_per_request=2, fusion="chunk", rounds_in_flight=2),
     "all-drafters-no-routing": RouterConfig(all_drafters=True, routing=False, adaptive_k=False, initial_k=3),
-    "tight-budget": RouterConfig(drafters_per_request=3, verify_token_budget=8, max_k=8, initial_k=6),
-    "no-cost-control": RouterConfig(drafters_per_request=2, tree_width=3, cost_control=False),
+    "tight-budget": RouterConfig(drafters_per_request=3, fusion="token", verify_token_budget=8, max_k=8, initial_k=6),
+    "no-cost-control": RouterConfig(drafters_per_request=2, fusion="token", tree_width=3, cost_control=False),
     "chunk-no-cost-control": RouterConfig(drafters_per_request=2, fusion="chunk", cost_control=False),
     "no-speculation": RouterConfig(speculate=False),
     "no-lookup": RouterConfig(drafters_per_request=2, tree_width=3, lookup=False),
@@ -165,7 +165,8 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
     def run(pricing: bool) -> tuple[list[int], int]:
         pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
         # routed inline (not while it decodes plainly: here scoring outlasts the whole request)
-        config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing, draft_ahead=False)
+        config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing, draft_ahead=False,
+                              fusion="token")
         core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
         assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
         return sorted(set(pool.rounds_drafted)), core.counters.rounds
@@ -265,7 +266,7 @@ def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engi
     prompts, expected = reference
     pool = SlowDrafterPool(drafters, delay_s=0.05 if max_new == MAX_NEW else 0.5)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
+    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, max_new, drain=True))
     assert got == {rid: toks[:max_new] for rid, toks in expected.items()}
@@ -298,7 +299,7 @@ def test_new_requests_first_pass_does_not_wait_for_their_drafters_to_read_their_
 
     pool = RecordingPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterConfig(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
+    config = RouterConfig(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, MAX_NEW, drain=True))
     assert got == expected
@@ -319,7 +320,7 @@ def test_a_lone_new_request_is_scored_before_its_first_pass(engines, reference):
     rid = sorted(prompts)[0]
     pool = SlowDrafterPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False)
+    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
     assert core.counters.routed_ahead == 0 and core.counters.domains_by_drafters == 1
