@@ -1,12 +1,13 @@
 """The one thread a serving process runs its models on: loading, warm-up and every pass.
 
 With more than one torch thread, a CPU process must make all its parallel model work from a single
-thread. PyTorch's CPU kernels (OpenMP, MKL, oneDNN) keep their worker teams per calling thread:
-once one thread has run a parallel region, a second thread's regions run far slower (SmolLM2-135M
-on 2 cores, two torch threads: a decode step takes 30 ms from the thread that loaded the model and
-56 ms from another one, more than the 43 ms of a single torch thread). A service that loads its
-model with ``asyncio.to_thread`` and runs its passes on an executor of its own falls into exactly
-that, and more threads then make it slower, not faster.
+thread. Measured with PyTorch's CPU build (OpenMP threading) on 2 cores, two torch threads: once one
+thread has run parallel work, parallel work from a second thread runs far slower. A decode step of
+SmolLM2-135M takes 30 ms from the thread that loaded the model and 56 ms from another one, more
+than the 43 ms of a single torch thread; a bare loop of matrix products, 24 ms from a fresh thread
+and 42 ms from a thread after the main one ran the same loop once (``OMP_WAIT_POLICY`` does not
+cure it). A service that loads its model with ``asyncio.to_thread`` and runs its passes on an
+executor of its own falls into exactly that, and more threads then make it slower, not faster.
 
 :class:`ModelThread` is a single-worker executor with the loop-side helper the services need; the
 verifier and the drafter load their models on it and run every pass on it.
@@ -44,10 +45,6 @@ class ModelThread:
         """``fn(*args, **kwargs)`` on the model thread, awaited from the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(self._call, fn, args, kwargs))
-
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` on the model thread, waited for from any other thread."""
-        return self._executor.submit(self._call, fn, args, kwargs).result()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
