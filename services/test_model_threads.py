@@ -14,6 +14,12 @@ from services.verifier.engine import VerifierEngine
 from services.verifier.settings import VerifierSettings
 
 
+def _keep_torch_settings(monkeypatch, module) -> None:
+    """build_app configures torch for a serving process (threads, denormals flushed); a test
+    process keeps its own settings (later tests rely on denormals)."""
+    monkeypatch.setattr(module, "configure_torch_threads", lambda requested: 1)
+
+
 def _record(monkeypatch, cls, names: tuple[str, ...], seen: dict[str, set[int]]) -> None:
     for name in names:
         original = getattr(cls, name)
@@ -28,7 +34,8 @@ def _record(monkeypatch, cls, names: tuple[str, ...], seen: dict[str, set[int]])
 def test_the_verifier_loads_and_verifies_on_its_model_thread(monkeypatch, llama_target):
     seen: dict[str, set[int]] = {}
     _record(monkeypatch, VerifierEngine, ("from_checkpoint", "verify", "release"), seen)
-    settings = load_settings(VerifierSettings, ["--target", str(llama_target), "--torch-threads", "1"], {})
+    _keep_torch_settings(monkeypatch, verifier_server)
+    settings = load_settings(VerifierSettings, ["--target", str(llama_target)], {})
 
     async def main():
         app = await verifier_server.build_app(settings, None)
@@ -48,7 +55,8 @@ def test_the_verifier_loads_and_verifies_on_its_model_thread(monkeypatch, llama_
 def test_the_drafter_loads_and_drafts_on_its_model_thread(monkeypatch, llama_near, llama_small):
     seen: dict[str, set[int]] = {}
     _record(monkeypatch, DrafterEngine, ("from_checkpoint", "run_step", "release"), seen)
-    settings = load_settings(DrafterSettings, ["--drafters", f"near={llama_near}", "--drafters", f"small={llama_small}", "--torch-threads", "1"], {})
+    _keep_torch_settings(monkeypatch, drafter_server)
+    settings = load_settings(DrafterSettings, ["--drafters", f"near={llama_near}", "--drafters", f"small={llama_small}"], {})
 
     async def main():
         app = await drafter_server.build_app(settings, None)
