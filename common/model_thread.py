@@ -29,22 +29,16 @@ class ModelThread:
     """Runs callables one at a time on one dedicated thread (see the module doc for why)."""
 
     def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._ident: int | None = None
+        self.ident: int | None = None  # the worker thread's identifier, once it has started
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self._started)
 
-    @property
-    def ident(self) -> int | None:
-        """The worker thread's identifier, once it has run something."""
-        return self._ident
-
-    def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
-        self._ident = threading.get_ident()
-        return fn(*args, **kwargs)
+    def _started(self) -> None:
+        self.ident = threading.get_ident()
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the model thread, awaited from the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(self._call, fn, args, kwargs))
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
