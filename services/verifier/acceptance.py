@@ -91,6 +91,22 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p
 
 
+def sample_index(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw index ``i`` with probability ``weights[i] / weights.sum()`` (1-D, non-negative, some > 0).
+
+    Inverse CDF: one uniform against the running sum. ``torch.multinomial`` draws an exponential for
+    every entry of the vocabulary instead, about a millisecond a sample for SmolLM2's 49k tokens on
+    one core; this is a cumulative sum and a binary search. A zero weight is never drawn: its running
+    sum equals its predecessor's, which the search has already passed.
+    """
+    cdf = torch.cumsum(weights, dim=-1)
+    u = torch.rand((1,), generator=generator, dtype=cdf.dtype) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= cdf.shape[-1]:  # u rounded up to the total: the last index with weight
+        i = int(torch.nonzero(weights)[-1])
+    return i
+
+
 class SamplingRule:
     """Speculative sampling with deterministic drafts over a tree (see the module docstring)."""
 
@@ -117,8 +133,7 @@ class SamplingRule:
             if chosen is None:
                 if float(p.sum()) <= 0.0:  # only reachable through rounding: every token was tried
                     p = target_probs(logits[node + 1], self.params)
-                token = int(torch.multinomial(p / p.sum(), 1, generator=generator))
-                return Decision(tuple(accepted), token)
+                return Decision(tuple(accepted), sample_index(p, generator))
             accepted.append(chosen)
             node = chosen
 

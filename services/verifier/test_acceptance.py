@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.spec_types import SamplingParams, TokenTree
-from services.verifier.acceptance import Decision, GreedyRule, SamplingRule, default_rule_factory, target_probs
+from services.verifier.acceptance import Decision, GreedyRule, SamplingRule, default_rule_factory, sample_index, target_probs
 from services.verifier.stats import tv_check
 
 
@@ -63,6 +63,21 @@ def test_target_probs_top_k_and_top_p() -> None:
     torch.testing.assert_close(p, torch.tensor([0, 1.0, 0, 0, 0], dtype=torch.float64))
     hot = target_probs(logits, SamplingParams(temperature=0.5))
     torch.testing.assert_close(hot, torch.softmax(logits.double() / 0.5, -1))
+
+
+def test_sample_index_draws_each_index_with_its_weight_and_never_a_zero_one() -> None:
+    weights = torch.tensor([0.0, 0.1, 0.0, 0.45, 0.05, 0.4, 0.0], dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    counts = Counter(sample_index(weights, g) for _ in range(6000))
+    assert not {0, 2, 6} & set(counts)
+    exact = {i: float(w) for i, w in enumerate(weights) if w > 0}
+    tv, threshold = tv_check(counts, exact, seed=6)
+    assert tv <= threshold, (tv, threshold)
+    # unnormalised weights, and a single index with weight: always that one
+    assert Counter(sample_index(weights * 7, g) for _ in range(200)).keys() <= exact.keys()
+    only = torch.zeros(49152, dtype=torch.float64)
+    only[-1] = 1e-300
+    assert {sample_index(only, g) for _ in range(50)} == {49151}
 
 
 def exact_outcomes(tree: TokenTree, logits: torch.Tensor, params: SamplingParams) -> dict:
