@@ -5,6 +5,9 @@ One interface, three implementations, chosen once at start-up (:func:`select_bac
 - ``eager``: matmul + masked softmax in fp32; the reference.
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask;
   the CPU default.
+
+Both dense backends pad the sequences of a pass to a common shape, one group per count of new
+tokens (:func:`grouped_plan`), so the plain requests of a verify pass are not padded to its trees.
 - ``flash_attn``: flash-attn's varlen kernel (CUDA, fp16/bf16). The kernel only knows causal
   masks, so every sequence's new tokens are expanded into root-to-leaf paths: each path is one
   varlen sequence ``past + path`` with a bottom-right aligned causal mask. A node shared by several
@@ -194,15 +197,61 @@ def unpad_output(o: torch.Tensor, plan: DensePlan) -> torch.Tensor:
     return o.transpose(1, 2)[plan.batch_idx, plan.row_idx]
 
 
+@dataclass
+class GroupPlan:
+    """The sequences of a pass with the same number of new tokens, padded together."""
+
+    seqs: tuple[int, ...]  # their indices in the batch
+    rows: torch.Tensor | None  # [n] their packed rows, in order; None: every row of the pass
+    dense: DensePlan
+
+
+def grouped_plan(layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
+    """One dense plan per count of new tokens.
+
+    A single dense plan pads every sequence's queries to the longest: one request's five-node tree
+    made every plain request of the batch attend five query rows, and a 12-request decode pass with
+    one drafted node cost 91 ms on the default zoo's target against 73 ms without it. Grouped, the
+    plain requests attend as in a plain pass and only the trees of one size are padded together.
+    """
+    by_len: dict[int, list[int]] = {}
+    for b, t in enumerate(layout.new_lens):
+        by_len.setdefault(t, []).append(b)
+    if len(by_len) <= 1:
+        return (GroupPlan(tuple(range(layout.batch)), None, dense_plan(layout, device)),)
+    offsets = layout.offsets
+    groups = []
+    for t, seqs in sorted(by_len.items()):
+        sub = BatchLayout(past_lens=tuple(layout.past_lens[b] for b in seqs), parents=tuple(layout.parents[b] for b in seqs))
+        rows = torch.tensor([offsets[b] + i for b in seqs for i in range(t)], dtype=torch.long, device=device)
+        groups.append(GroupPlan(tuple(seqs), rows, dense_plan(sub, device)))
+    return tuple(groups)
+
+
+def attend_grouped(q: torch.Tensor, kvs: Sequence[KV], groups: Sequence[GroupPlan],
+                   attend: Callable[[torch.Tensor, Sequence[KV], DensePlan], torch.Tensor]) -> torch.Tensor:
+    """``attend`` (a dense attention over one plan) for each group, its rows put back in place."""
+    if len(groups) == 1 and groups[0].rows is None:
+        return attend(q, kvs, groups[0].dense)
+    out = torch.empty_like(q)
+    for g in groups:
+        out[g.rows] = attend(q[g.rows], [kvs[b] for b in g.seqs], g.dense)
+    return out
+
+
 class EagerBackend(AttentionBackend):
     """Reference: explicit scores, masked softmax in fp32, GQA by repeating key/value heads."""
 
     name = "eager"
 
-    def plan(self, layout: BatchLayout, device: torch.device) -> DensePlan:
-        return dense_plan(layout, device)
+    def plan(self, layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
+        return grouped_plan(layout, device)
 
-    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: tuple[GroupPlan, ...], scale: float) -> torch.Tensor:
+        return attend_grouped(q, kvs, plan, lambda qg, kg, dense: self._attend(qg, kg, dense, scale))
+
+    @staticmethod
+    def _attend(q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
         qp = pad_queries(q, plan)  # [B, H, T, D]
         k, v = pad_kv(kvs, plan.max_total)  # [B, Hkv, S, D]
         rep = qp.shape[1] // k.shape[1]
@@ -221,10 +270,14 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
 
-    def plan(self, layout: BatchLayout, device: torch.device) -> DensePlan:
-        return dense_plan(layout, device)
+    def plan(self, layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
+        return grouped_plan(layout, device)
 
-    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: tuple[GroupPlan, ...], scale: float) -> torch.Tensor:
+        return attend_grouped(q, kvs, plan, lambda qg, kg, dense: self._attend(qg, kg, dense, scale))
+
+    @staticmethod
+    def _attend(q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
         qp = pad_queries(q, plan)
         k, v = pad_kv(kvs, plan.max_total)
         o = F.scaled_dot_product_attention(

@@ -70,9 +70,9 @@ def brute_force(q, kvs, layout, scale):
     return out
 
 
-def random_batch(seed: int, H: int = 4, Hkv: int = 2, D: int = 8):
+def random_batch(seed: int, H: int = 4, Hkv: int = 2, D: int = 8, layout: BatchLayout | None = None):
     g = torch.Generator().manual_seed(seed)
-    layout = BatchLayout(
+    layout = layout or BatchLayout(
         past_lens=(5, 0, 12, 3),
         parents=(TREE_PARENTS, (-1, 0, 1, 2), (-1,), (-1, -1, 0, 1, 1, 1)),
     )
@@ -100,8 +100,25 @@ def test_single_sequence_without_padding() -> None:
     q = torch.randn(1, 4, 8, generator=g)
     kvs = [(torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g))]
     plan = SdpaBackend().plan(layout, torch.device("cpu"))
-    assert plan.mask is None and plan.single
+    assert len(plan) == 1 and plan[0].dense.mask is None and plan[0].dense.single
     torch.testing.assert_close(SdpaBackend().attend(q, kvs, plan, 0.3), brute_force(q, kvs, layout, 0.3))
+
+
+@pytest.mark.parametrize("backend", [EagerBackend(), SdpaBackend()], ids=lambda b: b.name)
+def test_plain_requests_are_not_padded_to_the_trees_of_their_pass(backend) -> None:
+    # a verify pass: plain requests (one new token each) beside trees, two of them of one size
+    layout, q, kvs = random_batch(2, layout=BatchLayout(
+        past_lens=(5, 9, 12, 3, 7, 2),
+        parents=((-1,), (-1, 0, 0), (-1,), (-1, -1, 0), (-1,), TREE_PARENTS),
+    ))
+    plan = backend.plan(layout, torch.device("cpu"))
+    # one group per count of new tokens, each padded only to its own count
+    assert sorted(len(layout.parents[g.seqs[0]]) for g in plan) == sorted(set(layout.new_lens))
+    for g in plan:
+        assert {layout.new_lens[b] for b in g.seqs} == {g.dense.max_new}
+    assert sorted(int(r) for g in plan for r in g.rows) == list(range(layout.num_tokens))
+    scale = 1 / math.sqrt(q.shape[-1])
+    torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5)
 
 
 def test_select_backend() -> None:
