@@ -5,13 +5,13 @@ One interface, three implementations, chosen once at start-up (:func:`select_bac
 - ``eager``: matmul + masked softmax in fp32; the reference.
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask;
   the CPU default.
-
-Both dense backends pad the sequences of a pass to a common shape, one group per count of new
-tokens (:func:`grouped_plan`), so the plain requests of a verify pass are not padded to its trees.
 - ``flash_attn``: flash-attn's varlen kernel (CUDA, fp16/bf16). The kernel only knows causal
   masks, so every sequence's new tokens are expanded into root-to-leaf paths: each path is one
   varlen sequence ``past + path`` with a bottom-right aligned causal mask. A node shared by several
   paths is computed once per path (identical values: it sees the same keys each time).
+
+Both dense backends pad the sequences of a pass to a common shape, one group per count of new
+tokens (:func:`grouped_plan`), so the plain requests of a verify pass are not padded to its trees.
 
 What every backend computes, per sequence ``b`` of the batch: the new tokens (``t_b`` of them) attend
 to the ``L_b`` committed cache entries and to the new tokens that are their ancestors-or-self (a
