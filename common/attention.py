@@ -228,30 +228,31 @@ def grouped_plan(layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, 
     return tuple(groups)
 
 
-def attend_grouped(q: torch.Tensor, kvs: Sequence[KV], groups: Sequence[GroupPlan],
-                   attend: Callable[[torch.Tensor, Sequence[KV], DensePlan], torch.Tensor]) -> torch.Tensor:
-    """``attend`` (a dense attention over one plan) for each group, its rows put back in place."""
-    if len(groups) == 1 and groups[0].rows is None:
-        return attend(q, kvs, groups[0].dense)
-    out = torch.empty_like(q)
-    for g in groups:
-        out[g.rows] = attend(q[g.rows], [kvs[b] for b in g.seqs], g.dense)
-    return out
-
-
-class EagerBackend(AttentionBackend):
-    """Reference: explicit scores, masked softmax in fp32, GQA by repeating key/value heads."""
-
-    name = "eager"
+class DenseBackend(AttentionBackend):
+    """A backend that attends over padded dense tensors, one :class:`GroupPlan` at a time; a
+    subclass gives :meth:`attend_dense` (one group's padded attention)."""
 
     def plan(self, layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
         return grouped_plan(layout, device)
 
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: tuple[GroupPlan, ...], scale: float) -> torch.Tensor:
-        return attend_grouped(q, kvs, plan, lambda qg, kg, dense: self._attend(qg, kg, dense, scale))
+        if len(plan) == 1 and plan[0].rows is None:
+            return self.attend_dense(q, kvs, plan[0].dense, scale)
+        out = torch.empty_like(q)
+        for g in plan:  # each group's rows put back in place
+            out[g.rows] = self.attend_dense(q[g.rows], [kvs[b] for b in g.seqs], g.dense, scale)
+        return out
 
-    @staticmethod
-    def _attend(q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+    def attend_dense(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EagerBackend(DenseBackend):
+    """Reference: explicit scores, masked softmax in fp32, GQA by repeating key/value heads."""
+
+    name = "eager"
+
+    def attend_dense(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
         qp = pad_queries(q, plan)  # [B, H, T, D]
         k, v = pad_kv(kvs, plan.max_total)  # [B, Hkv, S, D]
         rep = qp.shape[1] // k.shape[1]
@@ -265,19 +266,12 @@ class EagerBackend(AttentionBackend):
         return unpad_output(torch.matmul(probs, v), plan)
 
 
-class SdpaBackend(AttentionBackend):
+class SdpaBackend(DenseBackend):
     """``scaled_dot_product_attention`` with an explicit boolean mask (native GQA)."""
 
     name = "sdpa"
 
-    def plan(self, layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
-        return grouped_plan(layout, device)
-
-    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: tuple[GroupPlan, ...], scale: float) -> torch.Tensor:
-        return attend_grouped(q, kvs, plan, lambda qg, kg, dense: self._attend(qg, kg, dense, scale))
-
-    @staticmethod
-    def _attend(q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+    def attend_dense(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
         qp = pad_queries(q, plan)
         k, v = pad_kv(kvs, plan.max_total)
         o = F.scaled_dot_product_attention(
