@@ -2,7 +2,8 @@
 
 - ``server.py``: the gRPC servicer (thin: protobuf in and out, status codes); ``inprocess.py`` the
   same core driven in one process.
-- ``core.py``: the rounds (gate, route, draft, plan, verify, apply), pipelined and drafting ahead.
+- ``core.py``: the rounds (gate, route, draft, plan, verify, apply), pipelined; ``ahead.py`` the
+  drafter work they start off the verifier's path (drafting ahead, routing ahead).
 - ``pool.py``: the request pool (submission, cancellation, hand-back after a round, finishing);
   ``requests.py`` its types and the contracts of the drafter pool and the verifier;
   ``admission.py`` checks a submission; ``resume.py`` re-prefills requests after a verifier restart.

@@ -1,7 +1,8 @@
 """The router's rounds: gate, route, draft, plan, verify, apply; pipelined, drafting ahead.
 
 The request pool they draw from is ``pool.py``'s (:class:`RequestPool`, a base of
-:class:`RouterCore`); where every other part lives: the package docstring. No gRPC here: drafters
+:class:`RouterCore`), the drafter work they start off the verifier's path ``ahead.py``'s
+(:class:`OffPathDrafting`, another); where every other part lives: the package docstring. No gRPC here: drafters
 and the verifier are reached through the small :class:`DrafterPool` and :class:`VerifierBackend`
 protocols (gRPC stream clients in production, in-process engines in tests), so the whole round
 logic is unit-testable.
@@ -25,12 +26,9 @@ A **round** for a batch of requests (see DESIGN.md):
    accepted tokens are credited; routing vectors, speculation length, calibrations and the Redis
    profiles are updated; the tokens are streamed to the request's submitter.
 
-When only some requests of a round draft and the rest are worth verifying on their own
-(``SpeculationControl.drafting_ahead_pays``), the drafting ones *draft ahead*: they leave the round,
-draft while the others' pass runs, and join a later pass with their trees (``Request.ahead``),
-so a round does not hold the verifier for the drafters of a few of its requests. Likewise a new
-request whose domain takes the drafters' scores is *routed ahead*: scored while it decodes plainly
-(unless it is alone in its round: then it is scored inline, as nothing else would be verified).
+A round's drafting requests may *draft ahead* and its new requests be *routed ahead* (``ahead.py``),
+so a round does not hold the verifier for the drafters of a few of its requests; a round of one
+request scores its new prompt inline, as nothing else would be verified meanwhile.
 
 ``rounds_in_flight`` workers run rounds concurrently over disjoint batches, so one batch drafts
 while another verifies; a request is in at most one round at a time. With cost control they do so
@@ -49,6 +47,7 @@ from typing import Any
 from common.logs import get_logger
 from common.spec_types import TokenTree, Verdict, VerifyItem
 from services.router.admission import SubmitLimits
+from services.router.ahead import OffPathDrafting
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
@@ -59,7 +58,6 @@ from common.fusion import DraftTree
 from services.router.gate import DraftGate, probe_order
 from services.router.requests import (
     FINISH_CANCELLED,
-    AheadDraft,
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -78,7 +76,6 @@ from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
 from services.router.resume import backoff_s, mark_for_resume
 from services.router.verdicts import ProfileUpdate, VerdictApplication
-from services.router.pool import RequestPool
 from services.router.scheduler import Candidate, LoadControl, pick_batch
 
 # the names the servicer, the benchmarks and the tests import from here
@@ -91,7 +88,7 @@ __all__ = [
 log = get_logger("router")
 
 
-class RouterCore(RequestPool):
+class RouterCore(OffPathDrafting):
     def __init__(
         self,
         config: RouterConfig,
@@ -338,62 +335,6 @@ class RouterCore(RequestPool):
             return
         gained = sum(extras_gain(trees[rid], chosen, matched[rid].accepted_nodes) for rid, chosen in inline.items())
         self.control.observe_extras(gained, extras_seconds(inline, draft_s), pipelined=self.rounds_in_flight > 1)
-
-    def _drafts_ahead(self, batch: list[Request], drafting: list[Request], ks: dict[str, int]) -> bool:
-        """Whether this round's drafting requests draft off the verifier's path: with cost control,
-        while one round carries the pool (pipelined rounds already overlap drafting), when it pays
-        on the measured pass and draft times (``SpeculationControl.drafting_ahead_pays``)."""
-        return (self.config.draft_ahead and self.config.cost_control and 0 < len(drafting) < len(batch)
-                and self._rounds_allowed() == 1
-                and self.control.drafting_ahead_pays(len(batch), len(drafting), max(ks[r.request_id] for r in drafting)))
-
-    async def _draft_ahead(self, group: list[Request], ks: dict[str, int]) -> None:
-        """Draft for ``group`` while the rest of its round is verified; each request keeps its tree
-        (``Request.ahead``) for its next round, in which the verifier sees the same committed
-        sequence the drafters saw (no round verifies it in between: it stays out of the pool)."""
-        t0 = self.clock()
-        try:
-            trees, selected = await self._draft(group, ks)
-            for r in group:
-                r.ahead = AheadDraft(trees[r.request_id], tuple(selected.get(r.request_id, ())), len(r.sequence))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a drafter failure costs these requests their draft, not their round
-            log.warning("drafting ahead failed; the requests decode plainly next round", error=str(exc),
-                        requests=[r.request_id for r in group])
-        finally:
-            self.counters.draft_ahead_s += self.clock() - t0
-            for r in group:
-                r.drafting_ahead = False
-                self._hand_back(r)
-            self._wakeup.set()
-
-    async def _route_ahead(self, group: list[Request]) -> None:
-        """Route new requests (their domain, from the drafters' scores of their prompts where the
-        lexicon cannot tell) and bring their drafters to their prompts, while their rounds decode
-        plainly."""
-        self.counters.routed_ahead += len(group)
-        try:
-            live = list(self.drafters.live())
-            await self.routing.route(group, live)
-            await self.drafting.prefill(group, live)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # they stay unrouted and try again when they next draft
-            log.warning("routing new requests failed", error=str(exc), requests=[r.request_id for r in group])
-        finally:
-            for r in group:
-                r.routing_ahead = False
-                if r.done:  # finished while being scored: the drafters hold its prompt for nothing
-                    self._release_drafters(r)
-            self._wakeup.set()
-
-    def _off_path(self, coro: Awaitable[None]) -> None:
-        """Drafter work off the verifier's path (see the module docstring); cancelled at stop."""
-        task = asyncio.ensure_future(coro)
-        self._off_path_started += 1
-        self._off_path_tasks.add(task)
-        task.add_done_callback(self._off_path_tasks.discard)
 
     def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
                updates: list[ProfileUpdate], round_ns: int, lookups: Sequence[LookupNodes] = ()) -> None:
