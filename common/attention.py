@@ -10,8 +10,8 @@ One interface, three implementations, chosen once at start-up (:func:`select_bac
   varlen sequence ``past + path`` with a bottom-right aligned causal mask. A node shared by several
   paths is computed once per path (identical values: it sees the same keys each time).
 
-Both dense backends attend each sequence with one new token alone, on its cache in place, and pad
-the others to a common shape, one group per count of new tokens (:func:`grouped_plan`).
+Both dense backends attend each sequence alone, on its cache in place, with its own mask
+(:func:`grouped_plan`).
 
 What every backend computes, per sequence ``b`` of the batch: the new tokens (``t_b`` of them) attend
 to the ``L_b`` committed cache entries and to the new tokens that are their ancestors-or-self (a
@@ -199,46 +199,51 @@ def unpad_output(o: torch.Tensor, plan: DensePlan) -> torch.Tensor:
 
 @dataclass
 class GroupPlan:
-    """Sequences of a pass attended together: padded to a common shape, or one sequence alone."""
+    """Sequences of a pass attended together (the dense backends: one sequence alone)."""
 
     seqs: tuple[int, ...]  # their indices in the batch
-    rows: torch.Tensor | slice | None  # their packed rows, in order; None: every row of the pass
+    rows: slice | None  # their packed rows; None: every row of the pass
     dense: DensePlan
 
 
-def single_plan(total: int, device: torch.device) -> DensePlan:
-    """The plan of one sequence with one new token and ``total`` keys (its cache and itself): it
-    sees every key, so nothing is padded or masked and its keys are read where they are."""
+def single_plan(total: int, device: torch.device, mask: torch.Tensor | None = None) -> DensePlan:
+    """The plan of one sequence attended alone with ``total`` keys (its cache and its new tokens):
+    its keys are read where they are, nothing is padded. ``mask``: ``[t, total]`` for several new
+    tokens (None: one new token, which sees every key)."""
     none = torch.empty(0, dtype=torch.long, device=device)
-    return DensePlan(batch=1, batch_idx=none, row_idx=none, max_new=1, max_total=total, mask=None, single=True)
+    t = 1 if mask is None else mask.shape[0]
+    return DensePlan(batch=1, batch_idx=none, row_idx=none, max_new=t, max_total=total,
+                     mask=None if mask is None else mask.view(1, 1, t, total).to(device), single=True)
+
+
+def alone_mask(layout: BatchLayout, b: int) -> torch.Tensor | None:
+    """``[t_b, L_b + t_b]`` bool: what each new token of sequence ``b`` sees (its cache and its
+    ancestors-or-self); None for one new token (it sees everything)."""
+    L, t = layout.past_lens[b], layout.new_lens[b]
+    if t == 1:
+        return None
+    mask = torch.ones((t, L + t), dtype=torch.bool)
+    mask[:, L:] = layout.ancestor_mask(b)
+    return mask
 
 
 def grouped_plan(layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
-    """How the sequences of a pass are attended: each sequence with one new token alone, the others
-    padded together per count of new tokens.
+    """How the sequences of a pass are attended: each alone, on its cache in place.
 
-    Padding copies every sequence's keys and values into fresh tensors in every layer. A sequence
-    with one new token (every request of a plain decode pass, the plain requests of a verify pass)
-    needs no mask, so it is attended alone on its cache in place: one attention call per sequence
-    instead of the copies. The default zoo's target, 16 requests in a plain pass, 2 threads: 80 ms
-    against 83 at 300 tokens of context, 115 against 268 at 600 (where the padded copies' fresh
-    tensors cost more than the copying itself). Sequences with several new tokens (trees, prompts) need their masks and are
-    padded together, one group per count: a single dense plan padded every query to the longest,
-    so one request's five-node tree made every plain request attend five query rows.
+    A sequence's keys and values (its cache and, after it, its new tokens) are one contiguous view,
+    so a sequence attended alone needs no copy: a sequence with one new token (every request of a
+    plain decode pass, the plain requests of a verify pass) attends every key, and a tree or a
+    prompt attends with its own ``[t, L + t]`` mask. Padding the sequences to a common shape copied
+    every sequence's keys and values into fresh tensors in every layer instead: a plain pass of 16
+    requests of the default zoo's target, 2 threads, 80 ms against 83 at 300 tokens of context and
+    115 against 268 at 600 (where the fresh tensors cost more than the copying itself); a verify
+    pass of 12 requests with a 4-node tree each, 300 tokens of context, 86 ms against 93.
     """
-    by_len: dict[int, list[int]] = {}
-    for b, t in enumerate(layout.new_lens):
-        by_len.setdefault(t, []).append(b)
     offsets = layout.offsets
-    groups = [GroupPlan((b,), slice(offsets[b], offsets[b] + 1), single_plan(layout.past_lens[b] + 1, device))
-              for b in by_len.pop(1, ())]
-    if len(groups) + len(by_len) <= 1:  # one group of every row: attended without putting rows back
-        return (GroupPlan(tuple(range(layout.batch)), None, groups[0].dense if groups else dense_plan(layout, device)),)
-    for t, seqs in sorted(by_len.items()):
-        sub = BatchLayout(past_lens=tuple(layout.past_lens[b] for b in seqs), parents=tuple(layout.parents[b] for b in seqs))
-        rows = torch.tensor([offsets[b] + i for b in seqs for i in range(t)], dtype=torch.long, device=device)
-        groups.append(GroupPlan(tuple(seqs), rows, dense_plan(sub, device)))
-    return tuple(groups)
+    if layout.batch == 1 and layout.new_lens[0]:  # every row of the pass: attended without putting rows back
+        return (GroupPlan((0,), None, single_plan(layout.past_lens[0] + layout.new_lens[0], device, alone_mask(layout, 0))),)
+    return tuple(GroupPlan((b,), slice(offsets[b], offsets[b] + t), single_plan(layout.past_lens[b] + t, device, alone_mask(layout, b)))
+                 for b, t in enumerate(layout.new_lens) if t)
 
 
 class DenseBackend(AttentionBackend):

@@ -106,27 +106,26 @@ def test_single_sequence_without_padding() -> None:
 
 
 @pytest.mark.parametrize("backend", [EagerBackend(), SdpaBackend()], ids=lambda b: b.name)
-def test_plain_requests_are_attended_alone_and_trees_padded_per_size(backend) -> None:
+def test_every_sequence_is_attended_alone_on_its_cache_in_place(backend) -> None:
     # a verify pass: plain requests (one new token each) beside trees, two of them of one size
     layout, q, kvs = random_batch(2, layout=BatchLayout(
         past_lens=(5, 9, 12, 3, 7, 2),
         parents=((-1,), (-1, 0, 0), (-1,), (-1, -1, 0), (-1,), TREE_PARENTS),
     ))
     plan = backend.plan(layout, torch.device("cpu"))
-    plain = [g for g in plan if g.dense.max_new == 1]
-    # each plain request alone: unmasked, its keys read where they are (no padded copy)
-    assert sorted(g.seqs for g in plain) == [(0,), (2,), (4,)]
-    for g in plain:
+    assert [g.seqs for g in plan] == [(b,) for b in range(layout.batch)]
+    for g in plan:
         (b,) = g.seqs
-        assert g.dense.single and g.dense.mask is None and g.dense.max_total == kvs[b][0].shape[1]
+        L, t = layout.past_lens[b], layout.new_lens[b]
+        # its own rows, its keys read where they are (no padded copy)
+        assert g.rows == slice(layout.offsets[b], layout.offsets[b] + t)
+        assert g.dense.single and g.dense.max_new == t and g.dense.max_total == kvs[b][0].shape[1] == L + t
         assert pad_kv([kvs[b]], g.dense.max_total)[0].data_ptr() == kvs[b][0].data_ptr()
-    # the trees: one group per count of new tokens, each padded only to its own count
-    trees = [g for g in plan if g.dense.max_new > 1]
-    assert sorted(g.dense.max_new for g in trees) == sorted(set(layout.new_lens) - {1})
-    for g in trees:
-        assert {layout.new_lens[b] for b in g.seqs} == {g.dense.max_new}
-    covered = [r for g in plan for r in (range(layout.num_tokens)[g.rows] if isinstance(g.rows, slice) else g.rows.tolist())]
-    assert sorted(covered) == list(range(layout.num_tokens))
+        if t == 1:  # sees every key: no mask
+            assert g.dense.mask is None
+        else:  # its cache, and its new tokens' ancestors-or-self
+            assert torch.equal(g.dense.mask[0, 0, :, :L], torch.ones(t, L, dtype=torch.bool))
+            assert torch.equal(g.dense.mask[0, 0, :, L:], layout.ancestor_mask(b))
     scale = 1 / math.sqrt(q.shape[-1])
     torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5)
 
