@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.spec_types import SamplingParams, TokenTree
-from services.verifier.acceptance import Decision, GreedyRule, SamplingRule, default_rule_factory, sample_index, target_probs
+from services.verifier.acceptance import NUCLEUS_TRIES, Decision, GreedyRule, SamplingRule, default_rule_factory, nucleus, sample_index, target_probs
 from services.verifier.stats import tv_check
 
 
@@ -63,6 +63,35 @@ def test_target_probs_top_k_and_top_p() -> None:
     torch.testing.assert_close(p, torch.tensor([0, 1.0, 0, 0, 0], dtype=torch.float64))
     hot = target_probs(logits, SamplingParams(temperature=0.5))
     torch.testing.assert_close(hot, torch.softmax(logits.double() / 0.5, -1))
+
+
+def sorted_nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p by its definition: sort the whole vocabulary, keep the prefix whose mass before each
+    token is below ``top_p`` (at least one), renormalise."""
+    top, order = torch.sort(p, descending=True)
+    keep = max(1, int(((torch.cumsum(top, -1) - top) < top_p).sum()))
+    out = torch.zeros_like(p)
+    out[order[:keep]] = top[:keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("sharpness", [0.5, 2.0, 6.0, 20.0])
+def test_nucleus_is_the_sorted_prefix_whether_found_among_the_top_tokens_or_by_a_full_sort(sharpness) -> None:
+    """Real-sized vocabulary; from flat to peaked distributions, so the nucleus is found among the
+    first ``NUCLEUS_TRIES[0]`` tokens, the next try, or only by sorting everything."""
+    g = torch.Generator().manual_seed(int(sharpness * 10))
+    sizes = set()
+    for top_p in (0.3, 0.9, 0.95, 0.999):
+        for _ in range(3):
+            p = torch.softmax(torch.randn(49152, generator=g, dtype=torch.float64) * sharpness, -1)
+            got, want = nucleus(p, top_p), sorted_nucleus(p, top_p)
+            assert torch.equal(got > 0, want > 0)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+            sizes.add(int((got > 0).sum()))
+    if sharpness == 0.5:  # a flat distribution: nuclei beyond every try, found by the full sort
+        assert max(sizes) > NUCLEUS_TRIES[-1]
+    if sharpness == 20.0:  # a peaked one: within the first try
+        assert max(sizes) < NUCLEUS_TRIES[0]
 
 
 def test_sample_index_draws_each_index_with_its_weight_and_never_a_zero_one() -> None:
