@@ -140,6 +140,15 @@ class DensePlan:
     max_total: int  # S
     mask: torch.Tensor | None  # [B, 1, T, S] bool (True = may attend); None = every entry visible
     single: bool  # one sequence: no padding needed at all
+    additive: torch.Tensor | None = None  # the mask as 0 / -inf in the queries' dtype, made by the first layer
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as an additive one (sdpa turns a boolean mask into that in every call)."""
+        if self.mask is None:
+            return None
+        if self.additive is None or self.additive.dtype != dtype:
+            self.additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+        return self.additive
 
 
 def dense_plan(layout: BatchLayout, device: torch.device) -> DensePlan:
@@ -293,7 +302,7 @@ class SdpaBackend(DenseBackend):
         qp = pad_queries(q, plan)
         k, v = pad_kv(kvs, plan.max_total)
         o = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
+            qp, k, v, attn_mask=plan.additive_mask(qp.dtype), scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
         )
         return unpad_output(o, plan)
 
