@@ -11,7 +11,7 @@ One interface, three implementations, chosen once at start-up (:func:`select_bac
   paths is computed once per path (identical values: it sees the same keys each time).
 
 Both dense backends attend each sequence alone, on its cache in place, with its own mask
-(:func:`grouped_plan`).
+(:func:`alone_plans`).
 
 What every backend computes, per sequence ``b`` of the batch: the new tokens (``t_b`` of them) attend
 to the ``L_b`` committed cache entries and to the new tokens that are their ancestors-or-self (a
@@ -128,56 +128,12 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-# ---- dense (padded) backends ---------------------------------------------------------------------
-
-
-@dataclass
-class DensePlan:
-    batch: int  # B
-    batch_idx: torch.Tensor  # [N] sequence of each packed row
-    row_idx: torch.Tensor  # [N] row of each packed row inside its sequence
-    max_new: int  # T
-    max_total: int  # S
-    mask: torch.Tensor | None  # [B, 1, T, S] bool (True = may attend); None = every entry visible
-    single: bool  # one sequence: no padding needed at all
-    additive: torch.Tensor | None = None  # the mask as 0 / -inf in the queries' dtype, made by the first layer
-
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask as an additive one (sdpa turns a boolean mask into that in every call)."""
-        if self.mask is None:
-            return None
-        if self.additive is None or self.additive.dtype != dtype:
-            self.additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
-        return self.additive
-
-
-def dense_plan(layout: BatchLayout, device: torch.device) -> DensePlan:
-    B = layout.batch
-    T = max(layout.new_lens, default=0)
-    S = max((p + n for p, n in zip(layout.past_lens, layout.new_lens)), default=0)
-    mask = torch.zeros((B, 1, T, S), dtype=torch.bool)
-    bidx, ridx = [], []
-    for b in range(B):
-        L, t = layout.past_lens[b], layout.new_lens[b]
-        mask[b, 0, :t, :L] = True
-        mask[b, 0, :t, L : L + t] = layout.ancestor_mask(b)
-        mask[b, 0, t:, 0] = True  # padded query rows: any visible key keeps softmax finite; output unused
-        bidx += [b] * t
-        ridx += list(range(t))
-    full = bool(mask.all())
-    return DensePlan(
-        batch=B,
-        batch_idx=torch.tensor(bidx, dtype=torch.long, device=device),
-        row_idx=torch.tensor(ridx, dtype=torch.long, device=device),
-        max_new=T,
-        max_total=S,
-        mask=None if full else mask.to(device),
-        single=B == 1,
-    )
+# ---- dense backends: each sequence alone, on its cache in place ------------------------------------
 
 
 def pad_kv(kvs: Sequence[KV], total: int) -> KV:
-    """Stack per-sequence keys/values ``[Hkv, S_b, D]`` into ``[B, Hkv, total, D]`` (zero padded)."""
+    """Stack per-sequence keys/values ``[Hkv, S_b, D]`` into ``[B, Hkv, total, D]`` (zero padded);
+    one sequence of ``total`` keys is returned as a view of its own storage, not copied."""
     if len(kvs) == 1 and kvs[0][0].shape[1] == total:
         return kvs[0][0].unsqueeze(0), kvs[0][1].unsqueeze(0)
     k0 = kvs[0][0]
@@ -190,88 +146,71 @@ def pad_kv(kvs: Sequence[KV], total: int) -> KV:
     return k, v
 
 
-def pad_queries(q: torch.Tensor, plan: DensePlan) -> torch.Tensor:
-    """Packed ``[N, H, D]`` -> padded ``[B, H, T, D]``."""
-    if plan.single:
-        return q.transpose(0, 1).unsqueeze(0)
-    out = q.new_zeros((plan.batch, plan.max_new, q.shape[1], q.shape[2]))
-    out[plan.batch_idx, plan.row_idx] = q
-    return out.transpose(1, 2)
-
-
-def unpad_output(o: torch.Tensor, plan: DensePlan) -> torch.Tensor:
-    """Padded ``[B, H, T, D]`` -> packed ``[N, H, D]``."""
-    if plan.single:
-        return o[0].transpose(0, 1)
-    return o.transpose(1, 2)[plan.batch_idx, plan.row_idx]
-
-
 @dataclass
-class GroupPlan:
-    """Sequences of a pass attended together (the dense backends: one sequence alone)."""
+class SeqPlan:
+    """How the dense backends attend one sequence of a pass: alone, its keys read where they are."""
 
-    seqs: tuple[int, ...]  # their indices in the batch
-    rows: slice | None  # their packed rows; None: every row of the pass
-    dense: DensePlan
+    seq: int  # its index in the batch
+    rows: slice | None  # its packed rows; None: every row of the pass (a pass of this one sequence)
+    new: int  # t: its new tokens
+    total: int  # its keys: its cache and its new tokens
+    mask: torch.Tensor | None  # [1, 1, t, total] bool (True = may attend); None: one new token, sees every key
+    additive: torch.Tensor | None = None  # the mask as 0 / -inf in the queries' dtype, made by the first layer
 
-
-def single_plan(total: int, device: torch.device, mask: torch.Tensor | None = None) -> DensePlan:
-    """The plan of one sequence attended alone with ``total`` keys (its cache and its new tokens):
-    its keys are read where they are, nothing is padded. ``mask``: ``[t, total]`` for several new
-    tokens (None: one new token, which sees every key)."""
-    none = torch.empty(0, dtype=torch.long, device=device)
-    t = 1 if mask is None else mask.shape[0]
-    return DensePlan(batch=1, batch_idx=none, row_idx=none, max_new=t, max_total=total,
-                     mask=None if mask is None else mask.view(1, 1, t, total).to(device), single=True)
-
-
-def alone_mask(layout: BatchLayout, b: int) -> torch.Tensor | None:
-    """``[t_b, L_b + t_b]`` bool: what each new token of sequence ``b`` sees (its cache and its
-    ancestors-or-self); None for one new token (it sees everything)."""
-    L, t = layout.past_lens[b], layout.new_lens[b]
-    if t == 1:
-        return None
-    mask = torch.ones((t, L + t), dtype=torch.bool)
-    mask[:, L:] = layout.ancestor_mask(b)
-    return mask
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as an additive one (sdpa turns a boolean mask into that in every call)."""
+        if self.mask is None:
+            return None
+        if self.additive is None or self.additive.dtype != dtype:
+            self.additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+        return self.additive
 
 
-def grouped_plan(layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
+def alone_plans(layout: BatchLayout, device: torch.device) -> tuple[SeqPlan, ...]:
     """How the sequences of a pass are attended: each alone, on its cache in place.
 
     A sequence's keys and values (its cache and, after it, its new tokens) are one contiguous view,
     so a sequence attended alone needs no copy: a sequence with one new token (every request of a
     plain decode pass, the plain requests of a verify pass) attends every key, and a tree or a
-    prompt attends with its own ``[t, L + t]`` mask. Padding the sequences to a common shape copied
-    every sequence's keys and values into fresh tensors in every layer instead: a plain pass of 16
-    requests of the default zoo's target, 2 threads, 80 ms against 83 at 300 tokens of context and
-    115 against 268 at 600 (where the fresh tensors cost more than the copying itself); a verify
-    pass of 12 requests with a 4-node chain each at 300 tokens, 176.5 ms against 193.6 with the
-    trees padded together per count of new tokens.
+    prompt attends with its own ``[t, L + t]`` mask (its cache, and its new tokens'
+    ancestors-or-self). Padding the sequences to a common shape copied every sequence's keys and
+    values into fresh tensors in every layer instead: a plain pass of 16 requests of the default
+    zoo's target, 2 threads, 80 ms against 83 at 300 tokens of context and 115 against 268 at 600
+    (where the fresh tensors cost more than the copying itself); a verify pass of 12 requests with a
+    4-node chain each at 300 tokens, 176.5 ms against 193.6 with the trees padded together per count
+    of new tokens.
     """
-    offsets = layout.offsets
-    if layout.batch == 1 and layout.new_lens[0]:  # every row of the pass: attended without putting rows back
-        return (GroupPlan((0,), None, single_plan(layout.past_lens[0] + layout.new_lens[0], device, alone_mask(layout, 0))),)
-    return tuple(GroupPlan((b,), slice(offsets[b], offsets[b] + t), single_plan(layout.past_lens[b] + t, device, alone_mask(layout, b)))
-                 for b, t in enumerate(layout.new_lens) if t)
+    whole = layout.batch == 1  # every row of the pass is the sequence's: attended without putting rows back
+    plans = []
+    for b, (off, L, t) in enumerate(zip(layout.offsets, layout.past_lens, layout.new_lens)):
+        if not t:
+            continue
+        mask = None
+        if t > 1:
+            mask = torch.ones((1, 1, t, L + t), dtype=torch.bool)
+            mask[0, 0, :, L:] = layout.ancestor_mask(b)
+            mask = mask.to(device)
+        plans.append(SeqPlan(b, None if whole else slice(off, off + t), t, L + t, mask))
+    return tuple(plans)
 
 
 class DenseBackend(AttentionBackend):
-    """A backend that attends over padded dense tensors, one :class:`GroupPlan` at a time; a
-    subclass gives :meth:`attend_dense` (one group's padded attention)."""
+    """A backend that attends each sequence alone (:func:`alone_plans`); a subclass gives
+    :meth:`attend_one` (one sequence's attention)."""
 
-    def plan(self, layout: BatchLayout, device: torch.device) -> tuple[GroupPlan, ...]:
-        return grouped_plan(layout, device)
+    def plan(self, layout: BatchLayout, device: torch.device) -> tuple[SeqPlan, ...]:
+        return alone_plans(layout, device)
 
-    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: tuple[GroupPlan, ...], scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: tuple[SeqPlan, ...], scale: float) -> torch.Tensor:
         if len(plan) == 1 and plan[0].rows is None:
-            return self.attend_dense(q, kvs, plan[0].dense, scale)
+            return self.attend_one(q, kvs[plan[0].seq], plan[0], scale)
         out = torch.empty_like(q)
-        for g in plan:  # each group's rows put back in place
-            out[g.rows] = self.attend_dense(q[g.rows], [kvs[b] for b in g.seqs], g.dense, scale)
+        for p in plan:  # each sequence's rows put back in place
+            out[p.rows] = self.attend_one(q[p.rows], kvs[p.seq], p, scale)
         return out
 
-    def attend_dense(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
+    def attend_one(self, q: torch.Tensor, kv: KV, plan: SeqPlan, scale: float) -> torch.Tensor:
+        """``q: [t, H, D]`` -> ``[t, H, D]``."""
         raise NotImplementedError
 
 
@@ -280,32 +219,32 @@ class EagerBackend(DenseBackend):
 
     name = "eager"
 
-    def attend_dense(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
-        qp = pad_queries(q, plan)  # [B, H, T, D]
-        k, v = pad_kv(kvs, plan.max_total)  # [B, Hkv, S, D]
+    def attend_one(self, q: torch.Tensor, kv: KV, plan: SeqPlan, scale: float) -> torch.Tensor:
+        qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+        k, v = pad_kv([kv], plan.total)  # [1, Hkv, S, D], in place
         rep = qp.shape[1] // k.shape[1]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, H, T, S]
+        scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [1, H, t, S]
         if plan.mask is not None:
             scores = scores.masked_fill(~plan.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qp.dtype)
-        return unpad_output(torch.matmul(probs, v), plan)
+        return torch.matmul(probs, v)[0].transpose(0, 1)
 
 
 class SdpaBackend(DenseBackend):
-    """``scaled_dot_product_attention`` with an explicit boolean mask (native GQA)."""
+    """``scaled_dot_product_attention`` with an explicit mask (native GQA)."""
 
     name = "sdpa"
 
-    def attend_dense(self, q: torch.Tensor, kvs: Sequence[KV], plan: DensePlan, scale: float) -> torch.Tensor:
-        qp = pad_queries(q, plan)
-        k, v = pad_kv(kvs, plan.max_total)
+    def attend_one(self, q: torch.Tensor, kv: KV, plan: SeqPlan, scale: float) -> torch.Tensor:
+        qp = q.transpose(0, 1).unsqueeze(0)
+        k, v = pad_kv([kv], plan.total)
         o = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=plan.additive_mask(qp.dtype), scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
         )
-        return unpad_output(o, plan)
+        return o[0].transpose(0, 1)
 
 
 # ---- flash-attn varlen ---------------------------------------------------------------------------
@@ -313,7 +252,7 @@ class SdpaBackend(DenseBackend):
 
 @dataclass
 class VarlenPlan:
-    dense: DensePlan
+    max_total: int  # S: the most keys of a sequence (cache and new tokens), what the keys are padded to
     q_index: torch.Tensor  # [Nq] packed-row index of every query of every path
     k_index: torch.Tensor  # [Nk] index into the flattened padded keys [B * S] of every key of every path
     cu_q: torch.Tensor  # [P + 1] int32
@@ -360,8 +299,7 @@ class FlashAttnBackend(AttentionBackend):
         self.varlen_fn = varlen_fn
 
     def plan(self, layout: BatchLayout, device: torch.device) -> VarlenPlan:
-        dense = dense_plan(layout, device)
-        S = dense.max_total
+        S = max((p + n for p, n in zip(layout.past_lens, layout.new_lens)), default=0)
         q_index: list[int] = []
         k_parts: list[torch.Tensor] = []
         cu_q, cu_k = [0], [0]
@@ -379,10 +317,10 @@ class FlashAttnBackend(AttentionBackend):
         def t(x, dt=torch.long):
             return torch.tensor(x, dtype=dt, device=device)
 
-        return VarlenPlan(dense, t(q_index), k_index.to(device), t(cu_q, torch.int32), t(cu_k, torch.int32), max_q, max_k)
+        return VarlenPlan(S, t(q_index), k_index.to(device), t(cu_q, torch.int32), t(cu_k, torch.int32), max_q, max_k)
 
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: VarlenPlan, scale: float) -> torch.Tensor:
-        k, v = pad_kv(kvs, plan.dense.max_total)  # [B, Hkv, S, D]
+        k, v = pad_kv(kvs, plan.max_total)  # [B, Hkv, S, D]
         B, Hkv, S, D = k.shape
         kf = k.transpose(1, 2).reshape(B * S, Hkv, D)[plan.k_index]
         vf = v.transpose(1, 2).reshape(B * S, Hkv, D)[plan.k_index]

@@ -101,7 +101,7 @@ def test_single_sequence_without_padding() -> None:
     q = torch.randn(1, 4, 8, generator=g)
     kvs = [(torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g))]
     plan = SdpaBackend().plan(layout, torch.device("cpu"))
-    assert len(plan) == 1 and plan[0].dense.mask is None and plan[0].dense.single
+    assert len(plan) == 1 and plan[0].mask is None and plan[0].rows is None  # every row of the pass: not put back
     torch.testing.assert_close(SdpaBackend().attend(q, kvs, plan, 0.3), brute_force(q, kvs, layout, 0.3))
 
 
@@ -113,19 +113,19 @@ def test_every_sequence_is_attended_alone_on_its_cache_in_place(backend) -> None
         parents=((-1,), (-1, 0, 0), (-1,), (-1, -1, 0), (-1,), TREE_PARENTS),
     ))
     plan = backend.plan(layout, torch.device("cpu"))
-    assert [g.seqs for g in plan] == [(b,) for b in range(layout.batch)]
+    assert [g.seq for g in plan] == list(range(layout.batch))
     for g in plan:
-        (b,) = g.seqs
+        b = g.seq
         L, t = layout.past_lens[b], layout.new_lens[b]
         # its own rows, its keys read where they are (no padded copy)
         assert g.rows == slice(layout.offsets[b], layout.offsets[b] + t)
-        assert g.dense.single and g.dense.max_new == t and g.dense.max_total == kvs[b][0].shape[1] == L + t
-        assert pad_kv([kvs[b]], g.dense.max_total)[0].data_ptr() == kvs[b][0].data_ptr()
+        assert g.new == t and g.total == kvs[b][0].shape[1] == L + t
+        assert pad_kv([kvs[b]], g.total)[0].data_ptr() == kvs[b][0].data_ptr()
         if t == 1:  # sees every key: no mask
-            assert g.dense.mask is None
+            assert g.mask is None
         else:  # its cache, and its new tokens' ancestors-or-self
-            assert torch.equal(g.dense.mask[0, 0, :, :L], torch.ones(t, L, dtype=torch.bool))
-            assert torch.equal(g.dense.mask[0, 0, :, L:], layout.ancestor_mask(b))
+            assert torch.equal(g.mask[0, 0, :, :L], torch.ones(t, L, dtype=torch.bool))
+            assert torch.equal(g.mask[0, 0, :, L:], layout.ancestor_mask(b))
     scale = 1 / math.sqrt(q.shape[-1])
     torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5)
 
