@@ -84,8 +84,9 @@ def random_batch(seed: int, H: int = 4, Hkv: int = 2, D: int = 8, layout: BatchL
     return layout, q, kvs
 
 
-@pytest.mark.parametrize("backend", [EagerBackend(), SdpaBackend(), FlashAttnBackend(varlen_fn=reference_varlen)],
-                         ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [EagerBackend(), SdpaBackend(), EagerBackend(together=True), SdpaBackend(together=True),
+                                     FlashAttnBackend(varlen_fn=reference_varlen)],
+                         ids=lambda b: b.name + ("-together" if getattr(b, "together", None) else ""))
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
 def test_backends_match_brute_force(backend, heads) -> None:
     layout, q, kvs = random_batch(0, H=heads[0], Hkv=heads[1])
@@ -105,17 +106,20 @@ def test_single_sequence_without_padding() -> None:
     torch.testing.assert_close(SdpaBackend().attend(q, kvs, plan, 0.3), brute_force(q, kvs, layout, 0.3))
 
 
+# a verify pass: plain requests (one new token each) beside trees, two of them of one size
+VERIFY_PASS = BatchLayout(
+    past_lens=(5, 9, 12, 3, 7, 2),
+    parents=((-1,), (-1, 0, 0), (-1,), (-1, -1, 0), (-1,), TREE_PARENTS),
+)
+
+
 @pytest.mark.parametrize("backend", [EagerBackend(), SdpaBackend()], ids=lambda b: b.name)
-def test_every_sequence_is_attended_alone_on_its_cache_in_place(backend) -> None:
-    # a verify pass: plain requests (one new token each) beside trees, two of them of one size
-    layout, q, kvs = random_batch(2, layout=BatchLayout(
-        past_lens=(5, 9, 12, 3, 7, 2),
-        parents=((-1,), (-1, 0, 0), (-1,), (-1, -1, 0), (-1,), TREE_PARENTS),
-    ))
+def test_on_the_cpu_every_sequence_is_attended_alone_on_its_cache_in_place(backend) -> None:
+    layout, q, kvs = random_batch(2, layout=VERIFY_PASS)
     plan = backend.plan(layout, torch.device("cpu"))
-    assert [g.seq for g in plan] == list(range(layout.batch))
+    assert [g.seqs for g in plan] == [(b,) for b in range(layout.batch)]
     for g in plan:
-        b = g.seq
+        (b,) = g.seqs
         L, t = layout.past_lens[b], layout.new_lens[b]
         # its own rows, its keys read where they are (no padded copy)
         assert g.rows == slice(layout.offsets[b], layout.offsets[b] + t)
@@ -128,6 +132,36 @@ def test_every_sequence_is_attended_alone_on_its_cache_in_place(backend) -> None
             assert torch.equal(g.mask[0, 0, :, L:], layout.ancestor_mask(b))
     scale = 1 / math.sqrt(q.shape[-1])
     torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [EagerBackend(together=True), SdpaBackend(together=True)], ids=lambda b: b.name)
+def test_together_the_sequences_of_one_count_of_new_tokens_are_padded_into_one_call(backend) -> None:
+    layout, q, kvs = random_batch(3, layout=VERIFY_PASS)
+    plan = backend.plan(layout, torch.device("cpu"))
+    assert sorted((g.new, g.seqs) for g in plan) == [(1, (0, 2, 4)), (3, (1, 3)), (7, (5,))]
+    for g in plan:
+        assert g.total == max(layout.past_lens[b] for b in g.seqs) + g.new
+        rows = [layout.offsets[b] + i for b in g.seqs for i in range(g.new)]
+        assert (g.rows.tolist() if isinstance(g.rows, torch.Tensor) else list(range(g.rows.start, g.rows.stop))) == rows
+        for i, b in enumerate(g.seqs):  # its cache and its new tokens' ancestors-or-self; its padding never
+            L, t = layout.past_lens[b], g.new
+            want = torch.zeros(t, g.total, dtype=torch.bool)
+            want[:, :L] = True
+            want[:, L : L + t] = layout.ancestor_mask(b)
+            assert torch.equal(g.mask[i, 0], want)
+    scale = 1 / math.sqrt(q.shape[-1])
+    torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_away_from_the_cpu_the_dense_backends_pad_together_unless_told() -> None:
+    layout = BatchLayout(past_lens=(4, 9, 6), parents=((-1,), (-1,), (-1, 0)))
+    meta = torch.device("meta")  # any device but the CPU: the choice is made by device type
+    assert [g.seqs for g in SdpaBackend().plan(layout, meta)] == [(0, 1), (2,)]
+    assert [g.seqs for g in SdpaBackend(together=False).plan(layout, meta)] == [(0,), (1,), (2,)]
+    assert [g.seqs for g in SdpaBackend().plan(layout, torch.device("cpu"))] == [(0,), (1,), (2,)]
+    # one count of new tokens, one length: one call, every row in place, no mask
+    (g,) = SdpaBackend(together=True).plan(BatchLayout(past_lens=(5, 5), parents=((-1,), (-1,))), torch.device("cpu"))
+    assert g.rows is None and g.mask is None and g.total == 6
 
 
 def test_select_backend() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.attention import FlashAttnBackend, reference_varlen
+from common.attention import FlashAttnBackend, SdpaBackend, reference_varlen
 from common.checkpoints import CheckpointError, load_causal_lm
 from common.lm_runner import LMRunner, SeqInput, UnsupportedArchitecture
 from common.random_checkpoints import make_checkpoint
@@ -110,6 +110,7 @@ def test_backends_agree_on_a_mixed_tree_batch(checkpoints: dict[str, Path]) -> N
     }
     base = runners["sdpa"]
     runners["flash_attn(reference kernel)"] = LMRunner(base.model, FlashAttnBackend(varlen_fn=reference_varlen), name="x")
+    runners["sdpa(padded together, as on a GPU)"] = LMRunner(base.model, SdpaBackend(together=True), name="x")
     results = {}
     for name, runner in runners.items():
         pool = runner.new_pool(None)
