@@ -46,30 +46,50 @@ def _bin(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+STALE_AFTER = 64  # passes after which a bin that was not measured again no longer counts (PassCurve)
+
+
 @dataclass
 class PassCurve:
-    """Verify pass seconds by rows in the pass, measured (see the module docstring)."""
+    """Verify pass seconds by rows in the pass, measured (see the module docstring).
+
+    A bin counts while it was measured within the last ``stale_after`` passes. The pass plan keeps
+    only the rows the curve says pay, so a bin measured in a slow moment would never be measured
+    again and would keep its rows (and, the curve never falling, every larger pass) out of every
+    plan: at a fresh router, passes three times slower for its first seconds left the two-to-eight-row
+    bins at 90-220 ms where one row took 30, and one request after another decoded 1.1-1.4 tokens a
+    pass instead of 1.65 (in process, the default zoo's target, 2 threads). Once stale, a bin's rows
+    are priced by the bins around it (or the fitted line beyond them), so the plan tries them again,
+    and its next pass starts it afresh.
+    """
 
     smoothing: float = 0.2
-    _points: dict[int, list[float]] = field(default_factory=dict)  # bin -> [mean rows, mean seconds]
+    stale_after: int = STALE_AFTER
+    _points: dict[int, list[float]] = field(default_factory=dict)  # bin -> [mean rows, mean seconds, its latest pass]
+    _passes: int = 0  # passes observed
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
             return
+        self._passes += 1
         point = self._points.get(_bin(rows))
-        if point is None:
-            self._points[_bin(rows)] = [float(rows), seconds]
+        if point is None or self._stale(point):
+            self._points[_bin(rows)] = [float(rows), seconds, self._passes]
             return
         a = self.smoothing
         point[0] = (1 - a) * point[0] + a * rows
         point[1] = (1 - a) * point[1] + a * seconds
+        point[2] = self._passes
+
+    def _stale(self, point: list[float]) -> bool:
+        return self._passes - point[2] > self.stale_after
 
     def predict(self, rows: int, slope: float) -> float | None:
         """Seconds of a pass of ``rows`` rows; ``slope``: seconds per row beyond the measured
         passes (the fitted line's). None before any pass was measured."""
-        if not self._points:
+        points = sorted((x, y) for x, y, _ in (p for p in self._points.values() if not self._stale(p)))
+        if not points:
             return None
-        points = sorted(self._points.values())
         # the mean seconds never fall as rows grow (noise aside, a larger pass is not quicker)
         xs, ys = [points[0][0]], [points[0][1]]
         for x, y in points[1:]:

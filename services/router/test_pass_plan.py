@@ -33,6 +33,30 @@ def test_the_curve_interpolates_never_falls_and_extends_with_the_slope():
     assert curve.predict(100, 0.001) > curve.predict(16, 0.001) > curve.predict(8, 0.001) >= 0.050
 
 
+def test_a_bin_not_measured_again_stops_counting_and_starts_afresh():
+    # a slow moment: two to eight rows measured at three times their cost, then plain passes only
+    curve = PassCurve(stale_after=20)
+    for rows in range(1, 9):  # passes 1-8
+        curve.observe(rows, 0.090 + 0.005 * rows)
+    for _ in range(12):  # passes 9-20: the slow bins still count
+        curve.observe(1, 0.030)
+    assert curve.predict(4, 0.002) > 0.1
+    assert choose_nodes(*chains([0.6, 0.4, 0.25]), 1, lambda n: curve.predict(n, 0.002)) == {"r0": set()}
+    for _ in range(9):  # passes 21-29: more than 20 passes since the last slow one
+        curve.observe(1, 0.030)
+    one = curve.predict(1, 0.002)
+    assert one == pytest.approx(0.030, abs=1e-3)
+    assert curve.predict(4, 0.002) == pytest.approx(one + 3 * 0.002)
+    assert choose_nodes(*chains([0.6, 0.4, 0.25]), 1, lambda n: curve.predict(n, 0.002)) == {"r0": {0, 1, 2}}
+    # its next pass starts the bin afresh, not averaged with the slow mean
+    curve.observe(4, 0.036)
+    assert curve.predict(4, 0.002) == pytest.approx(0.036)
+    # a bin measured again and again keeps its smoothed mean
+    for _ in range(3):
+        curve.observe(4, 0.040)
+    assert 0.036 < curve.predict(4, 0.002) < 0.040
+
+
 def chains(*values: list[float]) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """Requests r0, r1, ... each with one chain of nodes whose expected tokens are ``values``."""
     return ({f"r{i}": v for i, v in enumerate(values)},
