@@ -20,7 +20,7 @@ from common.spec_types import GREEDY, TokenTree, VerifyItem
 from cosine_cli.workload import mixed_workload
 from services.drafter.engine import DrafterEngine
 from services.router.core import RouterConfig, RouterCore
-from services.router.inprocess import LocalDrafterPool, LocalVerifier
+from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
 from services.verifier.engine import VerifierEngine
 
 
@@ -49,15 +49,7 @@ async def run(core: RouterCore, prompts: dict[str, list[int]], max_new: int, eos
         out = {}
         accepted = rounds = 0
         for rid, req in reqs.items():
-            toks: list[int] = []
-            while True:
-                ev = await req.events.get()
-                if ev.error:
-                    raise RuntimeError(f"{rid}: {ev.error}")
-                toks += ev.tokens
-                if ev.finished:
-                    break
-            out[rid] = toks
+            out[rid] = await output_of(req)
             accepted += req.stats.accepted_tokens
             rounds += req.stats.rounds
         return out, accepted / max(1, rounds)

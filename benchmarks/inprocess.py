@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.spec_types import GREEDY, TokenTree, VerifyItem
+from services.router.inprocess import output_of
 
 
 @dataclass
@@ -83,16 +84,7 @@ async def _cosine(core: Any, prompts: Mapping[str, Sequence[int]], max_new: int,
     async def client() -> None:
         while queue:
             rid = queue.pop(0)
-            req = core.submit(rid, list(prompts[rid]), max_new, GREEDY, [eos] if eos is not None else [])
-            tokens: list[int] = []
-            while True:
-                ev = await req.events.get()
-                if ev.error:
-                    raise RuntimeError(f"{rid}: {ev.error}")
-                tokens += ev.tokens
-                if ev.finished:
-                    break
-            out[rid] = tokens
+            out[rid] = await output_of(core.submit(rid, list(prompts[rid]), max_new, GREEDY, [eos] if eos is not None else []))
 
     core.start()
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
 from common.token_fusion import FusionOutcome, FusionRequest, StepPricing
@@ -87,3 +88,16 @@ class LocalVerifier:
     def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.engine.release(rid)
+
+
+async def output_of(request: Any) -> list[int]:
+    """Every token streamed to a submitted request (``RouterCore.submit``) until it finishes;
+    ``RuntimeError`` naming the request when it ends in an error."""
+    tokens: list[int] = []
+    while True:
+        ev = await request.events.get()
+        if ev.error:
+            raise RuntimeError(f"{request.request_id}: {ev.error}")
+        tokens += ev.tokens
+        if ev.finished:
+            return tokens
