@@ -177,7 +177,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--zoo", type=Path, default=Path(".cosine/zoo-smol"), help="model zoo directory (default .cosine/zoo-smol)")
     ap.add_argument("--device", default="cpu", help="torch device of every model: cpu, cuda, cuda:1 ... (default cpu)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                    help="weights and activations (default float32: greedy ties break the same way in every batch)")
+                    help="weights and activations (default float32; in bfloat16 a greedy output may leave the target alone's at a near tie, "
+                         "since rounding depends on the shape of the pass)")
     ap.add_argument("--drafters", default="", help="comma-separated drafters of the zoo to load (default: all)")
     ap.add_argument("--concurrency", default="1,16", help="requests in flight, comma-separated, one comparison each (default 1,16)")
     ap.add_argument("--requests", type=int, default=24, help="requests per comparison, round-robin over the zoo's domains (default 24)")

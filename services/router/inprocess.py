@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
 from common.token_fusion import FusionOutcome, FusionRequest, StepPricing
 from services.drafter.engine import DrafterEngine
 from services.drafter.server import run_chain_step, run_fused_round
+from services.router.requests import Request
 from services.verifier.engine import VerifierEngine
 
 
@@ -90,7 +90,7 @@ class LocalVerifier:
             self.engine.release(rid)
 
 
-async def output_of(request: Any) -> list[int]:
+async def output_of(request: Request) -> list[int]:
     """Every token streamed to a submitted request (``RouterCore.submit``) until it finishes;
     ``RuntimeError`` naming the request when it ends in an error."""
     tokens: list[int] = []
