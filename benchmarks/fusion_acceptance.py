@@ -16,30 +16,13 @@ import sys
 import time
 
 from common.checkpoints import load_tokenizer
-from common.spec_types import GREEDY, TokenTree, VerifyItem
+from common.spec_types import GREEDY
 from cosine_cli.workload import mixed_workload
 from services.drafter.engine import DrafterEngine
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
 from services.verifier.engine import VerifierEngine
-
-
-def plain_decode(verifier: VerifierEngine, prompts: dict[str, list[int]], max_new: int, eos: int) -> dict[str, list[int]]:
-    out = {rid: [] for rid in prompts}
-    fresh = set(prompts)
-    while True:
-        active = [r for r in prompts if len(out[r]) < max_new and (not out[r] or out[r][-1] != eos)]
-        if not active:
-            break
-        items = [VerifyItem(r, append_ids=tuple(prompts[r]) if r in fresh else (), tree=TokenTree()) for r in active]
-        fresh.clear()
-        for v in verifier.verify(items).verdicts:
-            out[v.request_id] += v.new_tokens
-    for r in prompts:
-        verifier.release(r)
-        toks = out[r][:max_new]
-        out[r] = toks[: toks.index(eos) + 1] if eos in toks else toks
-    return out
+from services.verifier.sim import plain_generate
 
 
 async def run(core: RouterCore, prompts: dict[str, list[int]], max_new: int, eos: int) -> tuple[dict[str, list[int]], float]:
@@ -73,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     verifier = VerifierEngine.from_checkpoint(zoo.target.path)
     engines = {n: DrafterEngine.from_checkpoint(d.path, domains=d.domains) for n, d in zoo.drafters.items()}
     eos = tok.eos_token_id
-    expected = plain_decode(verifier, prompts, args.max_new_tokens, eos)
+    expected, _ = plain_generate(verifier, prompts, args.max_new_tokens, eos)
 
     async def profiles(drafters, domain):
         return {d: zoo.acceptance[d][domain] for d in drafters if domain in zoo.acceptance.get(d, {})}

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.spec_types import GREEDY, TokenTree, VerifyItem
+from common.spec_types import GREEDY
 from services.router.inprocess import output_of
+from services.verifier.sim import plain_generate
 
 
 @dataclass
@@ -42,39 +43,12 @@ class Run:
         return sum(len(t) for t in self.outputs.values())
 
 
-def finish(tokens: list[int], max_new: int, eos: int | None) -> bool:
-    return len(tokens) >= max_new or (eos is not None and eos in tokens)
-
-
-def clip(tokens: list[int], max_new: int, eos: int | None) -> list[int]:
-    tokens = tokens[:max_new]
-    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
-
-
 def target_alone(verifier: Any, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None, concurrency: int) -> Run:
-    """Plain decode steps through ``verifier`` (empty trees), ``concurrency`` requests in flight:
-    a finished request's place goes to the next one at the next step (continuous batching)."""
-    queue = list(prompts)
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    active: list[str] = []
-    fresh: set[str] = set()
-    passes = 0
+    """Plain decode steps through ``verifier`` (empty trees), ``concurrency`` requests in flight
+    (:func:`services.verifier.sim.plain_generate`)."""
     t0 = time.perf_counter()
-    while queue or active:
-        while queue and len(active) < concurrency:
-            rid = queue.pop(0)
-            active.append(rid)
-            fresh.add(rid)
-        items = [VerifyItem(r, append_ids=tuple(prompts[r]) if r in fresh else (), tree=TokenTree()) for r in active]
-        fresh.clear()
-        for v in verifier.verify(items).verdicts:
-            out[v.request_id] += v.new_tokens
-        passes += 1
-        for rid in [r for r in active if finish(out[r], max_new, eos)]:
-            active.remove(rid)
-            verifier.release(rid)
-    wall = time.perf_counter() - t0
-    return Run({r: clip(t, max_new, eos) for r, t in out.items()}, wall, passes)
+    outputs, passes = plain_generate(verifier, prompts, max_new, eos, concurrency)
+    return Run(outputs, time.perf_counter() - t0, passes)
 
 
 async def _cosine(core: Any, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None, concurrency: int) -> Run:
@@ -102,7 +76,7 @@ async def _cosine(core: Any, prompts: Mapping[str, Sequence[int]], max_new: int,
         "verify_s": c.verify_s,
         "draft_s": c.draft_s,
     }
-    return Run({r: clip(t, max_new, eos) for r, t in out.items()}, wall, c.rounds, stats)
+    return Run(out, wall, c.rounds, stats)
 
 
 @dataclass

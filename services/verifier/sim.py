@@ -6,13 +6,14 @@ Tree sources stand in for the router's drafting side: :class:`DrafterSource` dri
 each append the chosen token and ask for ``width`` candidates); :class:`RandomSource` proposes
 random trees (almost surely all wrong); :class:`EmptySource` proposes nothing (plain decode).
 :func:`speculative_generate` runs rounds until every request has ``max_new`` new tokens, with all
-active requests verified together in one batch per round.
+active requests verified together in one batch per round; :func:`plain_generate` is the target's
+own decode through the same engine, the reference both are compared with.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from common.spec_types import GREEDY, DraftItem, SamplingParams, TokenTree, VerifyItem
@@ -134,3 +135,37 @@ def speculative_generate(
                 verifier.release(v.request_id)
                 sources[v.request_id].release(v.request_id)
     return done
+
+
+def plain_generate(verifier: VerifierEngine, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None = None,
+                   concurrency: int | None = None) -> tuple[dict[str, list[int]], int]:
+    """The target's own greedy decode: plain steps (empty trees) through ``verifier``, up to
+    ``max_new`` new tokens per request, through ``eos`` when it comes.
+
+    ``concurrency`` requests are in flight (default: all); a finished request's place goes to the
+    next one at the next step (continuous batching). Returns the new tokens per request and the
+    passes it took; every request is released from the verifier at the end.
+    """
+    queue = list(prompts)
+    limit = len(queue) if concurrency is None else concurrency
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    active: list[str] = []
+    fresh: set[str] = set()
+    passes = 0
+    while queue or active:
+        while queue and len(active) < limit:
+            rid = queue.pop(0)
+            active.append(rid)
+            fresh.add(rid)
+        items = [VerifyItem(r, append_ids=tuple(prompts[r]) if r in fresh else (), tree=TokenTree()) for r in active]
+        fresh.clear()
+        for v in verifier.verify(items).verdicts:
+            out[v.request_id] += v.new_tokens
+        passes += 1
+        for rid in [r for r in active if len(out[r]) >= max_new or (eos is not None and eos in out[r])]:
+            active.remove(rid)
+            verifier.release(rid)
+    for rid, tokens in out.items():
+        tokens = tokens[:max_new]
+        out[rid] = tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+    return out, passes

@@ -15,9 +15,8 @@ import torch
 
 from common.attention import flash_attn_available
 from common.lm_runner import LMRunner, SeqInput
-from common.spec_types import TokenTree, VerifyItem
 from services.verifier.engine import VerifierEngine
-from services.verifier.sim import speculative_generate
+from services.verifier.sim import plain_generate, speculative_generate
 from services.verifier.test_greedy_equality import make_prompts, mixed_sources
 
 DEVICE = "cuda"
@@ -30,21 +29,6 @@ def exact_float32() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def plain_decode(verifier: VerifierEngine, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
-    """The target's own greedy continuation: one token a pass, every request in every pass."""
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    fresh = set(prompts)
-    while any(len(t) < max_new for t in out.values()):
-        items = [VerifyItem(r, append_ids=tuple(prompts[r]) if r in fresh else (), tree=TokenTree())
-                 for r in prompts if len(out[r]) < max_new]
-        fresh.clear()
-        for v in verifier.verify(items).verdicts:
-            out[v.request_id] += v.new_tokens
-    for rid in prompts:
-        verifier.release(rid)
-    return {rid: t[:max_new] for rid, t in out.items()}
 
 
 def mixed_batch(runner: LMRunner) -> list[SeqInput]:
@@ -93,7 +77,7 @@ def test_speculative_greedy_on_cuda_equals_plain_decoding_on_cuda(llama_target: 
     prompts = make_prompts(12, vocab, seed=7)
     assign = {rid: sources[i % len(sources)] for i, rid in enumerate(prompts)}
     got = speculative_generate(verifier, prompts, assign, 40)
-    want = plain_decode(verifier, prompts, 40)
+    want, _ = plain_generate(verifier, prompts, 40)
     assert got == want
     assert verifier.active_requests == 0 and verifier.kv_reserved_tokens == 0
 
