@@ -18,6 +18,8 @@ an append, the last kept token alone is re-run (one token, not the prefix).
 
 from __future__ import annotations
 
+import math
+
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -182,10 +184,7 @@ class DrafterEngine(RequestEngine[DraftState]):
             p.state.cache.commit(len(p.feed))
             p.state.next_probs = torch.softmax(lg[-1], dim=-1)  # [vocab], temperature 1
             if p.item.score_append and len(p.feed) > 1:
-                # mean log p(feed[i+1] | ..., feed[i]) over the fed tokens: lg is [len(feed), vocab]
-                logp = torch.log_softmax(lg[:-1], dim=-1)
-                nxt = torch.tensor(p.feed[1:], dtype=torch.long, device=logp.device)
-                scores[p.index] = float(logp.gather(1, nxt.unsqueeze(1)).mean())
+                scores[p.index] = mean_logprob(lg[:-1], p.feed[1:])
         t2 = time.perf_counter_ns()
 
         for p in planned:
@@ -260,3 +259,16 @@ class DrafterEngine(RequestEngine[DraftState]):
         if new:
             self._requests[item.request_id] = state
         return _Planned(index, item, state, feed, new)
+
+
+def mean_logprob(logits: torch.Tensor, targets: Sequence[int]) -> float:
+    """Mean log p(targets[i] | row i of ``logits``), the drafter's score of a prompt.
+
+    A token the drafter cannot propose (outside its reduced draft vocabulary: -inf) counts as
+    a uniform guess over the target's vocabulary, ``-log(V)``, instead of -inf: otherwise one such
+    token makes every drafter that shares the map score the prompt -inf, and domain detection
+    compares nothing but ties (most prompts of code, prose and chat hold one)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    got = logp.gather(1, torch.tensor(list(targets), dtype=torch.long, device=logp.device).unsqueeze(1))
+    floor = -math.log(logits.shape[-1])
+    return float(torch.where(torch.isfinite(got), got, torch.full_like(got, floor)).mean())

@@ -3,6 +3,7 @@ recomputation, per-item errors and the KV budget."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,26 @@ def test_limits_and_refusals_name_the_field(llama_near: Path) -> None:
         assert r.error.startswith(f"{field}: "), r.error
     assert engine.tokens("x") == (1, 2) and set(engine._requests) == {"x"}
     assert engine.run_step([DraftItem("a", append_ids=(1,), top_n=4)]).results[0].ok
+
+
+def test_a_prompt_token_outside_the_draft_vocabulary_scores_as_a_uniform_guess(tiny_distilled_zoo) -> None:
+    """A reduced-vocabulary drafter cannot propose a token off its map; scoring a prompt that holds
+    one stays finite (that token counts -log V), so drafters sharing the map still compare on the
+    tokens they can propose, and the rest of the score is the model's own mean log-probability."""
+    from common.checkpoints import read_config
+
+    path = tiny_distilled_zoo.drafters["generalist"].path
+    engine = DrafterEngine.from_checkpoint(path, attention_backend="sdpa")
+    vocab = engine.runner.draft_vocab
+    target_vocab = read_config(tiny_distilled_zoo.target.path)["vocab_size"]
+    mapped = set(vocab.to_target.tolist())
+    off = next(t for t in range(target_vocab - 1, -1, -1) if t not in mapped)
+    on = [int(t) for t in vocab.to_target[:8].tolist()]
+    prompt = [*on[:4], off, *on[4:]]
+    (res,) = engine.run_step([DraftItem("a", append_ids=tuple(prompt), score_append=True)]).results
+    assert res.ok and res.append_logprob is not None and math.isfinite(res.append_logprob)
+    hf = load_causal_lm(path)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=vocab.to_draft[torch.tensor([prompt])]).logits[0].float(), -1)
+    terms = [float(logp[i, vocab.to_draft[t]]) if t in mapped else -math.log(target_vocab) for i, t in enumerate(prompt[1:])]
+    assert res.append_logprob == pytest.approx(sum(terms) / len(terms), abs=1e-4)
