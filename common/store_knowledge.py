@@ -119,6 +119,12 @@ class SharedKnowledge:
             await pipe.execute()
 
     @outage
+    async def seeded_lexicon_domains(self) -> set[str]:
+        """The domains the seed lexicon holds labelled prompts of (see :meth:`seed_lexicon`)."""
+        prefix = self.lexicon_key("seed", "")
+        return {key[len(prefix) :] async for key in self._r.scan_iter(match=prefix + "*", count=200)}
+
+    @outage
     async def add_to_lexicon(self, domain: str, tokens: Iterable[int]) -> None:
         """Count one more prompt of ``domain`` (its token ids) in the learned lexicon."""
         key = self.lexicon_key("learned", domain)

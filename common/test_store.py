@@ -135,15 +135,17 @@ def test_lexicon_seed_and_learned_prompts_add_up(redis_url, redis_prefix):
             await store.add_to_lexicon("code", [7, 7, 10])
             await store.add_to_lexicon("chat", [11])
             both = await store.load_lexicon()
+            seeded = await store.seeded_lexicon_domains()  # chat was only learned, never seeded
             await store.seed_lexicon({"code": (1, {12: 1})})  # a new seed drops the old one, keeps what routers learned
             reseeded = await store.load_lexicon()
             await store.seed_lexicon({"code": (1, {12: 1})}, reset=True)  # reset: the learned counts go too
             reset = await store.load_lexicon()
         finally:
             await store.close()
-        return both, reseeded, reset
+        return both, seeded, reseeded, reset
 
-    both, reseeded, reset = run(body())
+    both, seeded, reseeded, reset = run(body())
+    assert seeded == {"code", "prose"}
     assert both == {"code": (3, {7: 5, 8: 1, 10: 1}), "prose": (1, {9: 4}), "chat": (1, {11: 1})}
     assert reseeded == {"code": (2, {12: 1, 7: 2, 10: 1}), "chat": (1, {11: 1})}
     assert reset == {"code": (1, {12: 1})}

@@ -92,8 +92,7 @@ class RequestRouting:
             await detect_domains(self.drafting, to_score, live)
             self.counters.domains_by_drafters += len(to_score)
             for r in to_score:
-                self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id])
-                if r.domain and self.shared is not None:
+                if self.lexicon.learn(r.domain, r.prompt, guesses[r.request_id]) and self.shared is not None:
                     self.shared.learned(r.domain, r.prompt)
 
     async def reload(self, throttled: bool = True) -> bool:

@@ -67,13 +67,14 @@ class ProfileStore:
         """The shared domain lexicon (the zoo's seed plus what routers learned); None while Redis is out."""
         try:
             loaded = await self.store.load_lexicon()
+            seeded = await self.store.seeded_lexicon_domains()
         except StoreUnavailable as exc:
             log.warning("domain lexicon unreadable; the drafters score new prompts meanwhile", error=str(exc))
             return None
         lexicon = DomainLexicon()
         for domain, (examples, counts) in sorted(loaded.items()):
-            lexicon.absorb(domain, examples, counts)
-        log.debug("domain lexicon loaded", prompts={d: n for d, (n, _) in sorted(loaded.items())})
+            lexicon.absorb(domain, examples, counts, labelled=domain in seeded)
+        log.debug("domain lexicon loaded", prompts={d: n for d, (n, _) in sorted(loaded.items())}, labelled=sorted(seeded))
         return lexicon
 
     async def corpus(self, known_version: int) -> tuple[int, DomainCorpora | None] | None:

@@ -113,8 +113,9 @@ def test_router_scores_with_drafters_only_until_the_lexicon_agrees(scored):
 
 def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(scored, redis_url, redis_prefix):
     """The zoo's seed in Redis (written after the router started, as `cosine up` does) gives the
-    first requests their domain with no drafter scoring; the audited prompt the drafters do score
-    is added to the shared lexicon for the next router."""
+    requests their domain with no drafter scoring. A seed is labelled prompts, so the lexicon is the
+    reference: no audit asks the drafters, and a prompt it cannot call (only tokens every domain
+    uses) goes to them without being learned into the shared lexicon."""
     rng = random.Random(7)
     seed = {}
     for d in ("code", "prose"):
@@ -129,19 +130,47 @@ def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(scored
         profiles = ProfileStore(store)
         core = RouterCore(RouterConfig(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
         await store.seed_lexicon(seed)
-        reqs = [core.submit(f"r{i}", prompt(("code", "prose")[i % 2], rng), 4, GREEDY) for i in range(8)]
-        for r in reqs:
+        reqs = [core.submit(f"r{i}", prompt(("code", "prose")[i % 2], rng), 4, GREEDY) for i in range(24)]
+        vague = core.submit("vague", [104, 105], 4, GREEDY)  # only tokens every domain uses: no margin
+        for r in [*reqs, vague]:
             await core.routing.detect([r], ["a", "b"])
-        await core.stop()  # waits for the background write of what was learned
+        await core.stop()  # waits for any background write of what was learned
         shared = await store.load_lexicon()
         await store.close()
-        return reqs, shared
+        return reqs, vague, shared, core.routing.lexicon
 
-    reqs, shared = asyncio.run(body())
-    assert [r.domain for r in reqs] == [("code", "prose")[i % 2] for i in range(8)]
-    assert scored == ["r7"]  # the lexicon's audit (every 8th prompt); none before it
-    assert shared["prose"][0] == 21 and shared["code"][0] == 20
+    reqs, vague, shared, lexicon = asyncio.run(body())
+    assert lexicon.reference and lexicon.labelled == {"code", "prose"}
+    assert [r.domain for r in reqs] == [("code", "prose")[i % 2] for i in range(24)]
+    assert scored == ["vague"] and vague.domain == "prose"  # (the fake drafters' call)
+    assert shared["prose"][0] == 20 and shared["code"][0] == 20  # nothing learned from the drafters
 
+
+def test_a_labelled_seed_is_trusted_without_audits_and_learns_nothing_from_the_drafters():
+    """Drafters that call every prompt "code" (specialists that do not specialise) neither make a
+    labelled lexicon distrust itself nor teach it; a lexicon learned from the drafters' own scores
+    still audits itself against them and hands detection back when they disagree."""
+    rng = random.Random(9)
+    labelled, learned = DomainLexicon(min_examples=2, audit_every=4), DomainLexicon(min_examples=2, audit_every=4)
+    for d in RANGES:
+        counts: dict[int, int] = {}
+        for _ in range(6):
+            for t in prompt(d, rng):
+                counts[t] = counts.get(t, 0) + 1
+        labelled.absorb(d, 6, counts, labelled=True)
+        learned.absorb(d, 6, counts)
+    assert labelled.reference and not learned.reference
+    before = dict(labelled.examples)
+    for lex in (labelled, learned):
+        for _ in range(12):
+            p = prompt("prose", rng)
+            use, guess = lex.decide(p)
+            if use is None:  # the drafters were asked (an audit), and they say code
+                lex.learn("code", p, guess)
+    assert labelled.audited == 0 and labelled.predicted == 12 and labelled.examples == before
+    assert not labelled.learn("code", prompt("prose", rng)) and labelled.examples == before
+    assert learned.audited >= 2 and learned.agreement < learned.min_agreement
+    assert learned.decide(prompt("prose", rng))[0] is None and labelled.decide(prompt("prose", rng))[0] == "prose"
 
 
 def test_a_submitted_request_is_gated_by_the_lexicons_guess_until_it_is_routed():
