@@ -19,6 +19,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,22 +110,30 @@ class Setup:
         from services.router.lexicon import DomainLexicon
         from services.router.lookup_corpus import DomainCorpora
 
-        lexicon = DomainLexicon()
-        for domain, (examples, counts) in sorted(self.lexicon.items()):
-            lexicon.absorb(domain, examples, counts)
+        learned: list[tuple[str, Sequence[int]]] = []  # what the router adds to the shared lexicon
+
         corpora = DomainCorpora.build(self.corpus) if self.corpus else None
 
         async def profiles(drafters: Sequence[str], domain: str) -> dict[str, float]:
             return {d: self.acceptance[d][domain] for d in drafters if domain in self.acceptance.get(d, {})}
 
-        async def load_lexicon() -> DomainLexicon:
+        async def load_lexicon() -> DomainLexicon:  # a fresh copy per read, as from Redis: the seed + what was learned
+            lexicon = DomainLexicon()
+            for domain, (examples, counts) in sorted(self.lexicon.items()):
+                lexicon.absorb(domain, examples, counts, labelled=True)  # the zoo's seed: its training prompts, labelled
+            for domain, prompt in learned:
+                lexicon.absorb(domain, 1, Counter(prompt))
             return lexicon
+
+        async def record_lexicon(domain: str, prompt: Sequence[int]) -> None:
+            learned.append((domain, list(prompt)))
 
         async def load_corpus(version: int) -> tuple[int, Any] | None:
             return None if version else (1, corpora)
 
         return RouterCore(RouterConfig(), LocalDrafterPool(self.drafters, fuse_locally=fuse_locally), LocalVerifier(self.verifier),
                           profiles=profiles, load_lexicon=load_lexicon if self.lexicon else None,
+                          record_lexicon=record_lexicon if self.lexicon else None,
                           load_corpus=load_corpus if corpora is not None else None)
 
 

@@ -468,6 +468,7 @@ class ServiceSystem:
             "draft_ahead_s": diff.get("draft_ahead_s", 0.0), "routed_ahead": diff.get("routed_ahead", 0.0),
             "lookup_tokens": diff.get("lookup_tokens", 0.0), "lookup_accepted": diff.get("lookup_accepted", 0.0),
             "corpus_tokens": diff.get("corpus_tokens", 0.0), "corpus_accepted": diff.get("corpus_accepted", 0.0),
+            "domains_by_lexicon": diff.get("domains_by_lexicon", 0.0), "domains_by_drafters": diff.get("domains_by_drafters", 0.0),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
         return RunResult(records, wall, counters, {d: n for d, n in rounds.items() if n})
