@@ -2,6 +2,11 @@
 the router's token stream turned into text (incremental detokenization, stop strings), metrics,
 and resume when the router is lost.
 
+Request state: the tokens of a running request are written to Redis at most every
+``--request-state-interval-s`` (the first chunk at once), not after every chunk: on a small machine
+a Redis script per token is taken from the verifier's cores. The state trails the client's stream
+by at most that interval; a finished request's state is deleted, so its last tokens are not written.
+
 Resume: when the router's stream breaks with UNAVAILABLE (the router died or was replaced), the
 gateway waits for a router (the same address restarted by its supervisor, or another member) and
 submits a continuation: the prompt followed by every token already relayed, for the tokens still
@@ -54,6 +59,8 @@ class RouterRelay:
         self.timeout_s = timeout_s
         self.produced: list[int] = list(gen.resume_ids)  # tokens the client has (relayed, or resumed from)
         self.resumes = 0
+        self.unsaved: list[int] = []  # relayed tokens not yet in the request's Redis state
+        self.save_due = 0.0  # loop time of the next write of the request state
         self.detok = IncrementalDetokenizer(lambda ids: app.tokenizer.decode(ids, skip_special_tokens=True))
         self.stops = StopMatcher(gen.stop) if gen.stop else None
         if gen.resume_ids:  # a resumed stream: the text the client has is not sent again
@@ -78,6 +85,17 @@ class RouterRelay:
     def _text(self, token_ids: list[int], finished: bool) -> str:
         text = self.detok.push(token_ids)
         return text + self.detok.flush() if finished else text
+
+    async def _save(self, token_ids: list[int], now: float) -> bool:
+        """Note relayed tokens in the request's Redis state when a write is due (see the module doc).
+        An outage must not fail a running request: the store keeps what it could not write. False
+        only when a write was due and did not land."""
+        self.unsaved.extend(token_ids)
+        if now < self.save_due or not self.unsaved:
+            return True
+        self.save_due = now + self.app.settings.request_state_interval_s
+        ids, self.unsaved = self.unsaved, []
+        return await self.app.store.append_tokens(self.gen.request_id, ids, status="running")
 
     async def pieces(self) -> AsyncIterator[Progress]:
         app, gen = self.app, self.gen
@@ -121,8 +139,7 @@ class RouterRelay:
                             if clock is not None:
                                 clock.tokens_out(len(ids))
                             text = self._text(ids, chunk.finished)
-                            # an outage must not fail a running request: the store keeps what it could not write
-                            if not await app.store.append_tokens(gen.request_id, ids, status="done" if chunk.finished else "running"):
+                            if not chunk.finished and not await self._save(ids, loop.time()):
                                 store_failures += 1
                                 if store_failures == 1:
                                     log.warning("request state not written yet (Redis away); the request goes on")

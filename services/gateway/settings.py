@@ -29,6 +29,10 @@ class GatewaySettings(ServiceSettings):
     router_resumes: int = setting(3, help="times one request is resumed on a router after its router was lost (0: never)",
                                   check=lambda v: None if v >= 0 else "must be 0 or greater")
     router_resume_timeout_s: float = setting(30.0, help="how long a resume waits for a router to answer again", check=positive)
+    request_state_interval_s: float = setting(
+        0.25, help="how often a running request's tokens are written to its Redis state, in seconds (0: after every chunk); "
+                   "a finished request's state is deleted, not written",
+        check=lambda v: None if v >= 0 else "must be 0 or greater")
     request_timeout_s: float = setting(600.0, help="longest a request may run when the client sets no deadline", check=positive)
 
     def validate(self) -> str | None:
