@@ -2,10 +2,11 @@
 the router's token stream turned into text (incremental detokenization, stop strings), metrics,
 and resume when the router is lost.
 
-Request state: the tokens of a running request are written to Redis at most every
-``--request-state-interval-s`` (the first chunk at once), not after every chunk: on a small machine
-a Redis script per token is taken from the verifier's cores. The state trails the client's stream
-by at most that interval; a finished request's state is deleted, so its last tokens are not written.
+Request state: the tokens of a running request are written to Redis with its first chunk and then
+with the first chunk after every ``--request-state-interval-s``, not after every chunk: on a small
+machine a Redis script per token is taken from the verifier's cores. So the state trails the
+client's stream by about that interval (plus the wait for a chunk); a finished request's state is
+deleted, so its last tokens are not written.
 
 Resume: when the router's stream breaks with UNAVAILABLE (the router died or was replaced), the
 gateway waits for a router (the same address restarted by its supervisor, or another member) and
