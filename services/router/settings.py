@@ -29,8 +29,9 @@ class RouterSettings(ServiceSettings):
     all_drafters: bool = setting(False, help="every live drafter drafts every request (SpecInfer-style trees; overrides routing)")
     adaptive_k: bool = setting(True, help="adapt each request's speculation length to its acceptance and the verifier's load")
     domain_detection: str = setting("lexicon", choices=("lexicon", "drafters"),
-                                    help="how a new request's domain is found: lexicon (a token lexicon seeded from the zoo and learned from drafter scores "
-                                         "stands in once it agrees with them; no drafter pass) or drafters (every live drafter scores every new prompt)")
+                                    help="how a new request's domain is found: lexicon (a token lexicon; seeded from the zoo's labelled prompts it decides "
+                                         "wherever it is confident, unseeded it learns from drafter scores and stands in once it agrees with "
+                                         "them; no drafter pass) or drafters (every live drafter scores every new prompt)")
     shared_lexicon: bool = setting(True, help="start the domain lexicon from the one in Redis (the zoo's seed, written by `cosine up`, plus "
                                               "what routers learned) and add to it the prompts this router's drafters score; off: "
                                               "this router learns its own from nothing")
