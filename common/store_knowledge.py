@@ -119,12 +119,6 @@ class SharedKnowledge:
             await pipe.execute()
 
     @outage
-    async def seeded_lexicon_domains(self) -> set[str]:
-        """The domains the seed lexicon holds labelled prompts of (see :meth:`seed_lexicon`)."""
-        prefix = self.lexicon_key("seed", "")
-        return {key[len(prefix) :] async for key in self._r.scan_iter(match=prefix + "*", count=200)}
-
-    @outage
     async def add_to_lexicon(self, domain: str, tokens: Iterable[int]) -> None:
         """Count one more prompt of ``domain`` (its token ids) in the learned lexicon."""
         key = self.lexicon_key("learned", domain)
@@ -134,10 +128,16 @@ class SharedKnowledge:
                 pipe.hincrby(key, str(token), count)
             await pipe.execute()
 
-    @outage
     async def load_lexicon(self) -> dict[str, tuple[int, dict[int, int]]]:
         """Seed and learned lexicon summed: domain -> (prompts, token id -> count)."""
+        return (await self.load_lexicon_and_seeds())[0]
+
+    @outage
+    async def load_lexicon_and_seeds(self) -> tuple[dict[str, tuple[int, dict[int, int]]], set[str]]:
+        """:meth:`load_lexicon`'s lexicon, and the domains the seed holds labelled prompts of (see
+        :meth:`seed_lexicon`), from one read."""
         keys = sorted([key async for key in self._r.scan_iter(match=self.lexicon_key("*", "*"), count=200)])
+        seed_prefix = self.lexicon_key("seed", "")
         async with self._r.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.hgetall(key)
@@ -152,7 +152,7 @@ class SharedKnowledge:
                 else:
                     counts[int(name)] = counts.get(int(name), 0) + int(value)
             out[domain] = (examples, counts)
-        return out
+        return out, {key[len(seed_prefix) :] for key in keys if key.startswith(seed_prefix)}
 
     @outage
     async def seed_corpus(self, corpus: Mapping[str, Iterable[Sequence[int]]]) -> None:

@@ -135,7 +135,8 @@ def test_lexicon_seed_and_learned_prompts_add_up(redis_url, redis_prefix):
             await store.add_to_lexicon("code", [7, 7, 10])
             await store.add_to_lexicon("chat", [11])
             both = await store.load_lexicon()
-            seeded = await store.seeded_lexicon_domains()  # chat was only learned, never seeded
+            again, seeded = await store.load_lexicon_and_seeds()  # chat was only learned, never seeded
+            assert again == both
             await store.seed_lexicon({"code": (1, {12: 1})})  # a new seed drops the old one, keeps what routers learned
             reseeded = await store.load_lexicon()
             await store.seed_lexicon({"code": (1, {12: 1})}, reset=True)  # reset: the learned counts go too

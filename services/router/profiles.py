@@ -66,8 +66,7 @@ class ProfileStore:
     async def lexicon(self) -> DomainLexicon | None:
         """The shared domain lexicon (the zoo's seed plus what routers learned); None while Redis is out."""
         try:
-            loaded = await self.store.load_lexicon()
-            seeded = await self.store.seeded_lexicon_domains()
+            loaded, seeded = await self.store.load_lexicon_and_seeds()
         except StoreUnavailable as exc:
             log.warning("domain lexicon unreadable; the drafters score new prompts meanwhile", error=str(exc))
             return None
