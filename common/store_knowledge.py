@@ -3,6 +3,8 @@ the lookup corpus (their key layout: ``common/store.py``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +59,9 @@ class SharedKnowledge:
 
     def corpus_version_key(self) -> str:
         return f"{self.prefix}:corpus-version"
+
+    def corpus_digest_key(self) -> str:
+        return f"{self.prefix}:corpus-digest"
 
     # ---- expertise profiles ----------------------------------------------------------------
 
@@ -155,18 +160,26 @@ class SharedKnowledge:
         return out, {key[len(seed_prefix) :] for key in keys if key.startswith(seed_prefix)}
 
     @outage
-    async def seed_corpus(self, corpus: Mapping[str, Iterable[Sequence[int]]]) -> None:
-        """Replace the lookup corpus with ``corpus`` (domain -> token sequences)."""
+    async def seed_corpus(self, corpus: Mapping[str, Iterable[Sequence[int]]]) -> bool:
+        """Replace the lookup corpus with ``corpus`` (domain -> token sequences). Writes nothing and
+        returns False when that very corpus is seeded already: every router reloads the corpus
+        when its version moves (parsing and indexing it takes a router about 0.15 s of CPU for the
+        default zoo's, beside the verifier), so re-seeding profiles must not move it for nothing."""
+        rows = {domain: [" ".join(str(int(t)) for t in seq) for seq in sequences] for domain, sequences in corpus.items()}
+        digest = hashlib.sha256(json.dumps(sorted(rows.items())).encode()).hexdigest()
+        if await self._r.get(self.corpus_digest_key()) == digest and await self._r.get(self.corpus_version_key()):
+            return False
         stale = [key async for key in self._r.scan_iter(match=self.corpus_key("*"), count=200)]
         async with self._r.pipeline(transaction=True) as pipe:
             if stale:
                 pipe.delete(*stale)
-            for domain, sequences in corpus.items():
-                rows = [" ".join(str(int(t)) for t in seq) for seq in sequences]
-                if rows:
-                    pipe.rpush(self.corpus_key(domain), *rows)
+            for domain, domain_rows in rows.items():
+                if domain_rows:
+                    pipe.rpush(self.corpus_key(domain), *domain_rows)
+            pipe.set(self.corpus_digest_key(), digest)
             pipe.incr(self.corpus_version_key())
             await pipe.execute()
+        return True
 
     @outage
     async def corpus_version(self) -> int:

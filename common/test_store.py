@@ -161,9 +161,15 @@ def test_the_lookup_corpus_is_replaced_whole_and_read_back_as_written(redis_url,
             first, v1 = await store.load_corpus(), await store.corpus_version()
             await store.seed_corpus({"code": [[10, 11]]})  # a new seed replaces every domain's sequences
             second, v2 = await store.load_corpus(), await store.corpus_version()
+            wrote = await store.seed_corpus({"code": [[10, 11]]})  # the same corpus again: nothing moves
+            same, v3 = await store.load_corpus(), await store.corpus_version()
+            await store.seed_corpus({"code": [[10, 12]]})  # one token differs: a new seed
+            third, v4 = await store.load_corpus(), await store.corpus_version()
         finally:
             await store.close()
         assert v0 == 0 and v1 == 1 and v2 == 2  # routers reload when the version moves
+        assert wrote is False and same == second and v3 == 2
+        assert third == {"code": [[10, 12]]} and v4 == 3
         return empty, first, second
 
     empty, first, second = run(body())
