@@ -5,8 +5,11 @@
 Flow: load the zoo; decode every prompt of the run with the target alone (the *reference pass*:
 our verifier engine, greedy, batched) - its outputs are what every greedy run must reproduce
 token for token, and its throughput is the reference capacity that sets the open-loop rates;
-then for each system: start it, run every workload, stop it. The JSON report and the PNG plots
-are written at the end (the report also after a failure, with what was measured).
+then start every system (the service systems share one verifier and its drafters, each with a
+router and gateway of its own) and run each workload on every system in turn before the next
+workload, so that the figures a ratio compares are measured minutes apart at most, not a quarter
+of an hour: this machine's speed drifts over minutes. The JSON report and the PNG plots are
+written at the end (the report also after a failure, with what was measured).
 
 A greedy output that differs from the reference by one token fails the benchmark
 (:class:`GreedyMismatch`, exit status 3) after the report is written.
@@ -257,36 +260,38 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
             system.start()
             system.warm_up(warm)  # first passes are slow (allocations, kernel set-up): not measured
             described[system.name] = {**system.describe(), "start_s": time.perf_counter() - t0}
-            try:
-                for spec in specs:
-                    if spec.name in skipped.get(system.name, ()):
-                        continue
-                    wl = workloads.get(spec.name)
-                    if wl is None:  # open loop before any capacity was measured: the first system sets it
-                        first = results.get(system.name, {}).get(capacity_wl)
-                        if not first or not first["requests_per_s"]:
-                            raise BenchError(f"no capacity measured on {capacity_wl} before {spec.name}")
-                        set_reference(system.name, first["requests_per_s"], first["tokens_per_s"])
-                        wl = workloads[spec.name]
-                    if bar is not None:
-                        bar.set_description(f"{system.name}: {wl.name}")
-                    run = system.run(wl)
-                    m = metrics(run, wl, system.one_at_a_time)
-                    m["offered_rps"] = wl.offered_rps or None
-                    results.setdefault(system.name, {})[wl.name] = m
-                    failures += [f"{system.name}/{wl.name}: {e}" for e in m["errors"]]
-                    if wl.spec.greedy:
-                        bad = check_greedy(system.name, wl.name, run.records, expected, {r.index: r.prompt_ids for r in wl.requests})
-                        checked += sum(1 for r in run.records if not r.error)
-                        if bad:
-                            mismatches += bad
-                            raise GreedyMismatch(_mismatch_text(bad))
-                    if bar is not None:
-                        bar.set_postfix_str(f"{m['tokens_per_s'] or 0:.0f} tok/s, lat {m['latency_mean_s'] or 0:.2f}s")
-                        bar.update(1)
-            finally:
-                system.stop()
+        # one workload on every system before the next workload: the machine's speed drifts over
+        # minutes, and the systems a ratio compares are measured within a minute or two of each other
+        for spec in specs:
+            for system in systems:
+                if spec.name in skipped.get(system.name, ()):
+                    continue
+                wl = workloads.get(spec.name)
+                if wl is None:  # open loop before any capacity was measured: the first system sets it
+                    first = results.get(systems[0].name, {}).get(capacity_wl)
+                    if not first or not first["requests_per_s"]:
+                        raise BenchError(f"no capacity measured on {capacity_wl} before {spec.name}")
+                    set_reference(systems[0].name, first["requests_per_s"], first["tokens_per_s"])
+                    wl = workloads[spec.name]
+                if bar is not None:
+                    bar.set_description(f"{wl.name}: {system.name}")
+                run = system.run(wl)
+                m = metrics(run, wl, system.one_at_a_time)
+                m["offered_rps"] = wl.offered_rps or None
+                results.setdefault(system.name, {})[wl.name] = m
+                failures += [f"{system.name}/{wl.name}: {e}" for e in m["errors"]]
+                if wl.spec.greedy:
+                    bad = check_greedy(system.name, wl.name, run.records, expected, {r.index: r.prompt_ids for r in wl.requests})
+                    checked += sum(1 for r in run.records if not r.error)
+                    if bad:
+                        mismatches += bad
+                        raise GreedyMismatch(_mismatch_text(bad))
+                if bar is not None:
+                    bar.set_postfix_str(f"{m['tokens_per_s'] or 0:.0f} tok/s, lat {m['latency_mean_s'] or 0:.2f}s")
+                    bar.update(1)
     finally:
+        for system in systems:
+            system.stop()
         if plane is not None:
             plane.stop()
         if bar is not None:

@@ -340,7 +340,10 @@ class HFGenerateSystem:
 
 
 class ServicePlane:
-    """Redis + verifier + drafter processes, started once and shared by every service system."""
+    """Redis + verifier + drafter processes, started once and shared by every service system, and
+    one router and gateway per router configuration: each service system keeps its own for the
+    whole run (what it learns online stays with it), and going from one system to the next
+    restarts nothing, so the benchmark can run every system on one workload before the next."""
 
     def __init__(self, target: str, drafters: Mapping[str, str], domains: Mapping[str, Sequence[str]],
                  acceptance: Mapping[str, Mapping[str, float]], cores: int, log_dir: str, prior_weight: float = 20.0,
@@ -357,26 +360,31 @@ class ServicePlane:
             cores=cores, log_dir=log_dir, prefix="bench",
         ))
         self.started = False
-        self.current: tuple[str, ...] | None = None
+        self.planes: dict[tuple[str, ...], Any] = {}  # router flags -> ControlPlane
 
     def ensure_started(self) -> None:
         if not self.started:
             self.cluster.start(progress=False)
             self.started = True
-            self.current = tuple(self.cluster.spec.router_args)
+            from cosine_cli.cluster import ControlPlane
 
-    def use(self, router_args: Sequence[str], drafters: int | None) -> str:
-        """Gateway address of a router with these flags (restarted unless it already runs them),
-        with the expertise profiles and the domain lexicon re-seeded from the zoo (online statistics
-        and what routers learned dropped)."""
+            self.planes[tuple(self.cluster.spec.router_args)] = ControlPlane(
+                self.cluster.router_address, self.cluster.gateway_address, self.cluster.http_url)
+
+    def use(self, router_args: Sequence[str], drafters: int | None, tag: str) -> Any:
+        """The control plane (router and gateway addresses) running these router flags, started
+        (its processes tagged ``tag``) unless one already does, with the expertise profiles and
+        the domain lexicon re-seeded from the zoo."""
         self.ensure_started()
-        if tuple(router_args) != self.current:
-            self.cluster.restart_router(router_args, drafters)
-            self.current = tuple(router_args)
+        plane = self.planes.get(tuple(router_args))
+        if plane is None:
+            plane = self.planes[tuple(router_args)] = self.cluster.add_control_plane(router_args, tag, drafters)
         self.reseed()
-        return self.cluster.gateway_address
+        return plane
 
     def reseed(self) -> None:
+        """Profiles and domain lexicon back to the zoo's (online statistics and what routers learned
+        dropped); the lookup corpus is rewritten only when it changed, so no router reloads it."""
         from cosine_cli.commands import seed_profiles
 
         asyncio.run(seed_profiles(self.cluster.redis_url, self.cluster.spec.prefix, dict(self.acceptance), self.prior_weight, reset=True,
@@ -386,6 +394,7 @@ class ServicePlane:
         if self.started:
             self.cluster.stop()
             self.started = False
+            self.planes.clear()
 
 
 class ServiceSystem:
@@ -402,30 +411,32 @@ class ServiceSystem:
         self.router_args = tuple(router_args) + tuple(a for d in use_drafters for a in ("--use-drafters", d))
         self.description = description
         self.address = ""
+        self.router_address = ""
 
     def describe(self) -> dict[str, Any]:
         return {"description": self.description, "kind": "services", "router_args": list(self.router_args),
                 "drafters": list(self.use_drafters) or sorted(self.plane.cluster.spec.drafters)}
 
     def start(self) -> None:
-        self.address = self.plane.use(self.router_args, len(self.use_drafters) or None)
+        control = self.plane.use(self.router_args, len(self.use_drafters) or None, self.name)
+        self.address, self.router_address = control.gateway_address, control.router_address
 
     def stop(self) -> None:
         pass  # the plane is stopped once, after the last service system
 
     def warm_up(self, workload: Workload) -> None:
-        """Run a workload unmeasured, then re-seed the profiles (forget what it taught the router)."""
+        """Run a workload unmeasured (what it taught the router's profiles is forgotten before each run)."""
         self.run(workload)
-        self.plane.reseed()
 
     def run(self, workload: Workload) -> RunResult:
+        self.plane.reseed()  # other systems' routers have written their online figures since
         return asyncio.run(self._run(workload))
 
     async def _status(self) -> tuple[dict[str, float], dict[str, float]]:
         from common.tls import open_channel
         from cosine.v1 import router_pb2, router_pb2_grpc
 
-        async with open_channel(self.plane.cluster.router_address, self.plane.cluster.spec.tls) as channel:
+        async with open_channel(self.router_address, self.plane.cluster.spec.tls) as channel:
             st = await router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=10)
         return dict(st.counters), {d.drafter_id: float(d.rounds) for d in st.drafters}
 

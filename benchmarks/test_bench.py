@@ -120,6 +120,33 @@ def test_a_greedy_mismatch_fails_the_benchmark_loudly(tiny_zoo, tmp_path):
     assert m["position"] == m["got_len"] - 1 and m["got"][-1] == m["expected"][-1] + 1
 
 
+class _Logged(AutoregressiveSystem):
+    """The autoregressive system, writing (workload, system) into ``log`` for every measured run."""
+
+    def __init__(self, log, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = log
+
+    def run(self, workload):
+        if workload.name != "warm-up":
+            self.log.append((workload.name, self.name))
+        return super().run(workload)
+
+
+def test_every_system_runs_a_workload_before_any_runs_the_next(tiny_zoo, tmp_path):
+    log = []
+
+    def factory(names, zoo, eos_id, pad_id, cores, log_dir, threads):
+        return [_Logged(log, str(zoo.target.path), eos_id, 1, name=n) for n in ("first", "second")], None
+
+    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(tmp_path / "report.json"), scenario="quick", cores=1, plots=False,
+                        progress=False, max_new_tokens=2, requests=2, workloads=["closed_c1", "closed_c4", "open_high"])
+    report = run_bench(opts, system_factory=factory)
+    # the machine drifts over minutes: the figures a ratio compares are measured next to each other
+    assert log == [(w, s) for w in ("closed_c1", "closed_c4", "open_high") for s in ("first", "second")]
+    assert report["scenario"]["order"] == ["first", "second"]
+
+
 class _OneAtATime(AutoregressiveSystem):
     """The autoregressive system declared as serving one request at a time, like transformers' generate."""
 
@@ -159,21 +186,26 @@ def test_a_one_at_a_time_system_runs_only_the_unloaded_workloads(tiny_zoo, tmp_p
 @pytest.mark.slow
 def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo, tmp_path):
     out = tmp_path / "bench" / "report.json"
-    # cosine first: the service plane starts with its flags, so no router restart is needed
+    # cosine's router is the service plane's own; services_plain gets a second router and gateway
     opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick",
-                        systems=["cosine", "autoregressive", "hf_assisted"], workloads=["closed_c4", "open_low", "open_high"],
-                        cores=2, progress=False)
+                        systems=["cosine", "autoregressive", "hf_assisted", "services_plain"],
+                        workloads=["closed_c4", "open_low", "open_high"], cores=2, progress=False)
     report = run_bench(opts, system_factory=make_systems)
     on_disk = json.loads(out.read_text())
     assert on_disk["schema"] == SCHEMA and validate_report(on_disk) == []
     assert on_disk["scenario"]["complete"] is True
-    assert set(on_disk["systems"]) == {"cosine", "autoregressive", "hf_assisted"}
+    assert set(on_disk["systems"]) == {"cosine", "autoregressive", "hf_assisted", "services_plain"}
+    # each service system's counters are its own router's: drafting off in one, on in the other
+    for w in ("closed_c4", "open_low", "open_high"):
+        plain, cos = on_disk["systems"]["services_plain"][w]["counters"], on_disk["systems"]["cosine"][w]["counters"]
+        assert plain["draft_tokens"] == 0 and plain["accepted_tokens"] == 0 and cos["draft_tokens"] > 0
+        assert plain["verify_batches"] > 0 and plain["tokens_committed"] == on_disk["systems"]["services_plain"][w]["output_tokens"]
     for per in on_disk["systems"].values():
         assert set(per) == {"closed_c4", "open_low", "open_high"}
         for m in per.values():
             assert m["failed"] == 0 and m["output_tokens"] > 0
     checked = on_disk["scenario"]["greedy_check"]
-    assert checked["mismatches"] == [] and checked["checked_requests"] == 3 * (4 + 3 + 4)
+    assert checked["mismatches"] == [] and checked["checked_requests"] == 4 * (4 + 3 + 4)
     # every headline ratio is the quotient of two figures of this same report (or null when a side is absent)
     s, r = on_disk["systems"], on_disk["ratios"]
     for key, a, b, metric, role in HEADLINE:

@@ -74,7 +74,6 @@ def thread_budget(cores: int, drafter_processes: int) -> tuple[int, int]:
     cores = max(1, cores)
     per_drafter = max(1, cores // (2 * max(1, drafter_processes)))
     return cores, per_drafter
-    return verifier, per_drafter
 
 
 def split_drafters(drafters: Mapping[str, str], processes: int) -> list[dict[str, str]]:
@@ -84,6 +83,15 @@ def split_drafters(drafters: Mapping[str, str], processes: int) -> list[dict[str
     for i, name in enumerate(names):
         groups[i % processes][name] = drafters[name]
     return groups
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    """Where one router and its gateway listen."""
+
+    router_address: str
+    gateway_address: str
+    http_url: str
 
 
 @dataclass
@@ -188,21 +196,39 @@ class LocalCluster:
         say(f"ready      gateway at {self.gateway_address} (logs in {spec.log_dir}/)")
         return self.gateway_address
 
-    async def _start_control_plane(self, router_args: Sequence[str], drafters: int, gateway_port: int = 0) -> None:
+    async def _start_control_plane(self, router_args: Sequence[str], drafters: int, gateway_port: int = 0,
+                                   tag: str = "") -> ControlPlane:
+        """A router with ``router_args`` and its gateway; the cluster's own unless ``tag`` names
+        another one (its processes are then ``router-<tag>`` and ``gateway-<tag>``)."""
         spec = self.spec
-        router = self._spawn("router", "services.router", self._port(), ["--verifier-address", self.verifier_address, *router_args])
+        suffix = f"-{tag}" if tag else ""
+        router = self._spawn(f"router{suffix}", "services.router", self._port(),
+                             ["--verifier-address", self.verifier_address, *router_args])
         await self._wait([router], "router")
-        self.router_address = router.address
-        self._ports.update(p for p in (spec.http_port, gateway_port) if p)
-        http_port = spec.http_port or self._port()
-        gateway = self._spawn("gateway", "services.gateway", gateway_port or self._port(),
+        if not tag:
+            self._ports.update(p for p in (spec.http_port, gateway_port) if p)
+        http_port = (spec.http_port if not tag else 0) or self._port()
+        gateway = self._spawn(f"gateway{suffix}", "services.gateway", (gateway_port if not tag else 0) or self._port(),
                               ["--router-address", router.address, "--tokenizer", spec.target, "--http-port", str(http_port),
                                *spec.gateway_args])
         await self._wait([gateway], "gateway")
-        self.gateway_address = gateway.address
         scheme = "https" if spec.tls is not None and spec.tls.serves_tls else "http"
-        self.http_url = f"{scheme}://{join_host_port(spec.host, http_port)}"
-        await self._wait_router_ready(drafters)
+        plane = ControlPlane(router.address, gateway.address, f"{scheme}://{join_host_port(spec.host, http_port)}")
+        if not tag:
+            self.router_address, self.gateway_address, self.http_url = plane.router_address, plane.gateway_address, plane.http_url
+        await self._wait_router_ready(drafters, router.address)
+        return plane
+
+    async def add_control_plane_async(self, router_args: Sequence[str], tag: str, drafters: int | None = None) -> ControlPlane:
+        """Another router (flags ``router_args``) and gateway beside the cluster's own, sharing its
+        Redis, verifier and drafters: a benchmark compares router configurations on the same loaded
+        models without restarting anything between them. ``tag`` names its processes."""
+        if not tag or any(p.name in (f"router-{tag}", f"gateway-{tag}") for p in self.procs):
+            raise ClusterError(f"control plane tag {tag!r} is empty or already in use")
+        return await self._start_control_plane(router_args, len(self.spec.drafters) if drafters is None else drafters, tag=tag)
+
+    def add_control_plane(self, router_args: Sequence[str], tag: str, drafters: int | None = None) -> ControlPlane:
+        return asyncio.run(self.add_control_plane_async(router_args, tag, drafters))
 
     async def restart_router_async(self, router_args: Sequence[str], drafters: int | None = None) -> str:
         """Replace the router and the gateway (new router flags) while Redis, the verifier and the
@@ -227,12 +253,12 @@ class LocalCluster:
     def restart_router(self, router_args: Sequence[str], drafters: int | None = None) -> str:
         return asyncio.run(self.restart_router_async(router_args, drafters))
 
-    async def _wait_router_ready(self, drafters: int, timeout_s: float = 60.0) -> None:
-        """Until the router sees the verifier and every drafter."""
+    async def _wait_router_ready(self, drafters: int, address: str = "", timeout_s: float = 60.0) -> None:
+        """Until the router (the cluster's own unless ``address``) sees the verifier and ``drafters`` drafters."""
         from cosine.v1 import router_pb2, router_pb2_grpc
 
         deadline = time.monotonic() + timeout_s
-        async with open_channel(self.router_address, self.spec.tls) as channel:
+        async with open_channel(address or self.router_address, self.spec.tls) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             while time.monotonic() < deadline:
                 status = await stub.Status(router_pb2.StatusRequest(), timeout=5)
