@@ -7,8 +7,8 @@ our verifier engine, greedy, batched) - its outputs are what every greedy run mu
 token for token, and its throughput is the reference capacity that sets the open-loop rates;
 then start every system (the service systems share one verifier and its drafters, each with a
 router and gateway of its own) and run each workload on every system in turn before the next
-workload, so that the figures a ratio compares are measured minutes apart at most, not a quarter
-of an hour: this machine's speed drifts over minutes. The JSON report and the PNG plots are
+workload, so that the figures a ratio compares are measured a few minutes apart at most, not up to
+ten: this machine's speed drifts over minutes. The JSON report and the PNG plots are
 written at the end (the report also after a failure, with what was measured).
 
 A greedy output that differs from the reference by one token fails the benchmark
