@@ -167,7 +167,8 @@ class SharedKnowledge:
         default zoo's, beside the verifier), so re-seeding profiles must not move it for nothing."""
         rows = {domain: [" ".join(str(int(t)) for t in seq) for seq in sequences] for domain, sequences in corpus.items()}
         digest = hashlib.sha256(json.dumps(sorted(rows.items())).encode()).hexdigest()
-        if await self._r.get(self.corpus_digest_key()) == digest and await self._r.get(self.corpus_version_key()):
+        seeded, version = await self._r.mget(self.corpus_digest_key(), self.corpus_version_key())
+        if seeded == digest and version:
             return False
         stale = [key async for key in self._r.scan_iter(match=self.corpus_key("*"), count=200)]
         async with self._r.pipeline(transaction=True) as pipe:

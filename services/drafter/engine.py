@@ -19,7 +19,6 @@ an append, the last kept token alone is re-run (one token, not the prefix).
 from __future__ import annotations
 
 import math
-
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
