@@ -35,7 +35,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from benchmarks.systems import RunResult
+from benchmarks.records import RunResult
 from benchmarks.workloads import Workload
 
 SCHEMA = "cosine-bench/1"

@@ -10,8 +10,9 @@ import pytest
 
 from benchmarks.bench import BenchOptions, GreedyMismatch, check_greedy, run_bench
 from benchmarks.plots import PLOTS, _style
+from benchmarks.records import RequestRecord
 from benchmarks.report import HEADLINE, SCHEMA, compute_ratios, percentile, validate_report
-from benchmarks.systems import ALL_SYSTEMS, AutoregressiveSystem, RequestRecord, make_systems
+from benchmarks.systems import ALL_SYSTEMS, AutoregressiveSystem, make_systems
 from benchmarks.workloads import WorkloadSpec, build_workload, poisson_arrivals
 
 
