@@ -300,10 +300,16 @@ class RouterCore(OffPathDrafting):
         self.gate.settle(batch)
         self._observe_extras(batch, trees, selected, matched, set(ahead), t1 - t0)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
-        self.control.observe_pass(rows, busy_ns / 1e9, self.counters.tokens_committed - committed_before,
-                                  prefill=any(it.append_ids for it in items),
-                                  beside=busy_before or self._off_path_started != started_before)
+        prefill_rows = sum(len(it.append_ids) for it in items)
+        beside = busy_before or self._off_path_started != started_before
+        committed = self.counters.tokens_committed - committed_before
+        self.control.observe_pass(rows, busy_ns / 1e9, committed, prefill=prefill_rows > 0, beside=beside)
         self.control.observe_round(t1 - t0, t2 - t1)
+        # one line a round at debug level: where a slow pass came from (its rows, a prompt in it,
+        # drafter work beside it on shared cores) without a profiler
+        log.debug("round", round=self.counters.rounds, requests=len(batch), pool=len(self.requests), rows=rows,
+                  prefill_rows=prefill_rows, beside=beside, committed=committed, draft_ms=round(1e3 * (t1 - t0), 1),
+                  verify_ms=round(1e3 * (t2 - t1), 1), pass_ms=round(busy_ns / 1e6, 1))
         if self.metrics is not None:
             self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)
         self.counters.rounds += 1

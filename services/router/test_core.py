@@ -5,9 +5,12 @@ decode; a drafter that dies mid-request does not fail it; caches are freed."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
+import structlog
+import structlog.testing
 
 from common.spec_types import GREEDY
 from services.router.core import RouterConfig, RouterCore, common_prefix, sync_item
@@ -109,6 +112,28 @@ def test_no_drafter_falls_back_to_plain_decoding(engines, reference):
     core = RouterCore(RouterConfig(lookup=False), LocalDrafterPool({}), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert core.counters.draft_tokens == 0
+
+
+def test_every_round_logs_its_rows_prompt_rows_and_committed_tokens_at_debug_level(engines, reference):
+    """The per-round debug line accounts for the whole run: every prompt token is prefilled once,
+    every committed token is counted once, and a pass has at least a row per request."""
+    verifier, drafters = engines
+    prompts, expected = reference
+    core = RouterCore(RouterConfig(drafters_per_request=2, fusion="chunk"), LocalDrafterPool(drafters), LocalVerifier(verifier))
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            got = asyncio.run(generate_all(core, prompts, MAX_NEW))
+    finally:
+        structlog.configure(**saved)
+    assert got == expected
+    rounds = [e for e in logs if e["event"] == "round"]
+    assert len(rounds) == core.counters.rounds
+    assert sum(e["prefill_rows"] for e in rounds) == sum(len(p) for p in prompts.values())
+    assert sum(e["committed"] for e in rounds) == sum(len(t) for t in got.values()) == core.counters.tokens_committed
+    assert all(e["rows"] >= e["requests"] + e["prefill_rows"] and e["pass_ms"] > 0 for e in rounds)
+    assert [e["round"] for e in rounds] == list(range(len(rounds)))
 
 
 @pytest.mark.parametrize("rounds_in_flight", [1, 2])
