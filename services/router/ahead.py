@@ -23,6 +23,7 @@ from common.fusion import DraftTree
 from common.logs import get_logger
 from services.router.control import SpeculationControl
 from services.router.drafting import Drafting
+from services.router.gate import DraftGate
 from services.router.pool import RequestPool
 from services.router.requests import AheadDraft, Request
 
@@ -35,6 +36,7 @@ class OffPathDrafting(RequestPool):
 
     control: SpeculationControl
     drafting: Drafting
+    gate: DraftGate
     _off_path_tasks: set[asyncio.Task[None]]
     _off_path_started: int  # off-path drafter calls started so far (a pass they overlap runs slower)
 
@@ -57,6 +59,7 @@ class OffPathDrafting(RequestPool):
         (``Request.ahead``) for its next round, in which the verifier sees the same committed
         sequence the drafters saw (no round verifies it in between: it stays out of the pool)."""
         t0 = self.clock()
+        probes = sum(r.probing for r in group)
         try:
             trees, selected = await self._draft(group, ks)
             for r in group:
@@ -68,6 +71,8 @@ class OffPathDrafting(RequestPool):
                         requests=[r.request_id for r in group])
         finally:
             self.counters.draft_ahead_s += self.clock() - t0
+            self.gate.charge_probes((self.clock() - t0) * probes / len(group))
+            log.debug("drafted ahead", requests=len(group), probes=probes, draft_ms=round(1e3 * (self.clock() - t0), 1))
             for r in group:
                 r.drafting_ahead = False
                 self._hand_back(r)
@@ -78,6 +83,8 @@ class OffPathDrafting(RequestPool):
         lexicon cannot tell) and bring their drafters to their prompts, while their rounds decode
         plainly."""
         self.counters.routed_ahead += len(group)
+        t0 = self.clock()
+        probes = sum(r.probing for r in group)
         try:
             live = list(self.drafters.live())
             await self.routing.route(group, live)
@@ -87,6 +94,9 @@ class OffPathDrafting(RequestPool):
         except Exception as exc:  # they stay unrouted and try again when they next draft
             log.warning("routing new requests failed", error=str(exc), requests=[r.request_id for r in group])
         finally:
+            self.gate.charge_probes((self.clock() - t0) * probes / len(group))
+            log.debug("routed ahead", requests=len(group), probes=probes, prompt_tokens=sum(len(r.sequence) for r in group),
+                      route_ms=round(1e3 * (self.clock() - t0), 1))
             for r in group:
                 r.routing_ahead = False
                 if r.done:  # finished while being scored: the drafters hold its prompt for nothing

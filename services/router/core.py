@@ -117,7 +117,7 @@ class RouterCore(OffPathDrafting):
         self.control = SpeculationControl(enabled=config.cost_control)
         self.lookups = LookupDrafting(config, self.control, self.counters, load_corpus)
         self.drafting = Drafting(config, drafters, self.control, clock)
-        self.gate = DraftGate(config, self.control)
+        self.gate = DraftGate(config, self.control, clock)
         # the domain lexicon shared through Redis (the zoo's seed + what routers learned), when given
         shared = None if load_lexicon is None or record_lexicon is None else SharedLexicon(
             load_lexicon, lambda domain, prompt: self._background(record_lexicon(domain, prompt)))
@@ -241,12 +241,16 @@ class RouterCore(OffPathDrafting):
                 ks[r.request_id] = 0
                 r.routing_ahead = True
             self._off_path(self._route_ahead(fresh))
+        routed_ahead = sum(r.routing_ahead for r in fresh) if fresh else 0
+        probes = sum(r.probing and ks[r.request_id] > 0 for r in batch)
         drafting = [r for r in batch if ks[r.request_id] > 0]
+        drafted_ahead = 0
         if self._drafts_ahead(batch, drafting, ks):
             # the drafters would hold the whole pass for a few requests: those draft while the others
             # are verified now, and join the next pass with their trees
             for r in drafting:
                 r.drafting_ahead = True
+            drafted_ahead = len(drafting)
             self.counters.rounds_drafted_ahead += 1
             self._off_path(self._draft_ahead(drafting, {r.request_id: ks[r.request_id] for r in drafting}))
             batch = [r for r in batch if not r.drafting_ahead]
@@ -260,6 +264,8 @@ class RouterCore(OffPathDrafting):
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
             trees, lookups = plan_pass(trees, lookups, plain_rows, self.control.calibration, self.control.pass_seconds)
         t1 = self.clock()
+        if drafting and not drafting[0].drafting_ahead and probes:  # the probes' share of the drafting (RouterConfig.probe_share)
+            self.gate.charge_probes((t1 - t0) * probes / len(drafting))
         if drafting and not drafting[0].drafting_ahead:
             log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
                       probing=sum(r.probing for r in drafting), draft_ms=round(1e3 * (t1 - t0), 1))
@@ -308,7 +314,8 @@ class RouterCore(OffPathDrafting):
         # one line a round at debug level: where a slow pass came from (its rows, a prompt in it,
         # drafter work beside it on shared cores) without a profiler
         log.debug("round", round=self.counters.rounds, requests=len(batch), pool=len(self.requests), rows=rows,
-                  prefill_rows=prefill_rows, beside=beside, committed=committed, draft_ms=round(1e3 * (t1 - t0), 1),
+                  prefill_rows=prefill_rows, beside=beside, drafted_ahead=drafted_ahead, routed_ahead=routed_ahead,
+                  probes=probes, slowdown=round(self.control.overlap_slowdown(), 2), committed=committed, draft_ms=round(1e3 * (t1 - t0), 1),
                   verify_ms=round(1e3 * (t2 - t1), 1), pass_ms=round(busy_ns / 1e6, 1))
         if self.metrics is not None:
             self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)

@@ -28,12 +28,23 @@ in which fewer first nodes were accepted than drafting needs (up to 64), and fal
 one that paid: a change of load or of text turns drafting back on, and probes never cost much more
 than they find.
 
+Probes are also held to a share of the router's time (``--probe-share``, :attr:`RouterConfig.probe_share`): a probe round's drafter time
+(mostly the catch-up of each probing request) is charged, and the next probe round waits until that
+time is the share of the time since (:meth:`DraftGate.charge_probes`). Under load the catch-ups are
+long (a request that last drafted a hundred tokens ago) and, where the drafters share the verifier's
+cores, slow the passes beside them as much as they take: five domains probing at once cost a
+16-client batch about 240 ms of drafting and a pass three times its length, every 64 rounds. With
+the share, the domains still take turns and still probe together, but never spend more than a few
+percent of the time finding out; at one client, where a catch-up costs tens of milliseconds, probes
+stay as frequent as their intervals allow.
+
 The lookup drafter is not gated: it costs no drafter time (see ``lookup.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.router.control import SpeculationControl
@@ -70,9 +81,11 @@ class DomainRecord:
 
 
 class DraftGate:
-    def __init__(self, config: RouterConfig, control: SpeculationControl) -> None:
+    def __init__(self, config: RouterConfig, control: SpeculationControl, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.control = control
+        self.clock = clock
+        self.probes_open_at = 0.0  # the clock time from which a probe may be granted (RouterConfig.probe_share)
         self._theta = 0.0  # the threshold of the current round's decisions
         self.overall = DomainRecord()  # every request's outcomes: for requests with no domain
         self.domains: dict[str, DomainRecord] = {}
@@ -113,10 +126,16 @@ class DraftGate:
         if r.first_accept >= self._theta:
             r.probing = False
             return True
-        r.probing = self.record(gate_domain(r)).probe_slot(round_index)
+        r.probing = self.clock() >= self.probes_open_at and self.record(gate_domain(r)).probe_slot(round_index)
         if r.probing:
             r.probed_at = round_index
         return r.probing
+
+    def charge_probes(self, seconds: float) -> None:
+        """Probes took ``seconds`` of drafting: the next one waits until that is the configured share
+        (:attr:`RouterConfig.probe_share`) of the time since (charges add up when probe rounds' drafting overlaps)."""
+        if seconds > 0:
+            self.probes_open_at = max(self.probes_open_at, self.clock()) + seconds / self.config.probe_share
 
     def observe(self, r: Request, drafted: bool, verified_model_nodes: bool, first_accepted_is_model: bool) -> None:
         """One verdict of ``r``: whether it drafted, whether any of the drafters' nodes was verified,

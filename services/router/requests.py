@@ -84,6 +84,7 @@ class RouterConfig:
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
     gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)
+    probe_share: float = 0.03  # the most of the router's time probes' drafting may take (services.router.gate)
 
     @classmethod
     def from_settings(cls, s: Any) -> RouterConfig:
@@ -96,6 +97,7 @@ class RouterConfig:
             pipeline_control=s.pipeline_control, draft_ahead=s.draft_ahead, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
             lookup_corpus=s.lookup_corpus,
             speculate=s.speculate, domain_detection=s.domain_detection, gate_by_domain=s.domain_gate,
+            probe_share=s.probe_share,
         )
 
 

@@ -42,6 +42,10 @@ class RouterSettings(ServiceSettings):
     domain_gate: bool = setting(True, help="with cost control, keep the record of whether drafting pays per domain (a new request's starting "
                                            "point and the probe interval; its domain guessed by the lexicon at submission, no drafter pass); "
                                            "off: one record for every request")
+    probe_share: float = setting(0.03, help="with cost control, the most of the router's time that probing may take: a request turned down "
+                                            "to plain decoding drafts now and then to see whether drafting pays again, and its drafters' "
+                                            "catch-up is charged against this share (1.0: in effect, probes as often as their round intervals allow)",
+                                 check=in_range(0.001, 1.0))
     lookup_drafts: bool = setting(True, help="add the lookup drafter's free proposals to every request's tree: the tokens that followed the "
                                              "longest earlier occurrence of the request's suffix in its own text, kept while they repay their verify rows")
     lookup_max_ngram: int = setting(4, help="longest suffix (tokens) the lookup drafter matches", check=positive)

@@ -85,7 +85,9 @@ def test_rounds_with_two_drafters_per_request_price_the_second(engines, referenc
     verifier, drafters = engines
     prompts, expected = reference
     rid = sorted(prompts)[0]
-    config = RouterConfig(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup=False)
+    # probes on every interval: the tiny engines' catch-ups cost several rounds each, and the share
+    # of time a router lets probes take would leave this short run one probe
+    config = RouterConfig(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup=False, probe_share=1.0)
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
     assert core.counters.draft_tokens > 0
@@ -202,6 +204,36 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
     assert [r for r in priced if r >= 4 and r % 8] == [], (priced, rounds)
     assert len(priced) < rounds / 2
     assert len(unpriced) > len(priced), (unpriced, priced)
+
+
+def test_probes_of_a_request_the_gate_turned_down_take_at_most_their_share_of_the_time(engines, reference, llama_target):
+    """The lone request of the test above, 96 tokens long, its drafter's step costing 50 ms: once
+    drafting is turned down, its probes' drafter time stays within ``probe_share`` of the run's time
+    (plus the probe round that opened the window), where the round intervals alone would have
+    probed on more rounds. Output is the target's own."""
+    verifier, drafters = engines
+    prompts, _ = reference
+    rid = sorted(prompts)[0]
+    expected = hf_greedy(llama_target, {rid: prompts[rid]}, 96)
+    share = 0.05
+
+    def run(probe_share: float) -> tuple[list[int], float, float]:
+        pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
+        config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_ahead=False, fusion="token",
+                              probe_share=probe_share)
+        core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
+        t0 = time.monotonic()
+        assert asyncio.run(generate_all(core, {rid: prompts[rid]}, 96)) == expected
+        wall = time.monotonic() - t0
+        probe_rounds = sorted({r for r in pool.rounds_drafted if r >= 4 and r % 8 == 0})
+        probe_s = sum(end - start for (start, end), r in zip(pool.spans, pool.rounds_drafted) if r in probe_rounds)
+        return probe_rounds, probe_s, wall
+
+    held, held_s, wall = run(share)
+    free, _, _ = run(1e6)  # a window a few nanoseconds long: the round intervals alone
+    longest = 0.05 * 4 + 0.05  # the most one probe round drafts here: k steps of 50 ms, and slack
+    assert held_s <= share * wall + longest, (held, held_s, wall)
+    assert held and len(held) < len(free), (held, free)
 
 
 class SlowVerifier(LocalVerifier):

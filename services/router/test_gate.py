@@ -142,3 +142,32 @@ def test_a_probe_round_probes_one_request_a_domain_and_the_requests_take_turns()
         assert not gate.drafts(batch[0], 16, round_index + 1, False)  # no probe between probe rounds
     assert all(len(t) == 2 and t[0].startswith("c") and t[1].startswith("k") for t in turns)
     assert sorted(rid for t in turns for rid in t) == sorted(r.request_id for r in batch)  # everyone once
+
+
+def test_probes_take_at_most_their_share_of_the_time_and_domains_still_probe_together():
+    """Probes charged 0.3 s of drafting at a 3% share: no probe round is granted for the next 10 s,
+    whatever the round intervals say, and a closed window does not use up a domain's slot: on the
+    first probe round after it, every domain probes again, together."""
+    now = [100.0]
+    gate = DraftGate(RouterConfig(probe_share=0.03), loaded_control(), clock=lambda: now[0])
+
+    def probes(round_index: int) -> list[str]:
+        batch = [request(f"{d}{round_index}", 0.01, guess=d) for d in ("chat", "code")]
+        got = sorted(r.domain_guess for r in batch if gate.drafts(r, 16, round_index, False))
+        for r in batch:  # the probes find nothing new, but their interval is not the point here
+            r.probe_hit = True
+        gate.settle(batch)
+        return got
+
+    assert probes(PROBE_EVERY) == ["chat", "code"]
+    gate.charge_probes(0.2)
+    gate.charge_probes(0.1)  # charges add up
+    assert gate.probes_open_at == pytest.approx(110.0)
+    now[0] = 109.9
+    assert probes(2 * PROBE_EVERY) == []
+    now[0] = 110.0
+    assert probes(2 * PROBE_EVERY + 1) == []  # not a probe round
+    assert probes(3 * PROBE_EVERY) == ["chat", "code"]
+    # a request whose first node pays drafts whatever the probes' window
+    gate.charge_probes(1.0)
+    assert gate.drafts(request("good", 0.99, guess="chat"), 16, 3 * PROBE_EVERY + 1, False)
