@@ -1,36 +1,43 @@
-"""Projections of a verify pass on a CPU, computed with the kernels a CPU is fast at for them.
+"""Projections of a verify pass on a CPU, computed with the kernels this CPU is fast at for them.
 
 A verify pass multiplies every weight matrix by a handful of rows (one per tree node of the
 batch), and on a CPU the pass is bound by reading the weights, not by arithmetic: SmolLM2-135M's
 projections and lm_head are 538 MB of float32 read once per pass. Ideally a pass of one row and a
-pass of six rows cost the same. ``torch.nn.functional.linear`` is far from that on x86 CPUs: it
-hands ``x @ W.T`` with a few rows of ``x`` to MKL's GEMM, whose few-row kernels are slow and uneven
-there (one torch thread, those 211 products: 53 ms for one row, 94 for two, 112 for three, 84 for
-six, 164 for 32). Two kernels get close to the weight-reading bound instead:
+pass of six rows cost the same. Which kernel comes closest to that depends on the CPU, so there
+are three, and the fastest is measured for each row count when a model is loaded:
 
-- one or two rows: ``(W @ x.T).T``, the weight on the left and the rows as the narrow operand
-  (a single row is doubled to two: the one-column case falls back to the slow matrix-vector
-  routine): 36 ms for one row and for two;
-- three rows and more: oneDNN's matmul on a copy of the weight packed once into oneDNN's blocked
-  layout (:func:`torch.ops.mkldnn._reorder_linear_weight`, the kernel PyTorch's own CPU compiler
-  uses for frozen weights): 39 ms for three to six rows, 49 for eight, 68 for sixteen, 118 for 32,
-  and still ahead of ``linear`` for a 128-row prefill (401 vs 497 ms).
+- ``linear``: ``torch.nn.functional.linear``, which hands ``x @ W.T`` to MKL's GEMM;
+- ``transposed``: ``(W @ x.T).T``, the weight on the left and the rows as the narrow operand (a
+  single row is doubled to two: the one-column case falls back to the matrix-vector routine);
+- ``packed``: oneDNN's matmul on a copy of the weight packed once into oneDNN's blocked layout
+  (:func:`torch.ops.mkldnn._reorder_linear_weight`, the kernel PyTorch's own CPU compiler uses for
+  frozen weights).
 
-So a pass with five drafted tokens costs about what a plain decode step does, and the verifier's
-pass-time curve (which the router's control measures and prices; see
-``services/router/pass_plan.py``) is nearly flat up to half a dozen rows per pass.
+How far apart they are, for all of SmolLM2-135M's projections in a pass, two torch threads: on one
+2-core x86 machine MKL's few-row kernels were slow and uneven (53 ms for one row, 94 for two, 112
+for three on one thread) and ``transposed`` took 18 ms for one or two rows, ``packed`` 20-23 ms for
+three to six; on another (a CPU with AMX) ``linear`` took 22-25 ms for one to three rows and
+``transposed`` 57, and ``packed`` was the fastest from four rows on (29-31 ms to six, 41 at sixteen).
+A fixed choice made on one machine costs the other a factor of two on a decode step.
 
 :func:`use_cpu_linears` switches a CPU float32 model's ``nn.Linear`` modules to :class:`CpuLinear` in
-place; the weights, their names and the state dict stay as they are. The packed copy costs as much
+place (the weights, their names and the state dict stay as they are) and measures the kernels on
+the model's own weights (:func:`measure_kernels`: every projection in the order a pass reads it, at
+row counts from one to 64, the kernels interleaved and the fastest of three tries kept, so a noisy
+neighbour slows them alike; a couple of seconds for this target). The packed copy costs as much
 memory again as the projections' weights, and is packed anew when a weight is changed in place
 (``load_state_dict``) or replaced. Where oneDNN is missing (or fails a first check against
-``linear``), three rows and more use ``linear``. Results equal ``linear``'s up to float rounding
-(the summation order differs), as any change of batch size already does.
+``linear``), it is not among the candidates. Results equal ``linear``'s up to float rounding (the
+summation order differs), as any change of batch size already does.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,8 +46,36 @@ from common.logs import get_logger
 
 log = get_logger("cpu_linear")
 
-TRANSPOSED_MAX_ROWS = 2  # at and below: (W @ x.T).T; above: the packed oneDNN product
 PACK_BATCH_HINT = 32  # the batch size oneDNN packs for (measured as good as 2 or 8 at 1..128 rows)
+MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts the kernels are timed at (larger: as at 64)
+KERNELS = ("linear", "transposed", "packed")  # see the module docstring
+MEASURE_TRIES = 3  # each kernel's time at a row count is the fastest of this many passes
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """The kernel for each row count: ``kernels[i]`` up to ``rows[i]`` rows (beyond the last: the last)."""
+
+    rows: tuple[int, ...]
+    kernels: tuple[str, ...]
+
+    def pick(self, rows: int) -> str:
+        return self.kernels[min(bisect_left(self.rows, rows), len(self.kernels) - 1)]
+
+    def describe(self) -> str:
+        """E.g. ``"1-3 linear, 4+ packed"``."""
+        parts, lo = [], 1
+        for i, (hi, kernel) in enumerate(zip(self.rows, self.kernels)):
+            if i + 1 < len(self.kernels) and self.kernels[i + 1] == kernel:
+                continue
+            last = i + 1 == len(self.kernels)
+            parts.append(f"{lo}+ {kernel}" if last else f"{lo}-{hi} {kernel}" if hi > lo else f"{lo} {kernel}")
+            lo = hi + 1
+        return ", ".join(parts)
+
+
+# before a model's own measurement (a CpuLinear made by hand): what was fastest on the first machine measured
+UNMEASURED = KernelTable((2, 3), ("transposed", "packed"))
 
 
 @functools.cache
@@ -65,26 +100,32 @@ class CpuLinear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, int] = (0, -1)  # (data_ptr, version) of the weight that was packed
 
+    table: KernelTable = UNMEASURED  # set for the whole model by use_cpu_linears (measure_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
             return super().forward(x)
         rows = x.numel() // x.shape[-1]
-        flat = x.reshape(rows, x.shape[-1])
-        if rows <= TRANSPOSED_MAX_ROWS:
-            if rows == 1:
-                out = torch.mm(weight, torch.cat((flat, flat)).t())[:, :1]
+        out = self.product(x.reshape(rows, x.shape[-1]), self.table.pick(rows))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def product(self, flat: torch.Tensor, kernel: str) -> torch.Tensor:
+        """``flat @ W.T + b`` for a 2-d float32 ``flat``, by ``kernel`` (``packed`` falls back to
+        ``linear`` where oneDNN is unavailable)."""
+        if kernel == "transposed":
+            if flat.shape[0] == 1:
+                out = torch.mm(self.weight, torch.cat((flat, flat)).t())[:, :1]
             else:
-                out = torch.mm(weight, flat.t())
+                out = torch.mm(self.weight, flat.t())
             out = out.t().contiguous()
             if self.bias is not None:
                 out += self.bias
-        else:
-            packed = self._packed_weight()
-            if packed is None:
-                return super().forward(x)
-            out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+            return out
+        packed = self._packed_weight() if kernel == "packed" else None
+        if packed is None:
+            return torch.nn.functional.linear(flat, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
 
     def _packed_weight(self) -> torch.Tensor | None:
         if not onednn_ready():
@@ -98,20 +139,49 @@ class CpuLinear(nn.Linear):
         return self._packed
 
 
-def use_cpu_linears(model: nn.Module) -> int:
+def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:
     """Switch every ``nn.Linear`` of a CPU float32 ``model`` to :class:`CpuLinear`; returns how many.
 
     A model on any other device, or of another dtype, is left alone (GPU kernels have no such gap;
     the gap was measured for float32 kernels) and 0 is returned. The packed weights are made here,
-    so that the first pass does not pay for them.
+    so that the first pass does not pay for them, and with ``measure`` the kernels are timed on
+    these weights (:func:`measure_kernels`), under the torch threads set now: set them first.
     """
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
         return 0
-    count = 0
+    switched: list[CpuLinear] = []
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = CpuLinear
+            assert isinstance(module, CpuLinear)
             module._packed_weight()
-            count += 1
-    return count
+            switched.append(module)
+    if switched and measure:
+        t0 = time.perf_counter()
+        table = measure_kernels(switched)
+        for module in switched:
+            module.table = table
+        log.info("cpu projection kernels measured", kernels=table.describe(), projections=len(switched),
+                 threads=torch.get_num_threads(), seconds=round(time.perf_counter() - t0, 2))
+    return len(switched)
+
+
+def measure_kernels(linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED_ROWS, tries: int = MEASURE_TRIES,
+                    clock: Callable[[], float] = time.perf_counter) -> KernelTable:
+    """The fastest kernel at each of ``rows`` for a pass through every one of ``linears`` in turn
+    (a model's projections: each weight read once, as a pass reads them). The kernels take turns
+    within each try, and each keeps its fastest of ``tries`` passes."""
+    kernels = [k for k in KERNELS if k != "packed" or onednn_ready()]
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=gen) for m in linears} for n in rows}
+    best = {(n, k): float("inf") for n in rows for k in kernels}
+    with torch.inference_mode():
+        for _ in range(tries):
+            for n in rows:
+                for kernel in kernels:
+                    t0 = clock()
+                    for m in linears:
+                        m.product(inputs[n][m.in_features], kernel)
+                    best[n, kernel] = min(best[n, kernel], clock() - t0)
+    return KernelTable(tuple(rows), tuple(min(kernels, key=lambda k: best[n, k]) for n in rows))

@@ -1,13 +1,16 @@
-"""The CPU kernels of a projection equal ``nn.Linear`` and are switched on only where they apply."""
+"""The CPU kernels of a projection equal ``nn.Linear``, the fastest is measured per row count, and
+they are switched on only where they apply."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from common import cpu_linear
-from common.cpu_linear import CpuLinear, onednn_ready, use_cpu_linears
+from common.cpu_linear import KERNELS, UNMEASURED, CpuLinear, KernelTable, measure_kernels, onednn_ready, use_cpu_linears
 
 
 def pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
@@ -24,10 +27,12 @@ def test_onednn_is_there_on_this_build() -> None:
     assert onednn_ready()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 48), (5, 48), (3, 4, 48), (64, 48), (200, 48), (0, 48)])
-def test_equals_linear_for_every_row_count_and_leading_shape(bias: bool, shape: tuple[int, ...]) -> None:
+def test_every_kernel_equals_linear_for_every_row_count_and_leading_shape(kernel: str, bias: bool, shape: tuple[int, ...]) -> None:
     plain, fast = pair(bias)
+    fast.table = KernelTable((1,), (kernel,))
     x = torch.randn(*shape)
     with torch.inference_mode():
         want, got = plain(x), fast(x)
@@ -47,18 +52,53 @@ def test_a_row_is_not_computed_from_its_neighbours(rows: int) -> None:
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_each_row_count_takes_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_row_count_takes_the_kernel_its_table_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, fast = pair(False)
     used: list[str] = []
     real_mm = torch.mm
     monkeypatch.setattr(cpu_linear.torch, "mm", lambda *a, **k: used.append("transposed") or real_mm(*a, **k))
-    _, fast = pair(False)
     fast._packed_weight = lambda: used.append("onednn") or None  # type: ignore[method-assign]
+    fast.table = UNMEASURED  # what a CpuLinear made by hand starts from
+    assert fast.table.describe() == "1-2 transposed, 3+ packed"
     with torch.inference_mode():
         fast(torch.randn(1, 48))
         fast(torch.randn(2, 48))
         fast(torch.randn(3, 48))  # the packed kernel is asked for; unavailable, so linear answers
         fast.to(torch.bfloat16)(torch.randn(3, 48, dtype=torch.bfloat16))
-    assert used == ["transposed", "transposed", "onednn"]
+        fast.to(torch.float32).table = KernelTable((1, 4), ("linear", "transposed"))
+        fast(torch.randn(1, 48))
+        fast(torch.randn(4, 48))
+        fast(torch.randn(9, 48))  # beyond the last measured row count: the last kernel
+    assert used == ["transposed", "transposed", "onednn", "transposed", "transposed"]
+
+
+def test_the_table_takes_the_fastest_kernel_at_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels slowed by 3 ms a call where they should lose: linear from four rows on, the transposed
+    product everywhere, the packed one under four rows. The table follows, and reads as ranges."""
+    slow = {"linear": lambda n: n >= 4, "transposed": lambda n: True, "packed": lambda n: n < 4}
+    real = CpuLinear.product
+
+    def product(self: CpuLinear, flat: torch.Tensor, kernel: str) -> torch.Tensor:
+        if slow[kernel](flat.shape[0]):
+            time.sleep(0.003)
+        return real(self, flat, kernel)
+
+    monkeypatch.setattr(CpuLinear, "product", product)
+    _, fast = pair(False)
+    table = measure_kernels([fast], rows=(1, 2, 3, 4, 8), tries=2)
+    assert table.kernels == ("linear", "linear", "linear", "packed", "packed")
+    assert table.describe() == "1-3 linear, 4+ packed"
+    assert [table.pick(n) for n in (1, 3, 4, 5, 100)] == ["linear", "linear", "packed", "packed", "packed"]
+
+
+def test_a_switched_model_shares_one_measured_table() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    assert use_cpu_linears(model) == 2
+    tables = {id(m.table) for m in model}
+    assert len(tables) == 1 and model[0].table is not UNMEASURED
+    assert set(model[0].table.kernels) <= set(KERNELS)
+    assert use_cpu_linears(nn.Linear(4, 4), measure=False) == 1
 
 
 def test_a_weight_changed_in_place_is_packed_anew() -> None:
