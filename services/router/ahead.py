@@ -70,9 +70,10 @@ class OffPathDrafting(RequestPool):
             log.warning("drafting ahead failed; the requests decode plainly next round", error=str(exc),
                         requests=[r.request_id for r in group])
         finally:
-            self.counters.draft_ahead_s += self.clock() - t0
-            self.gate.charge_probes((self.clock() - t0) * probes / len(group))
-            log.debug("drafted ahead", requests=len(group), probes=probes, draft_ms=round(1e3 * (self.clock() - t0), 1))
+            elapsed = self.clock() - t0
+            self.counters.draft_ahead_s += elapsed
+            self.gate.charge_probes(elapsed, probes, len(group))
+            log.debug("drafted ahead", requests=len(group), probes=probes, draft_ms=round(1e3 * elapsed, 1))
             for r in group:
                 r.drafting_ahead = False
                 self._hand_back(r)
@@ -94,9 +95,10 @@ class OffPathDrafting(RequestPool):
         except Exception as exc:  # they stay unrouted and try again when they next draft
             log.warning("routing new requests failed", error=str(exc), requests=[r.request_id for r in group])
         finally:
-            self.gate.charge_probes((self.clock() - t0) * probes / len(group))
+            elapsed = self.clock() - t0
+            self.gate.charge_probes(elapsed, probes, len(group))
             log.debug("routed ahead", requests=len(group), probes=probes, prompt_tokens=sum(len(r.sequence) for r in group),
-                      route_ms=round(1e3 * (self.clock() - t0), 1))
+                      route_ms=round(1e3 * elapsed, 1))
             for r in group:
                 r.routing_ahead = False
                 if r.done:  # finished while being scored: the drafters hold its prompt for nothing

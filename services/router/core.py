@@ -236,12 +236,13 @@ class RouterCore(OffPathDrafting):
         # A round of one request has no other pass to hide that behind: it happens inline, since
         # drafter work beside a round's own passes only slows them on shared cores
         fresh = [r for r in batch if ks[r.request_id] > 0 and (self.routing.needs_scores(r) or not r.verifier_synced)]
+        routed_ahead = 0
         if fresh and len(batch) > 1 and self.config.draft_ahead and self.config.cost_control:
             for r in fresh:
                 ks[r.request_id] = 0
                 r.routing_ahead = True
+            routed_ahead = len(fresh)
             self._off_path(self._route_ahead(fresh))
-        routed_ahead = sum(r.routing_ahead for r in fresh) if fresh else 0
         probes = sum(r.probing and ks[r.request_id] > 0 for r in batch)
         drafting = [r for r in batch if ks[r.request_id] > 0]
         drafted_ahead = 0
@@ -264,11 +265,10 @@ class RouterCore(OffPathDrafting):
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
             trees, lookups = plan_pass(trees, lookups, plain_rows, self.control.calibration, self.control.pass_seconds)
         t1 = self.clock()
-        if drafting and not drafting[0].drafting_ahead and probes:  # the probes' share of the drafting (RouterConfig.probe_share)
-            self.gate.charge_probes((t1 - t0) * probes / len(drafting))
-        if drafting and not drafting[0].drafting_ahead:
+        if drafting and not drafted_ahead:
+            self.gate.charge_probes(t1 - t0, probes, len(drafting))  # the probes' share of the drafting
             log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
-                      probing=sum(r.probing for r in drafting), draft_ms=round(1e3 * (t1 - t0), 1))
+                      probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
         items = [
             VerifyItem(
                 request_id=r.request_id,

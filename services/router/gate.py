@@ -131,11 +131,13 @@ class DraftGate:
             r.probed_at = round_index
         return r.probing
 
-    def charge_probes(self, seconds: float) -> None:
-        """Probes took ``seconds`` of drafting: the next one waits until that is the configured share
+    def charge_probes(self, seconds: float, probes: int, requests: int) -> None:
+        """A drafter call of ``seconds`` for ``requests`` requests, ``probes`` of them probing: the
+        probes' share of it is charged, and the next probe waits until that is the configured share
         (:attr:`RouterConfig.probe_share`) of the time since (charges add up when probe rounds' drafting overlaps)."""
-        if seconds > 0:
-            self.probes_open_at = max(self.probes_open_at, self.clock()) + seconds / self.config.probe_share
+        if seconds > 0 and probes > 0:
+            charged = seconds * probes / max(requests, probes)
+            self.probes_open_at = max(self.probes_open_at, self.clock()) + charged / self.config.probe_share
 
     def observe(self, r: Request, drafted: bool, verified_model_nodes: bool, first_accepted_is_model: bool) -> None:
         """One verdict of ``r``: whether it drafted, whether any of the drafters' nodes was verified,

@@ -160,8 +160,8 @@ def test_probes_take_at_most_their_share_of_the_time_and_domains_still_probe_tog
         return got
 
     assert probes(PROBE_EVERY) == ["chat", "code"]
-    gate.charge_probes(0.2)
-    gate.charge_probes(0.1)  # charges add up
+    gate.charge_probes(0.4, probes=2, requests=4)  # the probes' half of a 0.4 s call
+    gate.charge_probes(0.1, probes=1, requests=1)  # charges add up
     assert gate.probes_open_at == pytest.approx(110.0)
     now[0] = 109.9
     assert probes(2 * PROBE_EVERY) == []
@@ -169,5 +169,5 @@ def test_probes_take_at_most_their_share_of_the_time_and_domains_still_probe_tog
     assert probes(2 * PROBE_EVERY + 1) == []  # not a probe round
     assert probes(3 * PROBE_EVERY) == ["chat", "code"]
     # a request whose first node pays drafts whatever the probes' window
-    gate.charge_probes(1.0)
+    gate.charge_probes(1.0, probes=1, requests=1)
     assert gate.drafts(request("good", 0.99, guess="chat"), 16, 3 * PROBE_EVERY + 1, False)
