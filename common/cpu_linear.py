@@ -24,7 +24,8 @@ A fixed choice made on one machine costs the other a factor of two on a decode s
 place (the weights, their names and the state dict stay as they are) and measures the kernels on
 the model's own weights (:func:`measure_kernels`: every projection in the order a pass reads it, at
 row counts from one to 64, the kernels interleaved and the fastest of three tries kept, so a noisy
-neighbour slows them alike; 4-7 s for SmolLM2-135M on two cores, a third of a second for a drafter). The packed copy costs as much
+neighbour slows them alike; 4-7 s for SmolLM2-135M on two cores, a third of a second for a drafter,
+once per process for models of the same shapes). The packed copy costs as much
 memory again as the projections' weights, and is packed anew when a weight is changed in place
 (``load_state_dict``) or replaced. Where oneDNN is missing (or fails a first check against
 ``linear``), it is not among the candidates. Results equal ``linear``'s up to float rounding (the
@@ -158,13 +159,21 @@ def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:
             module._packed_weight()
             switched.append(module)
     if switched and measure:
-        t0 = time.perf_counter()
-        table = measure_kernels(switched)
+        # the kernels' speed follows the shapes and the threads, not the weights' values: a model of
+        # the same shapes (a drafter process's other drafters, a target loaded again) is not measured again
+        key = (tuple((m.out_features, m.in_features) for m in switched), torch.get_num_threads())
+        table = _measured.get(key)
+        if table is None:
+            t0 = time.perf_counter()
+            table = _measured[key] = measure_kernels(switched)
+            log.info("cpu projection kernels measured", kernels=table.describe(), projections=len(switched),
+                     threads=key[1], seconds=round(time.perf_counter() - t0, 2))
         for module in switched:
             module.table = table
-        log.info("cpu projection kernels measured", kernels=table.describe(), projections=len(switched),
-                 threads=torch.get_num_threads(), seconds=round(time.perf_counter() - t0, 2))
     return len(switched)
+
+
+_measured: dict[tuple[tuple[tuple[int, int], ...], int], KernelTable] = {}  # use_cpu_linears' tables by shapes and threads
 
 
 def measure_kernels(linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED_ROWS, tries: int = MEASURE_TRIES) -> KernelTable:

@@ -101,6 +101,25 @@ def test_a_switched_model_shares_one_measured_table() -> None:
     assert use_cpu_linears(nn.Linear(4, 4), measure=False) == 1
 
 
+def test_a_model_of_the_same_shapes_and_threads_is_not_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = cpu_linear.measure_kernels
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda linears: calls.append(len(linears)) or real(linears, tries=1))
+    monkeypatch.setattr(cpu_linear, "_measured", {})
+    first, second = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24)), nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24))
+    use_cpu_linears(first)
+    use_cpu_linears(second)
+    assert calls == [2] and second[0].table is first[0].table
+    use_cpu_linears(nn.Sequential(nn.Linear(24, 48)))  # other shapes: measured
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1 if saved > 1 else 2)
+    try:
+        use_cpu_linears(nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24)))  # other threads: measured
+    finally:
+        torch.set_num_threads(saved)
+    assert calls == [2, 1, 2]
+
+
 def test_a_weight_changed_in_place_is_packed_anew() -> None:
     plain, fast = pair(False)
     x = torch.randn(4, 48)
