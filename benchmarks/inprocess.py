@@ -100,7 +100,8 @@ class Setup:
         if unknown:
             raise SystemExit(f"unknown drafter(s) {', '.join(unknown)}: the zoo has {', '.join(zoo.drafters)}")
         verifier = VerifierEngine.from_checkpoint(zoo.target.path, device=device, dtype=dtype, seed=0)
-        engines = {n: DrafterEngine.from_checkpoint(zoo.drafters[n].path, device=device, dtype=dtype, domains=zoo.drafters[n].domains)
+        drafter_dtype = "float32" if dtype == "auto" else dtype
+        engines = {n: DrafterEngine.from_checkpoint(zoo.drafters[n].path, device=device, dtype=drafter_dtype, domains=zoo.drafters[n].domains)
                    for n in names}
         return cls(verifier, engines, zoo.acceptance, zoo.lexicon, zoo.lookup_corpus)
 
@@ -159,9 +160,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                  epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--zoo", type=Path, default=Path(".cosine/zoo-smol"), help="model zoo directory (default .cosine/zoo-smol)")
     ap.add_argument("--device", default="cpu", help="torch device of every model: cpu, cuda, cuda:1 ... (default cpu)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                    help="weights and activations (default float32; in bfloat16 a greedy output may leave the target alone's at a near tie, "
-                         "since rounding depends on the shape of the pass)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                    help="the target's weights and activations (default auto: bfloat16 on a CPU whose bfloat16 products are row-invariant, "
+                         "float32 elsewhere; the drafters stay float32 unless a dtype is named). On a GPU, in bfloat16 or float16 a greedy "
+                         "output may leave the target alone's at a near tie, since rounding there depends on the shape of the pass")
     ap.add_argument("--drafters", default="", help="comma-separated drafters of the zoo to load (default: all)")
     ap.add_argument("--concurrency", default="1,16", help="requests in flight, comma-separated, one comparison each (default 1,16)")
     ap.add_argument("--requests", type=int, default=24, help="requests per comparison, round-robin over the zoo's domains (default 24)")
@@ -214,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a, s = r["target_alone"], r["cosine"]
         print(f"{c:>9} {a['tokens_per_s']:>19.1f} {s['tokens_per_s']:>13.1f} {r['speedup']:>8.2f}x "
               f"{s['tokens'] / max(1, s['passes']):>12.2f} {r['greedy_equal']:>6}/{r['requests']:<6}", flush=True)
-    report = {"device": device, "gpu": gpu, "dtype": args.dtype, "torch": torch.__version__, "zoo": str(args.zoo),
+    report = {"device": device, "gpu": gpu, "dtype": str(setup.verifier.runner.dtype).removeprefix("torch."), "torch": torch.__version__, "zoo": str(args.zoo),
               "drafters": sorted(setup.drafters), "max_new_tokens": args.max_new_tokens, "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -13,6 +13,7 @@ What a system returns (:class:`~benchmarks.records.RunResult`) is in :mod:`bench
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,14 @@ from benchmarks.workloads import BenchRequest, Workload
 
 __all__ = ["ALL_SYSTEMS", "DEFAULT_SYSTEMS", "IN_PROCESS_SYSTEMS", "AutoregressiveSystem", "HFGenerateSystem",
            "RequestRecord", "RunResult", "System", "make_systems"]
+
+
+def target_dtype() -> str:
+    """The target's dtype in every system of a run: what the verifier service resolves its ``dtype``
+    setting to (``COSINE_DTYPE``, default auto), so the in-process systems run the same model."""
+    from common.lm_runner import resolve_dtype
+
+    return resolve_dtype(os.environ.get("COSINE_DTYPE", "auto"), "cpu")
 
 
 # ---- in-process: autoregressive decoding through the verifier engine ---------------------------
@@ -49,7 +58,7 @@ class AutoregressiveSystem:
         from services.verifier.engine import VerifierEngine
 
         torch.set_num_threads(self.threads)
-        self.engine = VerifierEngine.from_checkpoint(self.target, seed=0)
+        self.engine = VerifierEngine.from_checkpoint(self.target, seed=0, dtype=target_dtype())
 
     def stop(self) -> None:
         self.engine = None
@@ -189,9 +198,13 @@ class HFGenerateSystem:
                             if assistant else "transformers generate on the target, one request at a time")
         self.model = self.assistant = None
         self.timers: list[_ForwardTimer] = []
+        # transformers' own kernels: in bfloat16 a pass's rounding follows its shape, so a greedy
+        # output may leave the target's own at a near tie; in float32 it may not
+        self.exact_greedy = target_dtype() == "float32"
 
     def describe(self) -> dict[str, Any]:
-        return {"description": self.description, "kind": "one-at-a-time", "torch_threads": self.threads, "effective_concurrency": 1}
+        return {"description": self.description, "kind": "one-at-a-time", "torch_threads": self.threads, "effective_concurrency": 1,
+                "dtype": target_dtype(), "greedy_checked": self.exact_greedy}
 
     def start(self) -> None:
         import torch
@@ -199,13 +212,13 @@ class HFGenerateSystem:
         from common.checkpoints import load_causal_lm
 
         torch.set_num_threads(self.threads)
-        self.model = load_causal_lm(self.target)
+        self.model = load_causal_lm(self.target, dtype=target_dtype())
         self.timers = [_ForwardTimer(self.model)]
         if self.assistant_path:
             from common.checkpoints import read_config
             from common.draft_vocab import in_target_space, load_draft_vocab
 
-            self.assistant = load_causal_lm(self.assistant_path)
+            self.assistant = load_causal_lm(self.assistant_path, dtype=target_dtype())
             vocab = load_draft_vocab(self.assistant_path, read_config(self.assistant_path))
             if vocab is not None:  # transformers wants the target's vocabulary on both sides
                 self.assistant = in_target_space(self.assistant, vocab)

@@ -34,12 +34,37 @@ from common.draft_vocab import DraftVocab, load_draft_vocab
 from common.kv_cache import KVCache, KVPool
 from common.logs import get_logger
 from common.cpu_linear import use_cpu_linears
+from common.invariant_bf16 import InvariantAttention, bf16_available, invariant_rows, use_invariant_linears
 from common.spec_types import ModelInfo
 
 log = get_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: resolve_dtype
+
+
+def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
+    """``auto`` is bfloat16 on a CPU whose bfloat16 products are row-invariant (AMX, see
+    ``common/invariant_bf16.py``: as lossless as float32 and faster at every row count that a verify
+    pass has), float32 anywhere else; any other name is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cpu" and bf16_available() else "float32"
+
+
+def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The attention backend: ``auto`` on a CPU in bfloat16 is the row-invariant one where this CPU
+    has it (:class:`~common.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
+    if name in ("auto", InvariantAttention.name) and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        rows = invariant_rows()
+        if rows:
+            return InvariantAttention(rows)
+        if name != "auto":
+            raise ValueError("attention backend invariant needs a CPU whose bfloat16 products are row-invariant (AMX)")
+    if name == InvariantAttention.name:
+        raise ValueError("attention backend invariant is for bfloat16 on a CPU")
+    return select_backend(name, device, dtype)
 
 
 class UnsupportedArchitecture(CheckpointError):
@@ -86,6 +111,8 @@ class LMRunner:
         cfg = model.config
         check_architecture(cfg.to_dict(), name or cfg.model_type)
         use_cpu_linears(model)  # CPU float32 only: few-row projections with the kernels fast at them
+        if isinstance(backend, InvariantAttention):  # CPU bfloat16: every row as if alone
+            use_invariant_linears(model)
         self.model = model
         self.config = cfg
         self.backend = backend
@@ -116,12 +143,13 @@ class LMRunner:
         Raises :class:`CheckpointError` (or :class:`UnsupportedArchitecture`) with the path in the
         message, and ``ValueError`` for an unknown dtype/backend.
         """
+        dtype = resolve_dtype(dtype, device)
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r} (choose {', '.join(DTYPES)})")
         config = read_config(path)
         arch = check_architecture(config, path)
         draft_vocab = load_draft_vocab(path, config)
-        attention = select_backend(backend, device, DTYPES[dtype])
+        attention = pick_backend(backend, device, DTYPES[dtype])
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
         runner = cls(model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer),

@@ -25,7 +25,8 @@ class DrafterSettings(ServiceSettings):
         "(each is its own drafter identity to the router)", check=drafter_spec_check, metavar="NAME=PATH",
     )
     device: str = setting("cpu", help="torch device for the drafter models (cpu, cuda, cuda:1 ...)")
-    dtype: str = setting("float32", help="weight dtype", choices=("float32", "float16", "bfloat16"))
+    dtype: str = setting("float32", help="weight dtype (auto: as the verifier's auto; a drafter's rounding never changes an output)",
+                         choices=("auto", "float32", "float16", "bfloat16"))
     torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
     kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests, per drafter model", check=positive)
     max_top_n: int = setting(8, help="largest number of candidates a step may ask for", check=positive)

@@ -101,7 +101,7 @@ class VerifierEngine(RequestEngine[RequestState]):
         path: str | Path,
         *,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "float32",  # or auto (common.lm_runner.resolve_dtype)
         attention_backend: str = "auto",
         kv_token_budget: int | None = None,
         rule_factory: RuleFactory = default_rule_factory,

@@ -15,7 +15,10 @@ class VerifierSettings(ServiceSettings):
                                 check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
     target: str = setting("", help="target model: path to a transformers checkpoint directory (Llama / Qwen2 family)", metavar="PATH")
     device: str = setting("cpu", help="torch device for the target model (cpu, cuda, cuda:1 ...)")
-    dtype: str = setting("float32", help="weight dtype", choices=("float32", "float16", "bfloat16"))
+    dtype: str = setting(
+        "auto", help="the target's weights and activations: auto is bfloat16 on a CPU whose bfloat16 products are row-invariant "
+                     "(AMX; every output stays the bfloat16 target's own, and a verify pass costs about a decode step), float32 "
+                     "anywhere else; float32 gives the checkpoint's float32 outputs", choices=("auto", "float32", "float16", "bfloat16"))
     attention: str = setting(
         "auto", help="attention backend: flash_attn (CUDA, when installed), sdpa, eager; auto picks flash_attn on CUDA when importable, else sdpa",
         choices=("auto", "flash_attn", "sdpa", "eager"),

@@ -1,0 +1,64 @@
+"""The router core end to end in bfloat16 on a CPU with AMX (the verifier's ``dtype auto`` there):
+greedy output through routing, fusion, lookup, trees, several requests a pass and pipelined rounds
+equals the bfloat16 target decoding each prompt alone, one token at a time."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from common.invariant_bf16 import bf16_available
+from common.lm_runner import LMRunner, SeqInput
+from services.router.conftest import MAX_NEW
+from services.router.core import RouterConfig, RouterCore
+from services.router.inprocess import LocalDrafterPool, LocalVerifier
+from services.router.test_core import generate_all
+from services.verifier.engine import VerifierEngine
+from services.verifier.test_greedy_equality import make_prompts
+
+pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)")
+
+
+def alone_greedy(runner: LMRunner, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
+    """Each prompt decoded by itself: one pass for the prompt, then one token a pass."""
+    pool = runner.new_pool(None)
+    out = {}
+    for rid, prompt in prompts.items():
+        cache = pool.new_cache()
+        cache.reserve(len(prompt))
+        logits = runner.forward([SeqInput(cache, tuple(prompt))])[0]
+        cache.commit(len(prompt))
+        tokens: list[int] = []
+        while len(tokens) < max_new:
+            tokens.append(int(logits[-1].argmax()))
+            cache.reserve(1)
+            logits = runner.forward([SeqInput(cache, (tokens[-1],))])[0]
+            cache.commit(1)
+        cache.release()
+        out[rid] = tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_verifier(llama_target: Path) -> VerifierEngine:
+    verifier = VerifierEngine.from_checkpoint(llama_target, dtype="auto")
+    assert verifier.runner.backend.name == "invariant"
+    return verifier
+
+
+@pytest.mark.parametrize("config", [
+    RouterConfig(drafters_per_request=2, fusion="token", tree_width=3, rounds_in_flight=2, max_batch_requests=4),
+    RouterConfig(drafters_per_request=2, fusion="chunk", rounds_in_flight=2, cost_control=False),
+    RouterConfig(all_drafters=True, routing=False, adaptive_k=False, initial_k=6, max_k=8, tree_width=4),
+], ids=["token-fusion", "chunk-fusion-no-cost-control", "all-drafters-wide"])
+def test_bfloat16_speculation_equals_the_bfloat16_target_alone(config, bf16_verifier, engines) -> None:
+    _, drafters = engines  # float32 drafters: what they propose never changes a verdict's token
+    prompts = make_prompts(6, bf16_verifier.runner.vocab_size, seed=23)
+    expected = alone_greedy(bf16_verifier.runner, prompts, MAX_NEW)
+    core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(bf16_verifier))
+    got = asyncio.run(generate_all(core, prompts, MAX_NEW))
+    assert got == expected
+    assert core.counters.accepted_tokens > 0 and core.counters.rounds < 6 * MAX_NEW
+    assert bf16_verifier.active_requests == 0
