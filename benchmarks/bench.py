@@ -99,6 +99,7 @@ class BenchOptions:
     requests: int | None = None  # overrides every workload's request count
     cores: int = 0
     threads: int = 0  # torch intra-op threads of the in-process systems (0: one per core)
+    dtype: str = "float32"  # the target's, in every system (auto: bfloat16 on a CPU with AMX)
     plots: bool = True
     progress: bool = True
     log_dir: str = ""
@@ -185,7 +186,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     ref_spec = WorkloadSpec("reference", "closed", len(items), concurrency=16)
     ref_wl = build_workload(ref_spec, items, scenario.max_new_tokens, seed=scenario.seed)
     warm = build_workload(WorkloadSpec("warm-up", "closed", min(4, len(items)), concurrency=4), items, min(8, scenario.max_new_tokens))
-    ref_sys = AutoregressiveSystem(str(zoo.target.path), eos_id, threads, name="reference")
+    ref_sys = AutoregressiveSystem(str(zoo.target.path), eos_id, threads, name="reference", dtype=opts.dtype)
     ref_sys.start()
     ref_sys.warm_up(warm)
     ref_run = ref_sys.run(ref_wl)
@@ -214,8 +215,10 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     if not capacity_wl:
         set_reference("autoregressive (reference pass)", len(ref_run.records) / ref_run.wall_s, ref_tokens / ref_run.wall_s)
 
-    factory = system_factory or make_systems
-    systems, plane = factory(ordered, zoo, eos_id, pad_id, cores, log_dir, threads)
+    if system_factory is None:
+        systems, plane = make_systems(ordered, zoo, eos_id, pad_id, cores, log_dir, threads, dtype=opts.dtype)
+    else:
+        systems, plane = system_factory(ordered, zoo, eos_id, pad_id, cores, log_dir, threads)
     results: dict[str, dict[str, Any]] = {}
     described: dict[str, Any] = {}
     mismatches: list[dict[str, Any]] = []
@@ -237,6 +240,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
             "machine": machine_info(threads),
             "scenario": {
                 "name": scenario.name, "complete": done, "max_new_tokens": scenario.max_new_tokens, "seed": scenario.seed,
+                "target_dtype": ref_sys.dtype,
                 "zoo": {"profile": zoo.profile, "target_params": zoo.target.params, "domains": list(zoo.domains),
                         "drafters": {n: {"params": d.params, "domains": list(d.domains)} for n, d in zoo.drafters.items()},
                         "k": zoo.k, "acceptance": {d: dict(r) for d, r in zoo.acceptance.items()}},
@@ -376,6 +380,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cores", type=int, default=0, help="cores every system may use (default: all); the service processes split them")
     p.add_argument("--threads", type=int, default=0, help="torch threads of the in-process systems, at most --cores (default 0: "
                    "one per core, the same cores the service processes share)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "auto", "bfloat16"),
+                   help="the target's dtype in every system (default float32; auto: bfloat16 on a CPU with AMX, row-invariant, float32 "
+                        "elsewhere; transformers' systems are not held to greedy equality in bfloat16, their kernels round by shape)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_bench)
 
@@ -389,7 +396,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     opts = BenchOptions(zoo=args.zoo, out=args.out, scenario=args.scenario, systems=_split(args.systems),
                         workloads=_split(args.workloads), max_new_tokens=args.max_new_tokens, requests=args.requests,
-                        cores=args.cores, threads=args.threads, plots=not args.no_plots)
+                        cores=args.cores, threads=args.threads, plots=not args.no_plots, dtype=args.dtype)
     t0 = time.perf_counter()
     # SIGTERM unwinds like Ctrl-C, so the service processes the run started are stopped too
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

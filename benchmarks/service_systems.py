@@ -29,7 +29,7 @@ class ServicePlane:
     def __init__(self, target: str, drafters: Mapping[str, str], domains: Mapping[str, Sequence[str]],
                  acceptance: Mapping[str, Mapping[str, float]], cores: int, log_dir: str, prior_weight: float = 20.0,
                  lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
-                 corpus: Mapping[str, Sequence[Sequence[int]]] | None = None):
+                 corpus: Mapping[str, Sequence[Sequence[int]]] | None = None, verifier_args: Sequence[str] = ()):
         from cosine_cli.cluster import ClusterSpec, LocalCluster
 
         self.acceptance = acceptance
@@ -38,7 +38,7 @@ class ServicePlane:
         self.prior_weight = prior_weight
         self.cluster = LocalCluster(ClusterSpec(
             target=target, drafters=dict(drafters), drafter_domains={k: list(v) for k, v in domains.items()},
-            cores=cores, log_dir=log_dir, prefix="bench",
+            cores=cores, log_dir=log_dir, prefix="bench", verifier_args=tuple(verifier_args),
         ))
         self.started = False
         self.planes: dict[tuple[str, ...], Any] = {}  # router flags -> ControlPlane

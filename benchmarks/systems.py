@@ -13,7 +13,6 @@ What a system returns (:class:`~benchmarks.records.RunResult`) is in :mod:`bench
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,12 +25,12 @@ __all__ = ["ALL_SYSTEMS", "DEFAULT_SYSTEMS", "IN_PROCESS_SYSTEMS", "Autoregressi
            "RequestRecord", "RunResult", "System", "make_systems"]
 
 
-def target_dtype() -> str:
-    """The target's dtype in every system of a run: what the verifier service resolves its ``dtype``
-    setting to (``COSINE_DTYPE``, default auto), so the in-process systems run the same model."""
+def target_dtype(dtype: str) -> str:
+    """The dtype the verifier service resolves its ``--dtype`` to on this machine (``auto``:
+    bfloat16 on a CPU with AMX), so that the in-process systems run the same model."""
     from common.lm_runner import resolve_dtype
 
-    return resolve_dtype(os.environ.get("COSINE_DTYPE", "auto"), "cpu")
+    return resolve_dtype(dtype, "cpu")
 
 
 # ---- in-process: autoregressive decoding through the verifier engine ---------------------------
@@ -43,14 +42,17 @@ class AutoregressiveSystem:
 
     one_at_a_time = False
 
-    def __init__(self, target: str, eos_id: int | None, threads: int, max_batch: int = 16, name: str = "autoregressive"):
+    def __init__(self, target: str, eos_id: int | None, threads: int, max_batch: int = 16, name: str = "autoregressive",
+                 dtype: str = "float32"):
+        self.dtype = target_dtype(dtype)
         self.name = name
         self.description = f"target alone, batched plain decoding (up to {max_batch} requests per pass) in our verifier engine"
         self.target, self.eos_id, self.threads, self.max_batch = target, eos_id, threads, max_batch
         self.engine = None
 
     def describe(self) -> dict[str, Any]:
-        return {"description": self.description, "kind": "in-process", "torch_threads": self.threads, "max_batch": self.max_batch}
+        return {"description": self.description, "kind": "in-process", "torch_threads": self.threads, "max_batch": self.max_batch,
+                "dtype": self.dtype}
 
     def start(self) -> None:
         import torch
@@ -58,7 +60,7 @@ class AutoregressiveSystem:
         from services.verifier.engine import VerifierEngine
 
         torch.set_num_threads(self.threads)
-        self.engine = VerifierEngine.from_checkpoint(self.target, seed=0, dtype=target_dtype())
+        self.engine = VerifierEngine.from_checkpoint(self.target, seed=0, dtype=self.dtype)
 
     def stop(self) -> None:
         self.engine = None
@@ -191,7 +193,9 @@ class HFGenerateSystem:
 
     one_at_a_time = True
 
-    def __init__(self, name: str, target: str, eos_id: int | None, pad_id: int | None, threads: int, assistant: str = ""):
+    def __init__(self, name: str, target: str, eos_id: int | None, pad_id: int | None, threads: int, assistant: str = "",
+                 dtype: str = "float32"):
+        self.dtype = target_dtype(dtype)
         self.name = name
         self.target, self.assistant_path, self.eos_id, self.pad_id, self.threads = target, assistant, eos_id, pad_id, threads
         self.description = ("transformers assisted generation (assistant_model = generalist drafter), one request at a time"
@@ -200,11 +204,11 @@ class HFGenerateSystem:
         self.timers: list[_ForwardTimer] = []
         # transformers' own kernels: in bfloat16 a pass's rounding follows its shape, so a greedy
         # output may leave the target's own at a near tie; in float32 it may not
-        self.exact_greedy = target_dtype() == "float32"
+        self.exact_greedy = self.dtype == "float32"
 
     def describe(self) -> dict[str, Any]:
         return {"description": self.description, "kind": "one-at-a-time", "torch_threads": self.threads, "effective_concurrency": 1,
-                "dtype": target_dtype(), "greedy_checked": self.exact_greedy}
+                "dtype": self.dtype, "greedy_checked": self.exact_greedy}
 
     def start(self) -> None:
         import torch
@@ -212,13 +216,13 @@ class HFGenerateSystem:
         from common.checkpoints import load_causal_lm
 
         torch.set_num_threads(self.threads)
-        self.model = load_causal_lm(self.target, dtype=target_dtype())
+        self.model = load_causal_lm(self.target, dtype=self.dtype)
         self.timers = [_ForwardTimer(self.model)]
         if self.assistant_path:
             from common.checkpoints import read_config
             from common.draft_vocab import in_target_space, load_draft_vocab
 
-            self.assistant = load_causal_lm(self.assistant_path, dtype=target_dtype())
+            self.assistant = load_causal_lm(self.assistant_path, dtype=self.dtype)
             vocab = load_draft_vocab(self.assistant_path, read_config(self.assistant_path))
             if vocab is not None:  # transformers wants the target's vocabulary on both sides
                 self.assistant = in_target_space(self.assistant, vocab)
@@ -314,9 +318,10 @@ DEFAULT_SYSTEMS = ("autoregressive", "services_plain", "hf_assisted", "vanilla_s
 
 
 def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int | None, cores: int, log_dir: str,
-                 threads: int = 1) -> tuple[list[Any], ServicePlane | None]:
+                 threads: int = 1, dtype: str = "float32") -> tuple[list[Any], ServicePlane | None]:
     """The systems named, in that order. In-process systems run ``threads`` torch threads; the
-    service processes split ``cores`` (see :func:`cosine_cli.cluster.thread_budget`)."""
+    service processes split ``cores`` (see :func:`cosine_cli.cluster.thread_budget`). Every
+    system's target runs in ``dtype`` (the verifier's ``--dtype``; the drafters stay float32)."""
     unknown = [n for n in names if n not in ALL_SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)} (choose from {', '.join(ALL_SYSTEMS)})")
@@ -325,15 +330,15 @@ def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int
     if any(n in SERVICE_SYSTEMS for n in names):
         plane = ServicePlane(target, {n: str(d.path) for n, d in zoo.drafters.items()},
                              {n: d.domains for n, d in zoo.drafters.items()}, zoo.acceptance, cores, log_dir, lexicon=zoo.lexicon,
-                             corpus=zoo.lookup_corpus)
+                             corpus=zoo.lookup_corpus, verifier_args=("--dtype", dtype))
     out: list[Any] = []
     for n in names:
         if n == "autoregressive":
-            out.append(AutoregressiveSystem(target, eos_id, threads))
+            out.append(AutoregressiveSystem(target, eos_id, threads, dtype=dtype))
         elif n == "hf_generate":
-            out.append(HFGenerateSystem(n, target, eos_id, pad_id, threads))
+            out.append(HFGenerateSystem(n, target, eos_id, pad_id, threads, dtype=dtype))
         elif n == "hf_assisted":
-            out.append(HFGenerateSystem(n, target, eos_id, pad_id, threads, assistant=str(zoo.drafters["generalist"].path)))
+            out.append(HFGenerateSystem(n, target, eos_id, pad_id, threads, assistant=str(zoo.drafters["generalist"].path), dtype=dtype))
         else:
             flags, drafters, desc = SERVICE_SYSTEMS[n]
             assert plane is not None

@@ -243,3 +243,29 @@ def test_every_system_has_a_line_of_its_own_in_the_plots():
     looks = [_style(name)[:2] for name in ALL_SYSTEMS]
     assert len(set(looks)) == len(ALL_SYSTEMS)
     assert len({color for color, _ in looks}) == len(ALL_SYSTEMS)
+
+
+def test_every_system_runs_the_target_in_the_dtype_asked(tiny_zoo, tmp_path):
+    from common.lm_runner import resolve_dtype
+
+    systems, plane = make_systems(["autoregressive", "hf_assisted", "cosine"], tiny_zoo, None, None, 1, str(tmp_path), dtype="auto")
+    want = resolve_dtype("auto", "cpu")
+    assert [s.dtype for s in systems[:2]] == [want, want]
+    assert systems[1].exact_greedy is (want == "float32")  # transformers' bfloat16 kernels round by the shape of a pass
+    assert plane is not None and plane.cluster.spec.verifier_args == ("--dtype", "auto")
+    systems, _ = make_systems(["hf_generate"], tiny_zoo, None, None, 1, str(tmp_path))
+    assert systems[0].dtype == "float32" and systems[0].exact_greedy
+
+
+def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(tiny_zoo, tmp_path):
+    """Where the CPU has AMX this is the row-invariant bfloat16 through real services: every greedy
+    output of cosine equals the in-process target alone's in the same dtype (the bench fails on one
+    that does not)."""
+    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(tmp_path / "report.json"), scenario="quick", cores=2, plots=False,
+                        progress=False, max_new_tokens=8, systems=["autoregressive", "cosine"], workloads=["closed_c4"], dtype="auto")
+    report = run_bench(opts)
+    from common.lm_runner import resolve_dtype
+
+    assert report["scenario"]["target_dtype"] == resolve_dtype("auto", "cpu")
+    assert report["scenario"]["greedy_check"]["checked_requests"] > 0 and not report["scenario"]["greedy_check"]["mismatches"]
+    assert report["systems"]["cosine"]["closed_c4"]["counters"]["accepted_tokens"] > 0

@@ -16,12 +16,13 @@ class VerifierSettings(ServiceSettings):
     target: str = setting("", help="target model: path to a transformers checkpoint directory (Llama / Qwen2 family)", metavar="PATH")
     device: str = setting("cpu", help="torch device for the target model (cpu, cuda, cuda:1 ...)")
     dtype: str = setting(
-        "auto", help="the target's weights and activations: auto is bfloat16 on a CPU whose bfloat16 products are row-invariant "
-                     "(AMX; every output stays the bfloat16 target's own, and a verify pass costs about a decode step), float32 "
-                     "anywhere else; float32 gives the checkpoint's float32 outputs", choices=("auto", "float32", "float16", "bfloat16"))
+        "float32", help="the target's weights and activations: auto is bfloat16 on a CPU whose bfloat16 products are row-invariant "
+                        "(AMX; every output stays the bfloat16 target's own, and a verify pass costs about a decode step), float32 "
+                        "anywhere else; float32 gives the checkpoint's float32 outputs", choices=("auto", "float32", "float16", "bfloat16"))
     attention: str = setting(
-        "auto", help="attention backend: flash_attn (CUDA, when installed), sdpa, eager; auto picks flash_attn on CUDA when importable, else sdpa",
-        choices=("auto", "flash_attn", "sdpa", "eager"),
+        "auto", help="attention backend: flash_attn (CUDA, when installed), sdpa, eager, invariant (bfloat16 on a CPU with AMX, "
+                     "row-invariant); auto picks invariant for that bfloat16, flash_attn on CUDA when importable, else sdpa",
+        choices=("auto", "flash_attn", "sdpa", "eager", "invariant"),
     )
     torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
     kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests; a request that would exceed it is refused", check=positive)
