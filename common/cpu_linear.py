@@ -129,15 +129,19 @@ class CpuLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
 
     def _packed_weight(self) -> torch.Tensor | None:
-        if not onednn_ready():
-            return None
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version)
-        if self._packed is None or self._packed_of != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-            self._packed_of = key
-        return self._packed
+        return pack_once(self, PACK_BATCH_HINT) if onednn_ready() else None
+
+
+def pack_once(module: nn.Linear, hint: int) -> torch.Tensor:
+    """``module``'s weight in oneDNN's blocked layout for batches of ``hint`` rows, kept on the
+    module (``_packed``) and packed again when the weight is changed in place or replaced."""
+    weight = module.weight
+    key = (weight.data_ptr(), weight._version)
+    if getattr(module, "_packed", None) is None or module._packed_of != key:
+        with torch.no_grad():
+            module._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), hint)
+        module._packed_of = key
+    return module._packed
 
 
 def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from common.attention import KV, AttentionBackend, BatchLayout
+from common.cpu_linear import pack_once
 from common.logs import get_logger
 
 log = get_logger("invariant_bf16")
@@ -169,13 +170,7 @@ class InvariantLinear(nn.Linear):
 
     def packed(self) -> torch.Tensor:
         """The weight in oneDNN's blocked layout, packed again after an in-place change."""
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version)
-        if self._packed is None or self._packed_of != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-            self._packed_of = key
-        return self._packed
+        return pack_once(self, PACK_BATCH_HINT)
 
 
 def linear_rows(shapes: Sequence[tuple[int, int]], limit: int = LINEAR_PROBE_ROWS) -> int:
