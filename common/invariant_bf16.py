@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -213,19 +213,29 @@ def use_invariant_linears(model: nn.Module, limit: int = LINEAR_PROBE_ROWS) -> i
     return rows
 
 
+@dataclass(frozen=True)
+class PathEntry:
+    """One root-to-leaf path of a sequence's new tokens, attended as decoding would see it."""
+
+    seq: int  # the sequence's index in the pass
+    past: int  # its committed cache length
+    slots: torch.Tensor | None  # the path's new tokens' cache slots, in depth order; None: all new tokens, in order
+
+
 @dataclass
 class PathPlan:
     """One pass of :class:`InvariantAttention`: every root-to-leaf path of every sequence's new
-    tokens is an entry (a causal chain on its sequence's cache, as decoding would see it), the
-    entries padded to ``new`` query rows and ``keys`` keys (a multiple of :data:`KEY_BLOCK`)."""
+    tokens is an entry (a causal chain on its sequence's cache), the entries padded to ``new``
+    query rows and ``keys`` keys (a multiple of :data:`KEY_BLOCK`)."""
 
-    entries: tuple[tuple[int, int, tuple[int, ...] | None], ...]  # (sequence, its cache length, path; None: all new tokens in order)
+    entries: tuple[PathEntry, ...]
     new: int  # t: the longest path
     keys: int  # S': the most keys of an entry, padded
     index: torch.Tensor  # [E * t] packed row of each entry row (padding rows repeat row 0)
     out_index: torch.Tensor | None  # [N] the entry row each packed row's output is read from; None: row n is entry row n
-    mask: torch.Tensor  # [E, 1, t, S'] additive (0 / -inf), made in the queries' dtype on first use
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # padded keys and values, reused by every layer
+    mask: torch.Tensor  # [E, 1, t, S'] additive (0 / -inf), in the queries' dtype from the first layer on
+    keys_buf: torch.Tensor | None = None  # [E, Hkv, S', D] padded keys, made by the first layer, rewritten by each
+    values_buf: torch.Tensor | None = None
 
 
 class InvariantAttention(AttentionBackend):
@@ -245,34 +255,31 @@ class InvariantAttention(AttentionBackend):
         self.rows = rows
 
     def plan(self, layout: BatchLayout, device: torch.device) -> PathPlan:
-        entries: list[tuple[int, int, tuple[int, ...] | None]] = []
-        rows: list[list[int]] = []
-        out_index = [0] * layout.num_tokens
-        seen = [False] * layout.num_tokens
+        entries: list[PathEntry] = []
+        rows: list[list[int]] = []  # per entry, the packed rows of its path
+        read_from: dict[int, tuple[int, int]] = {}  # packed row -> (entry, depth) of its first path
         for b, (off, n, past) in enumerate(zip(layout.offsets, layout.new_lens, layout.past_lens)):
             if not n:
                 continue
             paths = [list(range(n))] if layout.is_chain(b) else layout.paths(b)
             for path in paths:
-                e = len(entries)
-                entries.append((b, past, None if len(paths) == 1 else tuple(path)))
+                slots = None if len(paths) == 1 else torch.tensor(path, dtype=torch.long, device=device) + past
+                entries.append(PathEntry(b, past, slots))
                 rows.append([off + i for i in path])
-                for j, i in enumerate(path):
-                    if not seen[off + i]:
-                        seen[off + i] = True
-                        out_index[off + i] = (e, j)  # type: ignore[call-overload]
+                for j, row in enumerate(rows[-1]):
+                    read_from.setdefault(row, (len(entries) - 1, j))
         t = max(len(r) for r in rows)
-        keys = -(-max(past + len(r) for (_, past, _), r in zip(entries, rows)) // KEY_BLOCK) * KEY_BLOCK
+        keys = -(-max(e.past + len(r) for e, r in zip(entries, rows)) // KEY_BLOCK) * KEY_BLOCK
         E = len(entries)
         allowed = torch.zeros((E, 1, t, keys), dtype=torch.bool)
         index = torch.zeros((E, t), dtype=torch.long)
-        for e, ((_, past, _), r) in enumerate(zip(entries, rows)):
-            n = len(r)
+        for e, (entry, r) in enumerate(zip(entries, rows)):
+            n, past = len(r), entry.past
             allowed[e, 0, :n, :past] = True
             allowed[e, 0, :n, past : past + n] = torch.ones((n, n), dtype=torch.bool).tril_()
             allowed[e, 0, n:, 0] = True  # padding rows attend one key (their output is dropped)
             index[e, :n] = torch.tensor(r)
-        flat = [e * t + j for e, j in out_index]  # type: ignore[misc]
+        flat = [e * t + j for e, j in (read_from[row] for row in range(layout.num_tokens))]
         gather = None if flat == list(range(E * t)) else torch.tensor(flat, dtype=torch.long, device=device)
         mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         return PathPlan(tuple(entries), t, keys, index.view(-1).to(device), gather, mask.to(device))
@@ -282,25 +289,22 @@ class InvariantAttention(AttentionBackend):
         E, t = len(plan.entries), plan.new
         Hkv = kvs[0][0].shape[0]
         rep = H // Hkv
-        if "k" not in plan.buffers:  # zeros at first: padding keys stay finite (masked to weight zero)
-            plan.buffers["k"] = q.new_zeros((E, Hkv, plan.keys, D))
-            plan.buffers["v"] = q.new_zeros((E, Hkv, plan.keys, D))
-            plan.buffers["path"] = {}  # type: ignore[assignment]
+        if plan.keys_buf is None or plan.values_buf is None:  # zeros at first: padding keys stay finite (weighted zero)
+            plan.keys_buf = q.new_zeros((E, Hkv, plan.keys, D))
+            plan.values_buf = q.new_zeros((E, Hkv, plan.keys, D))
             plan.mask = plan.mask.to(q.dtype)
-        k, v = plan.buffers["k"], plan.buffers["v"]
-        for e, (b, past, path) in enumerate(plan.entries):
-            kb, vb = kvs[b]
-            if path is None:  # the sequence's new tokens are one chain: in place already
+        k, v = plan.keys_buf, plan.values_buf
+        for e, entry in enumerate(plan.entries):
+            kb, vb = kvs[entry.seq]
+            if entry.slots is None:  # the sequence's new tokens are one chain: in place already
                 k[e, :, : kb.shape[1]] = kb
                 v[e, :, : vb.shape[1]] = vb
                 continue
-            idx = plan.buffers["path"].get(e)  # type: ignore[union-attr]
-            if idx is None:
-                idx = plan.buffers["path"][e] = torch.tensor(path, dtype=torch.long, device=kb.device) + past  # type: ignore[index]
+            past, n = entry.past, entry.slots.shape[0]
             k[e, :, :past] = kb[:, :past]
             v[e, :, :past] = vb[:, :past]
-            k[e, :, past : past + len(path)] = kb[:, idx]
-            v[e, :, past : past + len(path)] = vb[:, idx]
+            k[e, :, past : past + n] = kb[:, entry.slots]
+            v[e, :, past : past + n] = vb[:, entry.slots]
         # [E, t, H, D] -> [E, Hkv, t, rep, D]: a key/value head's rows are (token, query head)
         qp = (q * scale)[plan.index].view(E, t, Hkv, rep, D).permute(0, 2, 1, 3, 4)
         kt = k.transpose(2, 3)

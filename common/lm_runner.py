@@ -41,7 +41,6 @@ log = get_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_CHOICES = ("auto", *DTYPES)  # auto: resolve_dtype
 
 
 def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
