@@ -67,4 +67,11 @@ def request_context(request_id: str, **extra: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        structlog.contextvars.reset_contextvars(**tokens)
+        for key, token in tokens.items():
+            try:
+                structlog.contextvars.reset_contextvars(**{key: token})
+            except ValueError:
+                # an async generator closed from another task than the one that ran it (a stream
+                # whose client stopped reading after its last message): the context bound in
+                # went with that task, and the closing task's context is not this block's to reset
+                pass

@@ -70,9 +70,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if event.finished:
                         chunk.finish_reason = FINISH_TO_PB.get(event.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
                         chunk.stats.CopyFrom(stats_to_pb(req.stats))
-                        yield chunk
+                        # logged before the last chunk goes: a client may close the stream at it
                         log.info("request finished", reason=event.finish_reason, tokens=len(req.generated),
                                  rounds=req.stats.rounds, mean_accepted=round(req.stats.mean_accepted_len, 3), domain=req.domain)
+                        yield chunk
                         return
                     if event.tokens:
                         yield chunk
@@ -82,7 +83,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # request must stop generating and free its caches
                 if not req.done:
                     core.cancel(req.request_id)
-                    log.info("request cancelled by client")
+                    # named here, not from the context: a stream closed at a yield unwinds in gRPC's task
+                    log.info("request cancelled by client", request_id=req.request_id)
 
     async def Status(self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouterStatus:
         app = self.app
