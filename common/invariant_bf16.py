@@ -110,12 +110,13 @@ def _invariant_rows(limit: int, threads: int) -> int:
                 _bound(lambda x: torch.matmul(x.view(1, -1, 40).expand(2, -1, -1), values)
                        .transpose(0, 1).reshape(x.shape[0], -1), 40, gen, limit),
             )
+        exact = _zero_blocks_exact(gen)
     except (RuntimeError, AttributeError) as exc:
         log.warning("bfloat16 oneDNN products unavailable", error=str(exc))
         return 0
-        if not _zero_blocks_exact(gen):
-            log.warning("bfloat16 products over zero-padded keys are not exact on this CPU; bfloat16 not offered")
-            return 0
+    if not exact:
+        log.warning("bfloat16 products over zero-padded keys are not exact on this CPU; bfloat16 not offered")
+        return 0
     return min(bounds)
 
 

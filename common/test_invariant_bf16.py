@@ -114,3 +114,16 @@ def test_tree_nodes_in_a_batch_get_the_logits_of_their_path_decoded_alone(gqa_ta
                 cache.truncate(base)
                 checked += 1
     assert checked > 20
+
+
+def test_bfloat16_is_not_offered_where_zero_padded_keys_are_not_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe of zero-padded key blocks decides too, not only the row bounds."""
+    if not invariant_bf16.amx_available():
+        pytest.skip("no AMX: the row bounds already rule bfloat16 out")
+    assert invariant_bf16._zero_blocks_exact(torch.Generator().manual_seed(0)) == bf16_available()
+    invariant_bf16._invariant_rows.cache_clear()
+    monkeypatch.setattr(invariant_bf16, "_zero_blocks_exact", lambda gen: False)
+    try:
+        assert invariant_bf16.invariant_rows() == 0 and not bf16_available()
+    finally:
+        invariant_bf16._invariant_rows.cache_clear()
