@@ -30,6 +30,16 @@ def test_the_longest_match_wins_and_a_proposal_stops_at_the_end_of_its_sequence(
     assert len(corpus) == 15 and corpus.sequences == 3
 
 
+def test_among_matches_as_long_the_majority_continuation_is_proposed():
+    corpus = LookupCorpus(min_match=2, max_match=8)
+    corpus.extend([[1, 2, 3, 4, 5], [7, 2, 3, 4, 6], [8, 2, 3, 9, 9]])
+    # "2 3" is followed by 4 twice and by 9 once (the latest); after "2 3 4", by 5 and 6 once each
+    # (the latest of those two, 6, on the tie)
+    assert corpus.propose([0, 2, 3], 3) == ([4, 6], 2)
+    # a longer match still wins over a majority
+    assert corpus.propose([8, 2, 3], 2) == ([9, 9], 3)
+
+
 def test_a_full_corpus_takes_no_more_sequences():
     corpus = LookupCorpus(max_tokens=10)
     assert corpus.extend([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]) == 2
