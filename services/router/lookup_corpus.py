@@ -15,8 +15,8 @@ those the most common next one, the latest occurrence's on a tie), as a retrieva
 would. Replayed on the target's greedy outputs for the bench's 64 prompts, that proposes the right
 first token 50% of the time against 45% for the latest occurrence (2.40 tokens a round with the
 request's own lookup, against 2.32). Only the newest ``max_candidates`` positions of a key are
-compared, so a lookup costs at most that many short comparisons. Memory is a flat token list plus one int per position (a few MB for the smol zoo's
-corpus of about 100k tokens).
+compared, so a lookup costs at most that many short comparisons. Memory is a flat token list plus
+one int per position (a few MB for the smol zoo's corpus of about 100k tokens).
 
 A proposal is a deterministic draft like any other: the verifier accepts only what the target
 would have produced (lossless). Its nodes are calibrated apart from the request's own lookup
