@@ -10,35 +10,15 @@ from pathlib import Path
 import pytest
 
 from common.invariant_bf16 import bf16_available
-from common.lm_runner import LMRunner, SeqInput
 from services.router.conftest import MAX_NEW
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.test_core import generate_all
 from services.verifier.engine import VerifierEngine
+from services.verifier.sim import plain_generate
 from services.verifier.test_greedy_equality import make_prompts
 
 pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)")
-
-
-def alone_greedy(runner: LMRunner, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
-    """Each prompt decoded by itself: one pass for the prompt, then one token a pass."""
-    pool = runner.new_pool(None)
-    out = {}
-    for rid, prompt in prompts.items():
-        cache = pool.new_cache()
-        cache.reserve(len(prompt))
-        logits = runner.forward([SeqInput(cache, tuple(prompt))])[0]
-        cache.commit(len(prompt))
-        tokens: list[int] = []
-        while len(tokens) < max_new:
-            tokens.append(int(logits[-1].argmax()))
-            cache.reserve(1)
-            logits = runner.forward([SeqInput(cache, (tokens[-1],))])[0]
-            cache.commit(1)
-        cache.release()
-        out[rid] = tokens
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +36,7 @@ def bf16_verifier(llama_target: Path) -> VerifierEngine:
 def test_bfloat16_speculation_equals_the_bfloat16_target_alone(config, bf16_verifier, engines) -> None:
     _, drafters = engines  # float32 drafters: what they propose never changes a verdict's token
     prompts = make_prompts(6, bf16_verifier.runner.vocab_size, seed=23)
-    expected = alone_greedy(bf16_verifier.runner, prompts, MAX_NEW)
+    expected, _ = plain_generate(bf16_verifier, prompts, MAX_NEW, concurrency=1)  # each prompt decoded by itself
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(bf16_verifier))
     got = asyncio.run(generate_all(core, prompts, MAX_NEW))
     assert got == expected
