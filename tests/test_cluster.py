@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -44,13 +45,26 @@ def cluster(tiny_zoo, tmp_path_factory):
     c.stop()
 
 
-def generate_while_killing(cluster: LocalCluster, work, victim: str, after_s: float, timeout_s: float = 120) -> list:
-    """Send every prompt of ``work`` at once through the gateway, SIGKILL the process ``victim``
-    ``after_s`` later, and return the results in ``work`` order."""
+def generate_while_killing(cluster: LocalCluster, work, victim: str, timeout_s: float = 120) -> list:
+    """Stream every prompt of ``work`` at once through the gateway, SIGKILL the process ``victim``
+    as soon as the first tokens reach a client (so that streams are cut mid-way however fast the
+    machine is), and return each request's tokens, in ``work`` order, as results with ``token_ids``."""
     async def body():
+        first_tokens = asyncio.Event()
+
+        async def one(client, prompt):
+            ids: list[int] = []
+            async for chunk in client.stream(prompt, max_new_tokens=MAX_NEW):
+                ids += chunk.token_ids
+                if ids:
+                    first_tokens.set()
+            return SimpleNamespace(token_ids=ids)
+
         async with AsyncClient(cluster.gateway_address, timeout=timeout_s) as client:
-            tasks = [asyncio.create_task(client.generate(p, max_new_tokens=MAX_NEW)) for _, p in work]
-            await asyncio.sleep(after_s)
+            tasks = [asyncio.create_task(one(client, p)) for _, p in work]
+            waiter = asyncio.create_task(first_tokens.wait())
+            await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
             cluster.kill(victim)
             return await asyncio.gather(*tasks)
 
@@ -272,7 +286,7 @@ def test_killed_drafter_does_not_fail_its_requests(tiny_zoo, tmp_path, workload,
     c = LocalCluster(spec_for(tiny_zoo, tmp_path, drafter_processes=2))
     c.start(progress=False)
     try:
-        results = generate_while_killing(c, workload, "drafter-0", 0.3)
+        results = generate_while_killing(c, workload, "drafter-0")
         for (_, prompt), res in zip(workload, results):
             assert list(res.token_ids) == reference[prompt]
     finally:

@@ -23,7 +23,7 @@ def test_killed_verifier_is_restarted_and_requests_resume(tiny_zoo, tmp_path, wo
     try:
         work = workload * 4  # enough requests that some are still in flight when the verifier dies
 
-        results = generate_while_killing(c, work, "verifier", 0.2, timeout_s=180)
+        results = generate_while_killing(c, work, "verifier", timeout_s=180)
         for (_, prompt), res in zip(work, results):
             assert list(res.token_ids) == reference[prompt]
         deadline = time.monotonic() + 30  # the supervisor polls; on a fast machine the work may end first
@@ -45,7 +45,7 @@ def test_killed_router_is_replaced_and_the_gateway_resumes_every_stream(tiny_zoo
     sup = c.supervise(backoff=Backoff(initial_s=0.2), say=lines.append)
     try:
         work = workload * 4
-        results = generate_while_killing(c, work, "router", 0.3, timeout_s=180)
+        results = generate_while_killing(c, work, "router", timeout_s=180)
         for (_, prompt), res in zip(work, results):
             assert list(res.token_ids) == reference[prompt]
         deadline = time.monotonic() + 30
