@@ -74,22 +74,30 @@ def test_killed_gateway_streams_resume_through_the_sdk(tiny_zoo, tmp_path, workl
     tok = load_tokenizer(str(tiny_zoo.target.path))
     work = workload * 4
 
-    async def one(client, prompt):
-        ids, text = [], []
-        async for chunk in client.stream(prompt, max_new_tokens=MAX_NEW):
-            ids += chunk.token_ids
-            text.append(chunk.text)
-        return ids, "".join(text)
-
     async def body():
+        first_tokens = asyncio.Event()
+
+        async def one(client, prompt):
+            ids, text = [], []
+            async for chunk in client.stream(prompt, max_new_tokens=MAX_NEW):
+                ids += chunk.token_ids
+                text.append(chunk.text)
+                if ids:
+                    first_tokens.set()
+            return ids, "".join(text)
+
         async with AsyncClient(c.gateway_address, timeout=180) as client:
             tasks = [asyncio.create_task(one(client, p)) for _, p in work]
-            await asyncio.sleep(0.3)
-            c.kill("gateway")
-            return await asyncio.gather(*tasks)
+            waiter = asyncio.create_task(first_tokens.wait())
+            await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            c.kill("gateway")  # as soon as tokens flow, so streams are cut mid-way however fast the machine is
+            in_flight = sum(not t.done() for t in tasks)
+            return await asyncio.gather(*tasks), in_flight
 
     try:
-        results = asyncio.run(body())
+        results, in_flight = asyncio.run(body())
+        assert in_flight > 0  # the kill cut streams, which the SDK then resumed
         for (_, prompt), (ids, text) in zip(work, results):
             assert ids == reference[prompt]
             assert text == tok.decode(reference[prompt], skip_special_tokens=True)
