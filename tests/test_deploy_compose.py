@@ -243,7 +243,7 @@ def test_redis_has_a_volume_a_password_and_a_health_check(doc):
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     # persistence: profiles and request state survive a Redis restart (append-only file on the volume)
     command = " ".join(redis["command"])
-    assert "--appendonly yes" in command and "--appendfsync always" in command and "--dir /data" in command
+    assert "--appendonly yes" in command and "--appendfsync everysec" in command and "--dir /data" in command
     assert any(v.endswith(":/data") for v in redis["volumes"])
 
 

@@ -258,7 +258,7 @@ def test_redis_statefulset_or_external_url():
     (sts,) = by_kind(objects, "StatefulSet").values()
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "always"
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "everysec"
     assert args[args.index("--dir") + 1] == "/data"  # the claim's mount: the append-only file survives the pod
     for name, dep in by_kind(objects, "Deployment").items():
         if "drafter" in name:
