@@ -2,13 +2,16 @@
 
     python -m benchmarks.summary bench-out/report.json
 
+The systems table, the goals and the closed loops' sustained ratios (the README's), then the
+per-workload table (docs/benchmarks.md's *Results*).
+
 Every figure comes from the report (one run); nothing is carried over from another run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,12 +103,66 @@ def goals_table(report: Mapping[str, Any]) -> str:
     return "\n".join(rows)
 
 
+WORKLOAD_LABELS = {"closed_c1": "1 client", "closed_c4": "4 clients", "closed_c16": "16 clients",
+                   "closed_c4_sampling": "4 clients, sampling", "open_low": "low load",
+                   "open_fluct": "fluctuating load", "open_high": "high load"}
+
+
+def workload_table(report: Mapping[str, Any]) -> str:
+    """cosine against its baselines and ablations, workload by workload (a dash where a system did not
+    run it): tokens/s and latency ratios, how busy its verifier was, what a round accepted, how many
+    requests shared a pass and what a pass took (verifier busy seconds per pass)."""
+    systems = report["systems"]
+    cos = systems.get("cosine", {})
+
+    def metric(system: str, w: str, key: str) -> float | None:
+        return systems.get(system, {}).get(w, {}).get(key)
+
+    def ratio(a: str, b: str, w: str, key: str = "tokens_per_s") -> str:
+        x, y = metric(a, w, key), metric(b, w, key)
+        return _f(x / y if x is not None and y else None, "{:.2f}")
+
+    def pass_ms(system: str, w: str) -> float | None:
+        m = systems.get(system, {}).get(w)
+        if not m or not m.get("verify_batches"):
+            return None
+        busy = (m.get("counters") or {}).get("verifier_busy_s")
+        if busy is None and m.get("verifier_busy_frac") is not None:  # in process: the wall time it was busy
+            busy = m["wall_s"] * m["verifier_busy_frac"]
+        return None if busy is None else busy / m["verify_batches"] * 1e3
+
+    head = ("| workload | cosine / autoregressive, tok/s | same, while all clients busy | cosine / autoregressive, latency | "
+            "services_plain / autoregressive, tok/s | cosine / services_plain, tok/s | cosine / vanilla_sd, tok/s | "
+            "cosine / cosine_token_fusion, tok/s | cosine / cosine_no_draft_ahead, tok/s | cosine / cosine_no_corpus, tok/s | "
+            "busy, cosine | accepted/round, cosine | requests a pass, cosine / services_plain / autoregressive | "
+            "verify ms a pass, cosine / autoregressive |")
+    rows = [head, "|" + "---|" * 14]
+    ran = report["scenario"]["workloads"]
+    for w in [w for w in WORKLOAD_LABELS if w in ran] + [w for w in ran if w not in WORKLOAD_LABELS]:
+        if w not in cos:
+            continue
+        batch = " / ".join(_f(metric(s, w, "mean_batch_requests"), "{:.1f}") for s in ("cosine", "services_plain", "autoregressive"))
+        ms = " / ".join(_f(pass_ms(s, w)) for s in ("cosine", "autoregressive"))
+        cells = [WORKLOAD_LABELS.get(w, w), ratio("cosine", "autoregressive", w),
+                 ratio("cosine", "autoregressive", w, "sustained_tokens_per_s"),
+                 ratio("cosine", "autoregressive", w, "latency_mean_s"), ratio("services_plain", "autoregressive", w),
+                 ratio("cosine", "services_plain", w), ratio("cosine", "vanilla_sd", w),
+                 ratio("cosine", "cosine_token_fusion", w), ratio("cosine", "cosine_no_draft_ahead", w),
+                 ratio("cosine", "cosine_no_corpus", w), _pct(cos[w].get("verifier_busy_frac")),
+                 _f(cos[w].get("mean_accepted_len"), "{:.2f}"), batch, ms]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m benchmarks.summary REPORT.json", file=sys.stderr)
-        return 2
-    with open(args[0]) as f:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.summary",
+        description="Print a `cosine bench` report (report.json) as Markdown tables: every system by workload, the "
+                    "goal ratios, the closed loops' sustained ratios, and cosine against its baselines per workload. "
+                    "Every figure comes from that one report.")
+    parser.add_argument("report", help="the report.json a `cosine bench` run wrote")
+    args = parser.parse_args(argv)
+    with open(args.report) as f:
         report = json.load(f)
     check = report["scenario"]["greedy_check"]
     print(f"scenario {report['scenario']['name']}, zoo {report['scenario']['zoo']['profile']}, "
@@ -113,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
           f"mismatches: {len(check['mismatches'])}\n")
     print(systems_table(report) + "\n")
     print(goals_table(report))
-    sustained = sustained_table(report)
-    if sustained:
-        print("\n" + sustained)
+    for table in (sustained_table(report), workload_table(report)):
+        if table:
+            print("\n" + table)
     return 0
 
 
