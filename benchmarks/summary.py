@@ -15,6 +15,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from benchmarks.report import _div
+
 # ratio key, what it says, the goal it is held against ("" when none)
 GOALS = (
     ("cosine_vs_autoregressive_throughput_c1", "cosine / autoregressive, tokens/s, 1 client", ">= 2.0"),
@@ -119,8 +121,7 @@ def workload_table(report: Mapping[str, Any]) -> str:
         return systems.get(system, {}).get(w, {}).get(key)
 
     def ratio(a: str, b: str, w: str, key: str = "tokens_per_s") -> str:
-        x, y = metric(a, w, key), metric(b, w, key)
-        return _f(x / y if x is not None and y else None, "{:.2f}")
+        return _f(_div(metric(a, w, key), metric(b, w, key)), "{:.2f}")
 
     def pass_ms(system: str, w: str) -> float | None:
         m = systems.get(system, {}).get(w)

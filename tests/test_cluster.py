@@ -48,17 +48,20 @@ def cluster(tiny_zoo, tmp_path_factory):
 def generate_while_killing(cluster: LocalCluster, work, victim: str, timeout_s: float = 120) -> list:
     """Stream every prompt of ``work`` at once through the gateway, SIGKILL the process ``victim``
     as soon as the first tokens reach a client (so that streams are cut mid-way however fast the
-    machine is), and return each request's tokens, in ``work`` order, as results with ``token_ids``."""
+    machine is), and return each request's ``token_ids`` and ``text``, in ``work`` order, with
+    ``cut``: whether its stream was still open at the kill."""
     async def body():
         first_tokens = asyncio.Event()
 
         async def one(client, prompt):
             ids: list[int] = []
+            text: list[str] = []
             async for chunk in client.stream(prompt, max_new_tokens=MAX_NEW):
                 ids += chunk.token_ids
+                text.append(chunk.text)
                 if ids:
                     first_tokens.set()
-            return SimpleNamespace(token_ids=ids)
+            return SimpleNamespace(token_ids=ids, text="".join(text))
 
         async with AsyncClient(cluster.gateway_address, timeout=timeout_s) as client:
             tasks = [asyncio.create_task(one(client, p)) for _, p in work]
@@ -66,7 +69,11 @@ def generate_while_killing(cluster: LocalCluster, work, victim: str, timeout_s: 
             await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             cluster.kill(victim)
-            return await asyncio.gather(*tasks)
+            cut = [not t.done() for t in tasks]
+            results = await asyncio.gather(*tasks)
+        for res, was_cut in zip(results, cut):
+            res.cut = was_cut
+        return results
 
     return asyncio.run(body())
 

@@ -62,11 +62,7 @@ def test_killed_gateway_streams_resume_through_the_sdk(tiny_zoo, tmp_path, workl
     """SIGKILL of the gateway under streaming load: the supervisor restarts it at the same address
     and each SDK stream resumes after the tokens it already has; the concatenated tokens and text
     are exactly an undisturbed run's."""
-    import asyncio
-
     from common.checkpoints import load_tokenizer
-    from cosine_client import AsyncClient
-    from tests.test_cluster import MAX_NEW
 
     c = LocalCluster(spec_for(tiny_zoo, tmp_path))
     c.start(progress=False)
@@ -74,33 +70,12 @@ def test_killed_gateway_streams_resume_through_the_sdk(tiny_zoo, tmp_path, workl
     tok = load_tokenizer(str(tiny_zoo.target.path))
     work = workload * 4
 
-    async def body():
-        first_tokens = asyncio.Event()
-
-        async def one(client, prompt):
-            ids, text = [], []
-            async for chunk in client.stream(prompt, max_new_tokens=MAX_NEW):
-                ids += chunk.token_ids
-                text.append(chunk.text)
-                if ids:
-                    first_tokens.set()
-            return ids, "".join(text)
-
-        async with AsyncClient(c.gateway_address, timeout=180) as client:
-            tasks = [asyncio.create_task(one(client, p)) for _, p in work]
-            waiter = asyncio.create_task(first_tokens.wait())
-            await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            c.kill("gateway")  # as soon as tokens flow, so streams are cut mid-way however fast the machine is
-            in_flight = sum(not t.done() for t in tasks)
-            return await asyncio.gather(*tasks), in_flight
-
     try:
-        results, in_flight = asyncio.run(body())
-        assert in_flight > 0  # the kill cut streams, which the SDK then resumed
-        for (_, prompt), (ids, text) in zip(work, results):
-            assert ids == reference[prompt]
-            assert text == tok.decode(reference[prompt], skip_special_tokens=True)
+        results = generate_while_killing(c, work, "gateway", timeout_s=180)
+        assert any(r.cut for r in results)  # the kill cut streams, which the SDK then resumed
+        for (_, prompt), res in zip(work, results):
+            assert res.token_ids == reference[prompt]
+            assert res.text == tok.decode(reference[prompt], skip_special_tokens=True)
         assert sup.restarts.get("gateway") == 1
     finally:
         c.stop()
