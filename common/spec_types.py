@@ -165,6 +165,11 @@ class VerifyItem:
     ``append_ids`` are appended to the committed sequence first (the prompt on first sight,
     usually empty afterwards); then ``tree`` is verified on top of it. An empty tree is a plain
     decode step. ``release`` frees the request and ignores the rest.
+
+    ``plain_steps``: the verifier answers only once it has decoded that many tokens in all: the
+    verdict's next token, then plain decode steps of the target (one pass each, the batch's other
+    stepping requests beside it), stopping early at one of ``stop_ids`` or at the model's context.
+    The plain steps of a round that drafts nothing save the round trips between their passes.
     """
 
     request_id: str
@@ -172,12 +177,15 @@ class VerifyItem:
     tree: TokenTree = field(default_factory=TokenTree)
     sampling: SamplingParams = GREEDY
     release: bool = False
+    plain_steps: int = 1
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Verdict:
     """The verifier's decision for one request; the committed sequence grows by
-    ``accepted_tokens + (next_token,)``. ``committed_len`` is its length afterwards.
+    ``accepted_tokens + (next_token,) + plain_tokens`` (``new_tokens``; ``plain_tokens``: the plain
+    steps after it, see ``VerifyItem.plain_steps``). ``committed_len`` is its length afterwards.
     On failure only ``request_id`` and ``error`` are meaningful (``next_token == -1``).
     """
 
@@ -189,6 +197,7 @@ class Verdict:
     committed_len: int = 0
     error: str = ""
     error_kind: str = ""  # kv_budget | context | invalid | unknown_request | internal
+    plain_tokens: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -196,7 +205,7 @@ class Verdict:
 
     @property
     def new_tokens(self) -> tuple[int, ...]:
-        return (*self.accepted_tokens, self.next_token) if self.ok else ()
+        return (*self.accepted_tokens, self.next_token, *self.plain_tokens) if self.ok else ()
 
 
 # ---- drafter -------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@
 - ``pool.py``: the request pool (submission, cancellation, hand-back after a round, finishing);
   ``requests.py`` its types and the contracts of the drafter pool and the verifier;
   ``admission.py`` checks a submission; ``resume.py`` re-prefills requests after a verifier restart.
-- ``scheduler.py``: batches under the verify-token budget, speculation length, load control.
+- ``scheduler.py``: batches under the verify-token budget, speculation length, load control, and the
+  plain steps of a round that drafts nothing (the verifier decodes several tokens before it answers).
 - ``gate.py``: which requests the drafter models draft for (and the probes of those that do not).
 - ``domain.py``: a request's domain (the shared lexicon, ``lexicon.py``, else the drafters' scores)
   and its routing vector (``routing.py``, from the expertise profiles, ``profiles.py``).

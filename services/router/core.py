@@ -76,7 +76,7 @@ from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
 from services.router.resume import backoff_s, mark_for_resume
 from services.router.verdicts import ProfileUpdate, VerdictApplication
-from services.router.scheduler import Candidate, LoadControl, pick_batch
+from services.router.scheduler import Candidate, LoadControl, pick_batch, plain_steps
 
 # the names the servicer, the benchmarks and the tests import from here
 __all__ = [
@@ -269,12 +269,18 @@ class RouterCore(OffPathDrafting):
             self.gate.charge_probes(t1 - t0, probes, len(drafting))  # the probes' share of the drafting
             log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
                       probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
+        steps = plain_steps(self.config.plain_steps, [r.max_new_tokens - len(r.generated) for r in batch],
+                            [r.plain_streak for r in batch], drafts=any(len(t) for t in trees.values()),
+                            whole_pool=self.rounds_in_flight == 1 and not self._off_path_tasks
+                            and len(batch) == sum(not r.done for r in self.requests.values()))
         items = [
             VerifyItem(
                 request_id=r.request_id,
                 append_ids=() if r.verifier_synced else tuple(r.sequence),  # a resumed request re-prefills what is committed
                 tree=_to_token_tree(trees[r.request_id]),
                 sampling=r.sampling,
+                plain_steps=steps,
+                stop_ids=tuple(r.stop_ids) if steps > 1 else (),
             )
             for r in batch
         ]
@@ -304,18 +310,25 @@ class RouterCore(OffPathDrafting):
             self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9),
                         lookups.get(r.request_id, ()))
         self.gate.settle(batch)
+        for r in batch:
+            r.plain_streak = 0 if len(trees[r.request_id]) else r.plain_streak + 1
         self._observe_extras(batch, trees, selected, matched, set(ahead), t1 - t0)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         prefill_rows = sum(len(it.append_ids) for it in items)
         beside = busy_before or self._off_path_started != started_before
         committed = self.counters.tokens_committed - committed_before
-        self.control.observe_pass(rows, busy_ns / 1e9, committed, prefill=prefill_rows > 0, beside=beside)
-        self.control.observe_round(t1 - t0, t2 - t1)
+        # plain steps: the verifier ran a pass per step, the first one this round's rows, each later
+        # one a row per request still stepping; the curve learns the average pass
+        passes = max((1 + len(v.plain_tokens) for v in matched.values() if v.ok), default=1)
+        self.counters.plain_step_passes += passes - 1
+        if passes == 1 or not prefill_rows:
+            self.control.observe_pass(rows, busy_ns / 1e9 / passes, round(committed / passes), prefill=prefill_rows > 0, beside=beside)
+        self.control.observe_round(t1 - t0, (t2 - t1) / passes)
         # one line a round at debug level: where a slow pass came from (its rows, a prompt in it,
         # drafter work beside it on shared cores) without a profiler
         log.debug("round", round=self.counters.rounds, requests=len(batch), pool=len(self.requests), rows=rows,
                   prefill_rows=prefill_rows, beside=beside, drafted_ahead=drafted_ahead, routed_ahead=routed_ahead,
-                  probes=probes, slowdown=round(self.control.overlap_slowdown(), 2), committed=committed, draft_ms=round(1e3 * (t1 - t0), 1),
+                  probes=probes, passes=passes, slowdown=round(self.control.overlap_slowdown(), 2), committed=committed, draft_ms=round(1e3 * (t1 - t0), 1),
                   verify_ms=round(1e3 * (t2 - t1), 1), pass_ms=round(busy_ns / 1e6, 1))
         if self.metrics is not None:
             self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)

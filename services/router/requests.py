@@ -85,6 +85,7 @@ class RouterConfig:
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
     gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)
     probe_share: float = 0.03  # the most of the router's time probes' drafting may take (services.router.gate)
+    plain_steps: int = 4  # a round that drafts nothing: tokens the verifier decodes before it answers (scheduler.plain_steps)
 
     @classmethod
     def from_settings(cls, s: Any) -> RouterConfig:
@@ -97,13 +98,13 @@ class RouterConfig:
             pipeline_control=s.pipeline_control, draft_ahead=s.draft_ahead, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
             lookup_corpus=s.lookup_corpus,
             speculate=s.speculate, domain_detection=s.domain_detection, gate_by_domain=s.domain_gate,
-            probe_share=s.probe_share,
+            probe_share=s.probe_share, plain_steps=s.plain_steps,
         )
 
 
 @dataclass
 class RequestStats:
-    rounds: int = 0
+    rounds: int = 0  # the verify passes it was in (a round's plain steps count one each)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     drafters_used: set[str] = field(default_factory=set)
@@ -164,6 +165,7 @@ class Request:
     drafting_ahead: bool = False  # its drafters are drafting while the rest of its round is verified
     ahead: AheadDraft | None = None  # what they drafted, verified in its next round
     routing_ahead: bool = False  # being routed (its prompt scored by the drafters) while it decodes plainly
+    plain_streak: int = 0  # its latest rounds in a row verified with nothing drafted (scheduler.plain_steps)
 
     @property
     def sequence(self) -> list[int]:
@@ -191,6 +193,7 @@ class Counters:
     corpus_tokens: int = 0  # of the lookup tokens, those the lookup corpus proposed
     corpus_accepted: int = 0  # of them, accepted by the target
     corpus_sequences: int = 0  # sequences in the router's lookup corpus
+    plain_step_passes: int = 0  # verify passes run as plain steps of an earlier pass's batch (no round of their own)
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -204,4 +207,5 @@ class Counters:
             "domains_by_lexicon": self.domains_by_lexicon, "domains_by_drafters": self.domains_by_drafters,
             "lookup_tokens": self.lookup_tokens, "lookup_accepted": self.lookup_accepted,
             "corpus_tokens": self.corpus_tokens, "corpus_accepted": self.corpus_accepted, "corpus_sequences": self.corpus_sequences,
+            "plain_step_passes": self.plain_step_passes,
         }

@@ -101,3 +101,25 @@ class LoadControl:
 
     def apply(self, k: int, min_k: int, max_k: int) -> int:
         return max(min_k, min(max_k, round(k * self.scale)))
+
+
+PLAIN_STREAK = 2  # rounds in a row with nothing drafted before a request's rounds are taken as plain steps
+
+
+def plain_steps(limit: int, remaining: Sequence[int], streaks: Sequence[int], drafts: bool, whole_pool: bool) -> int:
+    """How many tokens the verifier decodes for a round before it answers (``VerifyItem.plain_steps``).
+
+    A round that drafts nothing and holds every request of the pool, whose requests have not drafted
+    for a while either, has its next rounds known: plain decode steps of the same batch. The verifier
+    runs up to ``limit`` of them back to back, and the round trips between them (the reply, the
+    router's work on it, the next batch) are saved. Each request's ``streaks`` (its latest rounds
+    in a row with nothing drafted, this one not counted) must reach :data:`PLAIN_STREAK`: a request
+    whose lookup chains come and go would lose the chains of the rounds the steps replace, which
+    are worth far more than a round trip. Never past the request with the fewest ``remaining``
+    tokens, so no slot of the batch idles once its request is done; 1 whenever the round drafts or
+    a request waits outside it (a request that arrives meanwhile waits for the steps, which is why
+    ``limit`` is small).
+    """
+    if limit <= 1 or drafts or not whole_pool or not remaining or min(streaks, default=0) < PLAIN_STREAK:
+        return 1
+    return max(1, min(limit, min(remaining)))

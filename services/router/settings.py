@@ -61,6 +61,9 @@ class RouterSettings(ServiceSettings):
                                            "verified and join the next pass with their trees, and a new prompt that needs the drafters' scores "
                                            "for its domain is scored while its request decodes plainly (inline when it is alone in its round), so the "
                                            "verifier does not wait for the drafters")
+    plain_steps: int = setting(4, help="when a round drafts nothing and holds every request, the verifier decodes up to this many "
+                                       "tokens of each before it answers (one pass each), saving the round trips between those passes; "
+                                       "a request arriving meanwhile waits for them. 1: a round trip per token", check=positive)
     max_batch_requests: int = setting(16, help="most requests in one round", check=positive)
     verify_token_budget: int = setting(1024, help="most tree tokens one verify batch may carry", check=positive)
     max_queue: int = setting(1024, help="most requests waiting; beyond it Submit answers RESOURCE_EXHAUSTED", check=positive)

@@ -86,8 +86,9 @@ def test_rounds_with_two_drafters_per_request_price_the_second(engines, referenc
     prompts, expected = reference
     rid = sorted(prompts)[0]
     # probes on every interval: the tiny engines' catch-ups cost several rounds each, and the share
-    # of time a router lets probes take would leave this short run one probe
-    config = RouterConfig(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup=False, probe_share=1.0)
+    # of time a router lets probes take would leave this short run one probe; a round a token (no
+    # plain steps), so that rounds come often enough to probe
+    config = RouterConfig(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup=False, probe_share=1.0, plain_steps=1)
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
     assert core.counters.draft_tokens > 0
@@ -143,12 +144,14 @@ def test_the_lookup_drafter_alone_speeds_up_repetitive_text_losslessly(engines, 
     """No drafter model at all: the lookup drafter's proposals from each request's own text are the
     whole tree. On prompts that repeat a phrase, where the target goes on repeating, they are
     accepted (fewer rounds than tokens) and the output is the target's own. Cost control is off:
-    every proposal is verified, so what is accepted does not hang on this machine's timings."""
+    every proposal is verified, so what is accepted does not hang on this machine's timings. A round
+    a token (no plain steps): a round without proposals would otherwise decode several tokens before
+    the next lookup, and this tiny target repeats the phrase only now and then."""
     verifier, _ = engines
     phrases = make_prompts(4, verifier.runner.vocab_size, seed=5)
     prompts = {rid: (p[:5] * 4) for rid, p in phrases.items()}
     expected = hf_greedy(llama_target, prompts, MAX_NEW)
-    core = RouterCore(RouterConfig(rounds_in_flight=rounds_in_flight, cost_control=False), LocalDrafterPool({}),
+    core = RouterCore(RouterConfig(rounds_in_flight=rounds_in_flight, cost_control=False, plain_steps=1), LocalDrafterPool({}),
                       LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert core.counters.lookup_accepted > 0

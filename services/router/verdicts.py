@@ -104,7 +104,7 @@ class VerdictApplication:
 
     def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
         accepted = len(verdict.accepted_nodes)
-        r.stats.rounds += 1
+        r.stats.rounds += 1 + len(verdict.plain_tokens)  # the verify passes it was in: its plain steps' too
         r.stats.draft_tokens += len(tree)
         r.stats.accepted_tokens += accepted
         self.counters.draft_tokens += len(tree)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from common.spec_types import (
     InvalidInput,
     SpecError,
     StageTimings,
+    TokenTree,
     UnknownRequest,
     Verdict,
     error_kind,
@@ -52,6 +53,8 @@ from services.verifier.acceptance import RuleFactory, default_rule_factory
 from services.verifier.batching import repeated_items
 
 log = get_logger(__name__)
+
+EMPTY_TREE = TokenTree()  # a plain decode step's tree
 
 
 @dataclass
@@ -166,14 +169,63 @@ class VerifierEngine(RequestEngine[RequestState]):
                     self._drop(p.state)
                 verdicts[p.index] = Verdict(p.item.request_id, error=f"verify decision failed: {exc}", error_kind="internal")
         t3 = time.perf_counter_ns()
-        timings = StageTimings(prefill_ns=t1 - t0, forward_ns=t2 - t1, decode_ns=t3 - t2, total_ns=t3 - t0)
-        batch_tokens = sum(len(s.token_ids) for s in seqs)
+        step_ns, step_rows = self._plain_steps(planned, verdicts)
+        t4 = time.perf_counter_ns()
+        timings = StageTimings(prefill_ns=t1 - t0, forward_ns=t2 - t1 + step_ns, decode_ns=t4 - t2 - step_ns, total_ns=t4 - t0)
+        batch_tokens = sum(len(s.token_ids) for s in seqs) + step_rows
         return VerifyOutcome(verdicts=tuple(v for v in verdicts if v is not None), batch_tokens=batch_tokens, timings=timings)
+
+    def _plain_steps(self, planned: Sequence[_Planned], verdicts: list[Verdict | None]) -> tuple[int, int]:
+        """The plain decode steps after the verdicts (``VerifyItem.plain_steps``): one pass per step
+        for every request still stepping; returns the passes' forward time (ns) and rows.
+
+        Each step is the plain decode pass a router would send next, with the same acceptance rule
+        and generator, so the tokens are those of one round per token. A request stops at one of its
+        stop ids, at the model's context, or when its cache has no room left (the tokens so far
+        stand); a failed pass ends every request's steps there.
+        """
+        forward_ns = rows = 0
+        for step in range(1, max((p.item.plain_steps for p in planned), default=1)):
+            going: list[_Planned] = []
+            for p in planned:
+                verdict, state = verdicts[p.index], p.state
+                if (p.item.plain_steps <= step or verdict is None or not verdict.ok or state.tokens[-1] in p.item.stop_ids
+                        or len(state.tokens) + 1 > self.runner.max_context):
+                    continue
+                try:
+                    state.cache.reserve(1)
+                except SpecError:
+                    continue
+                going.append(p)
+            if not going:
+                break
+            t0 = time.perf_counter_ns()
+            try:
+                logits = self.runner.forward([SeqInput(cache=p.state.cache, token_ids=(p.state.tokens[-1],)) for p in going])
+            except Exception as exc:  # the verdicts so far stand; nothing of this pass is kept
+                log.error("plain_step_failed", error=repr(exc), batch=len(going), step=step)
+                for p in going:
+                    p.state.cache.discard_pending()
+                break
+            forward_ns += time.perf_counter_ns() - t0
+            rows += len(going)
+            for p, lg in zip(going, logits):
+                state = p.state
+                decision = self.rule_factory(p.item.sampling).decide(EMPTY_TREE, lg, state.generator or self._generator)
+                state.cache.commit(1)
+                state.tokens.append(decision.next_token)
+                verdict = verdicts[p.index]
+                assert verdict is not None
+                verdicts[p.index] = replace(verdict, plain_tokens=(*verdict.plain_tokens, decision.next_token),
+                                            committed_len=len(state.tokens))
+        return forward_ns, rows
 
     def _plan(self, index: int, item: VerifyItem) -> _Planned:
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""
         vocab = self.runner.vocab_size
         item.sampling.validate()
+        if item.plain_steps < 1:
+            raise InvalidInput(f"plain_steps: must be at least 1, got {item.plain_steps}")
         if self.max_tree_nodes is not None and len(item.tree) > self.max_tree_nodes:
             raise InvalidInput(f"tree: {len(item.tree)} nodes is more than this verifier's limit of {self.max_tree_nodes}")
         item.tree.validate(vocab)

@@ -1,8 +1,8 @@
 """Verifier service: a thin gRPC servicer over the verifier engine (the target model).
 
-Each VerifyBatch from the router is verified in one forward pass in a worker thread (the engine
-is not thread-safe; one model worker per process), so the event loop keeps answering health
-checks while the model runs.
+Each VerifyBatch from the router is verified in one forward pass (then a pass per plain step its
+items ask for) in a worker thread (the engine is not thread-safe; one model worker per process), so
+the event loop keeps answering health checks while the model runs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,78 @@
+"""Plain steps from the router's side: a round that drafts nothing and holds the whole pool has the
+verifier decode several tokens of each request before it answers, and nothing of the output changes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from common.spec_types import SamplingParams, VerifyItem
+from services.router.core import RouterConfig, RouterCore
+from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
+from services.router.conftest import MAX_NEW
+from services.router.scheduler import PLAIN_STREAK, plain_steps
+
+
+class RecordingVerifier(LocalVerifier):
+    """Keeps every batch's items, to see what the router asked for."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.items: list[list[VerifyItem]] = []
+
+    async def verify(self, items):
+        self.items.append(list(items))
+        return await super().verify(items)
+
+
+def test_plain_steps_only_for_a_round_that_drafts_nothing_and_holds_the_pool() -> None:
+    settled = [PLAIN_STREAK] * 3
+    assert plain_steps(4, [10, 7, 30], settled, drafts=False, whole_pool=True) == 4
+    assert plain_steps(4, [10, 2, 30], settled, drafts=False, whole_pool=True) == 2  # no request runs out mid-call
+    assert plain_steps(4, [10, 7], settled, drafts=True, whole_pool=True) == 1
+    assert plain_steps(4, [10, 7], settled, drafts=False, whole_pool=False) == 1
+    assert plain_steps(1, [10, 7], settled, drafts=False, whole_pool=True) == 1
+    # a request that drafted in its latest rounds may draft again after the next token
+    assert plain_steps(4, [10, 7], [PLAIN_STREAK, PLAIN_STREAK - 1], drafts=False, whole_pool=True) == 1
+
+
+async def _run(core: RouterCore, prompts: dict[str, list[int]], sampling: SamplingParams, stop: int | None = None):
+    core.start()
+    try:
+        reqs = {rid: core.submit(rid, p, MAX_NEW, sampling, [stop] if stop is not None else []) for rid, p in prompts.items()}
+        return {rid: await asyncio.wait_for(output_of(req), 120) for rid, req in reqs.items()}
+    finally:
+        await core.stop()
+
+
+def test_plain_decoding_in_steps_equals_the_targets_greedy_decode(engines, reference) -> None:
+    verifier, _ = engines
+    prompts, expected = reference
+    recording = RecordingVerifier(verifier)
+    core = RouterCore(RouterConfig(speculate=False, plain_steps=4), LocalDrafterPool({}), recording)
+    assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
+    asked = [item.plain_steps for batch in recording.items for item in batch]
+    assert max(asked) == 4 and core.counters.plain_step_passes > 0
+    # every request is in every round (the whole pool steps), and no request ran out mid-call
+    assert core.counters.rounds < MAX_NEW and verifier.active_requests == 0
+
+
+def test_a_sampled_request_gets_the_same_tokens_in_steps_and_a_round_a_token(engines, reference) -> None:
+    verifier, _ = engines
+    prompts, _ = reference
+    sampling = SamplingParams(temperature=0.9, seed=11)
+    outs = []
+    for steps in (1, 4):
+        core = RouterCore(RouterConfig(speculate=False, plain_steps=steps), LocalDrafterPool({}), LocalVerifier(verifier))
+        outs.append(asyncio.run(_run(core, {rid: prompts[rid] for rid in sorted(prompts)[:2]}, sampling)))
+    assert outs[0] == outs[1]
+
+
+def test_a_stop_token_ends_a_request_inside_its_steps(engines, reference) -> None:
+    verifier, _ = engines
+    prompts, expected = reference
+    rid = sorted(prompts)[0]
+    stop = expected[rid][5]
+    core = RouterCore(RouterConfig(speculate=False, plain_steps=8), LocalDrafterPool({}), LocalVerifier(verifier))
+    out = asyncio.run(_run(core, {rid: prompts[rid]}, SamplingParams(), stop))
+    assert out[rid] == expected[rid][: expected[rid].index(stop) + 1]
+    assert verifier.active_requests == 0

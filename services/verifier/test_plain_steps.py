@@ -1,0 +1,87 @@
+"""Plain steps (``VerifyItem.plain_steps``): the verifier decodes further tokens before answering,
+and they are exactly the tokens one round per token would have committed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.checkpoints import load_causal_lm
+from common.spec_types import SamplingParams, TokenTree, VerifyItem
+from services.verifier.engine import VerifierEngine
+
+PROMPT = (3, 14, 15, 92, 65)
+
+
+@pytest.fixture(scope="module")
+def hf(llama_target: Path):
+    return load_causal_lm(llama_target)
+
+
+@pytest.fixture()
+def engine(llama_target: Path) -> VerifierEngine:
+    return VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa")
+
+
+def greedy_continuation(hf, ids, n: int) -> list[int]:
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def test_steps_after_a_tree_verdict_continue_the_targets_greedy_decode(engine: VerifierEngine, hf) -> None:
+    right = greedy_continuation(hf, PROMPT, 12)
+    tree = TokenTree(tokens=(right[0], right[1], (right[2] + 1) % 512), parents=(-1, 0, 1))  # third node wrong
+    [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, tree=tree, plain_steps=5)]).verdicts
+    assert v.accepted_tokens == tuple(right[:2]) and v.next_token == right[2]
+    assert v.plain_tokens == tuple(right[3:7])
+    assert v.new_tokens == tuple(right[:7]) and v.committed_len == len(PROMPT) + 7
+    assert engine.cache_len("a") == v.committed_len - 1  # the cache invariant holds after the steps
+    # the next round goes on from there
+    [w] = engine.verify([VerifyItem("a", tree=TokenTree.chain(right[7:9]))]).verdicts
+    assert w.accepted_tokens == tuple(right[7:9]) and w.next_token == right[9]
+
+
+def test_requests_of_a_batch_step_as_far_as_each_asks(engine: VerifierEngine, hf) -> None:
+    prompts = {"one": PROMPT, "three": (7, 7, 1), "six": (100, 200, 300, 400)}
+    steps = {"one": 1, "three": 3, "six": 6}
+    out = engine.verify([VerifyItem(r, append_ids=p, plain_steps=steps[r]) for r, p in prompts.items()])
+    for v in out.verdicts:
+        assert v.ok and v.new_tokens == tuple(greedy_continuation(hf, prompts[v.request_id], steps[v.request_id]))
+    assert out.batch_tokens == sum(map(len, prompts.values())) + 2 + 5  # the prompts' pass, then 2 + 1 + 1 + 1 + 1 step rows
+
+
+def test_a_seeded_sampled_request_steps_to_the_tokens_of_one_round_per_token(engine: VerifierEngine) -> None:
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    [stepped] = engine.verify([VerifyItem("stepped", append_ids=PROMPT, sampling=sampling, plain_steps=8)]).verdicts
+    tokens = list(engine.verify([VerifyItem("rounds", append_ids=PROMPT, sampling=sampling)]).verdicts[0].new_tokens)
+    for _ in range(7):
+        tokens += engine.verify([VerifyItem("rounds", sampling=sampling)]).verdicts[0].new_tokens
+    assert stepped.new_tokens == tuple(tokens)
+    assert len(set(tokens)) > 1  # a sampled run, not one token over and over
+
+
+def test_steps_stop_at_a_stop_id_and_at_the_context(engine: VerifierEngine, hf) -> None:
+    right = greedy_continuation(hf, PROMPT, 6)
+    stop = right[2]
+    [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=6, stop_ids=(stop,))]).verdicts
+    assert v.new_tokens == tuple(right[: right.index(stop) + 1])
+    max_context = engine.model_info().max_context
+    [c] = engine.verify([VerifyItem("c", append_ids=(1,) * (max_context - 3), plain_steps=10)]).verdicts
+    assert c.ok and c.committed_len == max_context and len(c.new_tokens) == 3
+
+
+def test_a_full_kv_budget_ends_the_steps_not_the_verdict(llama_target: Path) -> None:
+    engine = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa", kv_token_budget=48)
+    [v] = engine.verify([VerifyItem("a", append_ids=tuple(range(40)), plain_steps=20)]).verdicts
+    assert v.ok and 1 < len(v.new_tokens) < 20
+    assert engine.cache_len("a") == v.committed_len - 1 and engine.kv_reserved_tokens <= 48
+
+
+def test_plain_steps_below_one_are_refused(engine: VerifierEngine) -> None:
+    [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=0)]).verdicts
+    assert v.error.startswith("plain_steps: ") and v.error_kind == "invalid"
