@@ -5,32 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-import torch
-
-from common.checkpoints import load_causal_lm
 from common.spec_types import SamplingParams, TokenTree, VerifyItem
 from services.verifier.engine import VerifierEngine
-
-PROMPT = (3, 14, 15, 92, 65)
-
-
-@pytest.fixture(scope="module")
-def hf(llama_target: Path):
-    return load_causal_lm(llama_target)
-
-
-@pytest.fixture()
-def engine(llama_target: Path) -> VerifierEngine:
-    return VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa")
-
-
-def greedy_continuation(hf, ids, n: int) -> list[int]:
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+from services.verifier.test_engine import PROMPT, engine, greedy_continuation, hf  # noqa: F401 (fixtures)
 
 
 def test_steps_after_a_tree_verdict_continue_the_targets_greedy_decode(engine: VerifierEngine, hf) -> None:
