@@ -63,6 +63,25 @@ def chains(*values: list[float]) -> tuple[dict[str, list[float]], dict[str, list
             {f"r{i}": [j - 1 for j in range(len(v))] for i, v in enumerate(values)})
 
 
+def test_a_slow_start_stops_pricing_rows_out_well_within_a_short_workload():
+    # a fresh router's first drafted passes (four requests) ran in a slow moment, as in one bench
+    # run: five rows 157 ms, twelve 132, twenty-two 155, where four plain rows take 65
+    curve = PassCurve()
+    for rows, s in ((5, 0.157), (12, 0.132), (22, 0.155)):
+        curve.observe(rows, s)
+    curve.observe(4, 0.065)
+    four = chains([0.6], [0.6], [0.6], [0.6])  # each request with one node, right 60% of the time
+
+    def plan() -> dict[str, set[int]]:
+        return choose_nodes(*four, 4, lambda n: curve.predict(n, 0.0015))
+
+    assert plan() == {f"r{i}": set() for i in range(4)}  # every drafted row priced out: plain rounds
+    for _ in range(20):  # the plain rounds of a short workload (a few hundred rounds in all)
+        curve.observe(4, 0.065)
+    assert plan() == {f"r{i}": {0} for i in range(4)}  # the slow bins no longer count: drafting resumes
+
+
+
 def test_one_lone_request_verifies_a_tree_only_when_it_repays_the_jump_to_two_rows():
     # one plain row commits 1 token in 46 ms; a second row costs 31 ms more
     assert choose_nodes(*chains([0.3, 0.2, 0.1]), 1, seconds) == {"r0": set()}
