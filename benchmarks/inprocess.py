@@ -71,13 +71,13 @@ async def _cosine(core: Any, prompts: Mapping[str, Sequence[int]], max_new: int,
         await core.stop()
     c = core.counters
     stats = {
-        "accepted_per_pass": c.accepted_tokens / max(1, c.rounds + c.plain_step_passes),
+        "accepted_per_pass": c.accepted_tokens / max(1, c.verify_passes),
         "lookup_accepted": c.lookup_accepted,
         "drafter_calls": sum(getattr(core.drafters, "calls", {}).values()),
         "verify_s": c.verify_s,
         "draft_s": c.draft_s,
     }
-    return Run(out, wall, c.rounds + c.plain_step_passes, stats)
+    return Run(out, wall, c.verify_passes, stats)
 
 
 @dataclass

@@ -150,7 +150,7 @@ class ServiceSystem:
         diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         wall = max(r.finished_s for r in records) - min(r.issued_s for r in records) if records else 0.0
         counters = {
-            "verify_batches": diff.get("rounds", 0.0) + diff.get("plain_step_passes", 0.0), "accepted_tokens": diff.get("accepted_tokens", 0.0),
+            "verify_batches": diff.get("verify_passes", 0.0), "accepted_tokens": diff.get("accepted_tokens", 0.0),
             "tokens_committed": diff.get("tokens_committed", 0.0), "verifier_busy_s": diff.get("verifier_busy_s", 0.0),
             "drafter_busy_s": diff.get("drafter_busy_s", 0.0), "drafter_calls": diff.get("drafter_calls", 0.0),
             "drafter_fused_rounds": diff.get("drafter_fused_rounds", 0.0),

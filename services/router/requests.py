@@ -197,6 +197,11 @@ class Counters:
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
+    @property
+    def verify_passes(self) -> int:
+        """Verify passes run: a round's own pass, and one per plain step after it."""
+        return self.rounds + self.plain_step_passes
+
     def as_dict(self) -> dict[str, float]:
         wall = time.monotonic() - self.started_at
         return {
@@ -207,5 +212,5 @@ class Counters:
             "domains_by_lexicon": self.domains_by_lexicon, "domains_by_drafters": self.domains_by_drafters,
             "lookup_tokens": self.lookup_tokens, "lookup_accepted": self.lookup_accepted,
             "corpus_tokens": self.corpus_tokens, "corpus_accepted": self.corpus_accepted, "corpus_sequences": self.corpus_sequences,
-            "plain_step_passes": self.plain_step_passes,
+            "plain_step_passes": self.plain_step_passes, "verify_passes": self.verify_passes,
         }
