@@ -44,12 +44,13 @@ import torch
 from torch import nn
 
 from common.logs import get_logger
+from common.streamed_linear import K_MULTIPLE, streamed_kernel
 
 log = get_logger("cpu_linear")
 
 PACK_BATCH_HINT = 32  # the batch size oneDNN packs for (measured as good as 2 or 8 at 1..128 rows)
-MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts the kernels are timed at (larger: as at 64)
-KERNELS = ("linear", "transposed", "packed")  # see the module docstring
+MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts the kernels are timed at (larger: as at 64)
+KERNELS = ("linear", "transposed", "packed", "streamed")  # see the module docstring
 MEASURE_TRIES = 3  # each kernel's time at a row count is the fastest of this many passes
 
 
@@ -112,8 +113,16 @@ class CpuLinear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
     def product(self, flat: torch.Tensor, kernel: str) -> torch.Tensor:
-        """``flat @ W.T + b`` for a 2-d float32 ``flat``, by ``kernel`` (``packed`` falls back to
-        ``linear`` where oneDNN is unavailable)."""
+        """``flat @ W.T + b`` for a 2-d float32 ``flat``, by ``kernel`` (``packed`` and ``streamed``
+        fall back to ``linear`` where they are unavailable for this weight)."""
+        if kernel == "streamed":
+            streamed = streamed_kernel() if self.in_features % K_MULTIPLE == 0 and self.weight.is_contiguous() else None
+            if streamed is not None:
+                out = streamed(flat, self.weight)
+                if self.bias is not None:
+                    out += self.bias
+                return out
+            kernel = "linear"
         if kernel == "transposed":
             if flat.shape[0] == 1:
                 out = torch.mm(self.weight, torch.cat((flat, flat)).t())[:, :1]
@@ -168,6 +177,7 @@ def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:
         key = (tuple((m.out_features, m.in_features) for m in switched), torch.get_num_threads())
         table = _measured.get(key)
         if table is None:
+            streamed_kernel()  # built (on a machine's first use) before the timing starts
             t0 = time.perf_counter()
             table = _measured[key] = measure_kernels(switched)
             log.info("cpu projection kernels measured", kernels=table.describe(), projections=len(switched),
@@ -184,7 +194,7 @@ def measure_kernels(linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED
     """The fastest kernel at each of ``rows`` for a pass through every one of ``linears`` in turn
     (a model's projections: each weight read once, as a pass reads them). The kernels take turns
     within each try, and each keeps its fastest of ``tries`` passes."""
-    kernels = [k for k in KERNELS if k != "packed" or onednn_ready()]
+    kernels = [k for k in KERNELS if (k != "packed" or onednn_ready()) and (k != "streamed" or streamed_kernel() is not None)]
     gen = torch.Generator().manual_seed(0)
     inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=gen) for m in linears} for n in rows}
     best = {(n, k): float("inf") for n in rows for k in kernels}

@@ -11,6 +11,7 @@ from torch import nn
 
 from common import cpu_linear
 from common.cpu_linear import KERNELS, UNMEASURED, CpuLinear, KernelTable, measure_kernels, onednn_ready, use_cpu_linears
+from common.streamed_linear import streamed_kernel, unavailable_reason
 
 
 def pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
@@ -27,6 +28,14 @@ def test_onednn_is_there_on_this_build() -> None:
     assert onednn_ready()
 
 
+def test_the_streamed_kernel_builds_where_it_can() -> None:
+    # on an AVX-512 machine with a compiler, a missing streamed kernel must be noticed, not measured around
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"streamed kernel not offered here: {reason}")
+    assert streamed_kernel() is not None
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 48), (5, 48), (3, 4, 48), (64, 48), (200, 48), (0, 48)])
@@ -41,7 +50,19 @@ def test_every_kernel_equals_linear_for_every_row_count_and_leading_shape(kernel
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [2, 6])
+def test_a_width_the_streamed_kernel_cannot_step_through_is_computed_by_linear() -> None:
+    torch.manual_seed(3)
+    plain = nn.Linear(40, 24)  # 40 inputs: not a multiple of 16
+    fast = nn.Linear(40, 24)
+    fast.load_state_dict(plain.state_dict())
+    use_cpu_linears(fast, measure=False)
+    fast.table = KernelTable((1,), ("streamed",))
+    x = torch.randn(5, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 6, 11])
 def test_a_row_is_not_computed_from_its_neighbours(rows: int) -> None:
     # each output row depends on its own input row only (neither kernel may mix them)
     _, fast = pair(True)
@@ -74,8 +95,8 @@ def test_each_row_count_takes_the_kernel_its_table_names(monkeypatch: pytest.Mon
 
 def test_the_table_takes_the_fastest_kernel_at_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kernels slowed by 3 ms a call where they should lose: linear from four rows on, the transposed
-    product everywhere, the packed one under four rows. The table follows, and reads as ranges."""
-    slow = {"linear": lambda n: n >= 4, "transposed": lambda n: True, "packed": lambda n: n < 4}
+    and streamed products everywhere, the packed one under four rows. The table follows, and reads as ranges."""
+    slow = {"linear": lambda n: n >= 4, "transposed": lambda n: True, "packed": lambda n: n < 4, "streamed": lambda n: True}
     real = CpuLinear.product
 
     def product(self: CpuLinear, flat: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""The streamed projection kernel (``csrc/streamed_linear.cpp``): a few rows times a weight, the weight read once.
+
+A verify pass on a CPU is bound by reading the weights up to a dozen or so rows, so a pass of
+eight rows should cost about what a pass of one costs. MKL's and oneDNN's kernels do not get
+there: on the 2-core AVX-512 machine of the benchmark figures, SmolLM2-135M's projections took
+24-31 ms for one to three rows with ``linear`` and 42-58 ms for four to eight with the best of
+``linear`` and the packed product, so a pass jumped by half at its fourth row and a round could
+afford two draft tokens. This kernel streams blocks of three weight rows once (prefetched ahead)
+and multiplies each block by the input rows eight at a time with the accumulators in AVX-512
+registers: 29-38 ms for four to eight rows there, 42 ms for sixteen (packed: 63).
+
+It is built from source the first time a process asks for it on a machine (about 30 s with the
+machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a name that
+follows the source, the CPU's flags and torch, so a cache shared with another kind of CPU is never
+loaded) and checked against ``linear`` on a small case. Without AVX-512, a compiler or a successful
+build it is simply not offered (:func:`streamed_kernel` returns None, logged once), and
+:mod:`common.cpu_linear` measures the other kernels as before. Results equal ``linear``'s up to
+float rounding (the summation order differs), as any other kernel's do.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common.logs import get_logger
+
+log = get_logger("streamed_linear")
+
+SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
+K_MULTIPLE = 16  # the kernel's inner dimension steps by one AVX-512 register of float32
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+
+StreamedLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def kernel_dir() -> Path:
+    """``$COSINE_CACHE_DIR/kernels`` (``~/.cache/cosine/kernels`` by default)."""
+    return Path(os.environ.get("COSINE_CACHE_DIR") or Path.home() / ".cache" / "cosine") / "kernels"
+
+
+def build_name() -> str:
+    """The extension's name: changes with the source, the compile flags, this CPU's flags and torch."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(torch.__version__.encode())
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    digest.update(flags.encode())
+    return f"cosine_streamed_linear_{digest.hexdigest()[:12]}"
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be had on this machine before trying to build it, or None."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return f"the CPU has no AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    if not SOURCE.is_file():
+        return f"its source {SOURCE} is missing"
+    return None
+
+
+@functools.cache
+def streamed_kernel() -> StreamedLinear | None:
+    """``streamed_linear(x [M, K], weight [N, K]) -> x @ weight.T`` (float32, ``K`` a multiple of 16),
+    built on first use; None where it cannot be had (the reason is logged once)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("streamed cpu kernel not offered", reason=reason)
+        return None
+    from torch.utils.cpp_extension import load
+
+    name = build_name()
+    build_dir = kernel_dir() / name
+    t0 = time.perf_counter()
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        fresh = not any(build_dir.glob("*.so"))
+        if fresh:
+            log.info("building the streamed cpu kernel (once per machine, about 30 s)", build_dir=str(build_dir))
+        module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                      build_directory=str(build_dir), verbose=False)
+        kernel: StreamedLinear = module.streamed_linear
+        gen = torch.Generator().manual_seed(0)
+        weight, x = torch.randn(29, 48, generator=gen), torch.randn(11, 48, generator=gen)
+        if not torch.allclose(kernel(x, weight), torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4):
+            raise RuntimeError("disagrees with torch's linear on a small case")
+    except Exception as exc:  # a failed build or check only costs the candidate, never the service
+        log.warning("streamed cpu kernel unavailable; using the other kernels", error=str(exc)[-500:], build_dir=str(build_dir))
+        return None
+    if fresh:
+        log.info("streamed cpu kernel built", seconds=round(time.perf_counter() - t0, 1))
+    return kernel
