@@ -58,7 +58,7 @@ fuzz: setup
 run: setup
 	$(BIN)/cosine demo $(RUN_ARGS)
 
-# The full benchmark (about 20-25 minutes on 2 cores once the zoo exists): every baseline, CoSine
+# The full benchmark (about 20-27 minutes on 2 cores once the zoo exists): every baseline, CoSine
 # and its ablations on the same workloads; report and plots in bench-out/.
 BENCH_ZOO ?= .cosine/zoo-smol
 bench: setup

@@ -4,21 +4,26 @@ A verify pass multiplies every weight matrix by a handful of rows (one per tree 
 batch), and on a CPU the pass is bound by reading the weights, not by arithmetic: SmolLM2-135M's
 projections and lm_head are 538 MB of float32 read once per pass. Ideally a pass of one row and a
 pass of six rows cost the same. Which kernel comes closest to that depends on the CPU, so there
-are three, and the fastest is measured for each row count when a model is loaded:
+are four, and the fastest is measured for each row count when a model is loaded:
 
 - ``linear``: ``torch.nn.functional.linear``, which hands ``x @ W.T`` to MKL's GEMM;
 - ``transposed``: ``(W @ x.T).T``, the weight on the left and the rows as the narrow operand (a
   single row is doubled to two: the one-column case falls back to the matrix-vector routine);
 - ``packed``: oneDNN's matmul on a copy of the weight packed once into oneDNN's blocked layout
   (:func:`torch.ops.mkldnn._reorder_linear_weight`, the kernel PyTorch's own CPU compiler uses for
-  frozen weights).
+  frozen weights);
+- ``streamed``: the project's own AVX-512 kernel (:mod:`common.streamed_linear`), which streams the
+  weight once and keeps the products of eight rows in registers; built on a machine's first use and
+  left out where it cannot be (no AVX-512, no compiler).
 
 How far apart they are, for all of SmolLM2-135M's projections in a pass, two torch threads: on one
 2-core x86 machine MKL's few-row kernels were slow and uneven (53 ms for one row, 94 for two, 112
 for three on one thread) and ``transposed`` took 18 ms for one or two rows, ``packed`` 20-23 ms for
 three to six; on another (a CPU with AMX) ``linear`` took 22-25 ms for one to three rows and
 ``transposed`` 57, and ``packed`` was the fastest from four rows on (29-31 ms to six, 41 at sixteen).
-A fixed choice made on one machine costs the other a factor of two on a decode step.
+A fixed choice made on one machine costs the other a factor of two on a decode step. On that second
+machine ``streamed`` later took four to eight rows in two thirds of the best other kernel's time
+(the machine slower that hour: 29-38 ms against 42-58) and sixteen in 42 against 63.
 
 :func:`use_cpu_linears` switches a CPU float32 model's ``nn.Linear`` modules to :class:`CpuLinear` in
 place (the weights, their names and the state dict stay as they are) and measures the kernels on
@@ -28,7 +33,7 @@ neighbour slows them alike; 4-7 s for SmolLM2-135M on two cores, a third of a se
 once per process for models of the same shapes). The packed copy costs as much
 memory again as the projections' weights, and is packed anew when a weight is changed in place
 (``load_state_dict``) or replaced. Where oneDNN is missing (or fails a first check against
-``linear``), it is not among the candidates. Results equal ``linear``'s up to float rounding (the
+``linear``), it is not among the candidates; likewise the streamed kernel. Results equal ``linear``'s up to float rounding (the
 summation order differs), as any change of batch size already does.
 """
 

@@ -12,8 +12,8 @@ registers: 29-38 ms for four to eight rows there, 42 ms for sixteen (packed: 63)
 It is built from source the first time a process asks for it on a machine (about 30 s with the
 machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a name that
 follows the source, the CPU's flags and torch, so a cache shared with another kind of CPU is never
-loaded) and checked against ``linear`` on a small case. Without AVX-512, a compiler or a successful
-build it is simply not offered (:func:`streamed_kernel` returns None, logged once), and
+loaded) and checked against ``linear`` on a small case. Without AVX-512, a compiler, ninja or a
+successful build it is simply not offered (:func:`streamed_kernel` returns None, logged once), and
 :mod:`common.cpu_linear` measures the other kernels as before. Results equal ``linear``'s up to
 float rounding (the summation order differs), as any other kernel's do.
 """
@@ -24,6 +24,7 @@ import functools
 import hashlib
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,16 @@ def build_name() -> str:
     return f"cosine_streamed_linear_{digest.hexdigest()[:12]}"
 
 
+def ninja_dir() -> Path | None:
+    """Where ``ninja`` is: on ``PATH``, or beside this interpreter (the ``ninja`` package of the
+    project's virtual environment, whose ``bin`` a service started by path does not have on ``PATH``)."""
+    found = shutil.which("ninja")
+    if found is not None:
+        return Path(found).parent
+    beside = Path(sys.executable).parent / "ninja"
+    return beside.parent if beside.is_file() else None
+
+
 def unavailable_reason() -> str | None:
     """Why the kernel cannot be had on this machine before trying to build it, or None."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
@@ -66,6 +77,8 @@ def unavailable_reason() -> str | None:
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) on PATH"
+    if ninja_dir() is None:
+        return "no ninja on PATH or beside the interpreter (torch builds extensions with it: pip install ninja)"
     if not SOURCE.is_file():
         return f"its source {SOURCE} is missing"
     return None
@@ -81,6 +94,9 @@ def streamed_kernel() -> StreamedLinear | None:
         return None
     from torch.utils.cpp_extension import load
 
+    where = ninja_dir()
+    if where is not None and shutil.which("ninja") is None:  # torch runs `ninja` by name
+        os.environ["PATH"] = f"{where}{os.pathsep}{os.environ.get('PATH', '')}"
     name = build_name()
     build_dir = kernel_dir() / name
     t0 = time.perf_counter()

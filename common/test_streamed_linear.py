@@ -85,3 +85,14 @@ def test_the_build_name_follows_the_source_and_the_cpu(monkeypatch: pytest.Monke
     changed.write_text(streamed_linear.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(streamed_linear, "SOURCE", changed)
     assert build_name() != name
+
+
+def test_ninja_is_found_beside_the_interpreter_when_not_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    # a service started as .venv/bin/cosine has the venv's ninja beside its python, not on PATH
+    monkeypatch.setattr(streamed_linear.shutil, "which", lambda name: None if name == "ninja" else f"/usr/bin/{name}")
+    monkeypatch.setattr(streamed_linear.sys, "executable", str(tmp_path / "python"))
+    assert streamed_linear.ninja_dir() is None
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX"):
+        assert "ninja" in (streamed_linear.unavailable_reason() or "")
+    (tmp_path / "ninja").write_text("")
+    assert streamed_linear.ninja_dir() == tmp_path
