@@ -29,12 +29,13 @@ machine ``streamed`` later took four to eight rows in two thirds of the best oth
 place (the weights, their names and the state dict stay as they are) and measures the kernels on
 the model's own weights (:func:`measure_kernels`: every projection in the order a pass reads it, at
 row counts from one to 64, the kernels interleaved and the fastest of three tries kept, so a noisy
-neighbour slows them alike; 4-7 s for SmolLM2-135M on two cores, a third of a second for a drafter,
+neighbour slows them alike; 9-12 s for SmolLM2-135M on two cores, a third of a second for a drafter,
 once per process for models of the same shapes). The packed copy costs as much
 memory again as the projections' weights, and is packed anew when a weight is changed in place
 (``load_state_dict``) or replaced. Where oneDNN is missing (or fails a first check against
-``linear``), it is not among the candidates; likewise the streamed kernel. Results equal ``linear``'s up to float rounding (the
-summation order differs), as any change of batch size already does.
+``linear``), it is not among the candidates; likewise the streamed kernel. Results equal
+``linear``'s up to float rounding (the summation order differs), as any change of batch size
+already does.
 """
 
 from __future__ import annotations
