@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$COSINE_CACHE_DIR`` or ``~/.cache/cosine``: what is made once per machine and kept
+    (fetched wheels and imported checkpoints, built CPU kernels)."""
+    return Path(os.environ.get("COSINE_CACHE_DIR") or Path.home() / ".cache" / "cosine")
 
 
 def configure_torch_threads(requested: int) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from common.logs import get_logger
+from common.runtime import cache_dir
 
 log = get_logger("streamed_linear")
 
@@ -40,11 +41,6 @@ K_MULTIPLE = 16  # the kernel's inner dimension steps by one AVX-512 register of
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 StreamedLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def kernel_dir() -> Path:
-    """``$COSINE_CACHE_DIR/kernels`` (``~/.cache/cosine/kernels`` by default)."""
-    return Path(os.environ.get("COSINE_CACHE_DIR") or Path.home() / ".cache" / "cosine") / "kernels"
 
 
 def build_name() -> str:
@@ -98,7 +94,7 @@ def streamed_kernel() -> StreamedLinear | None:
     if where is not None and shutil.which("ninja") is None:  # torch runs `ninja` by name
         os.environ["PATH"] = f"{where}{os.pathsep}{os.environ.get('PATH', '')}"
     name = build_name()
-    build_dir = kernel_dir() / name
+    build_dir = cache_dir() / "kernels" / name
     t0 = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)

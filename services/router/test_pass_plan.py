@@ -81,7 +81,6 @@ def test_a_slow_start_stops_pricing_rows_out_well_within_a_short_workload():
     assert plan() == {f"r{i}": {0} for i in range(4)}  # the slow bins no longer count: drafting resumes
 
 
-
 def test_one_lone_request_verifies_a_tree_only_when_it_repays_the_jump_to_two_rows():
     # one plain row commits 1 token in 46 ms; a second row costs 31 ms more
     assert choose_nodes(*chains([0.3, 0.2, 0.1]), 1, seconds) == {"r0": set()}
