@@ -14,7 +14,10 @@ are four, and the fastest is measured for each row count when a model is loaded:
   frozen weights);
 - ``streamed``: the project's own AVX-512 kernel (:mod:`common.streamed_linear`), which streams the
   weight once and keeps the products of eight rows in registers; built on a machine's first use and
-  left out where it cannot be (no AVX-512, no compiler).
+  left out where it cannot be (no AVX-512, no compiler);
+- ``panel``: the project's other AVX-512 kernel (same extension), on a copy of the weight packed
+  once into column panels of 16 outputs, whose accumulators need no horizontal sums: the fastest
+  from one row to 64 where it was measured.
 
 How far apart they are, for all of SmolLM2-135M's projections in a pass, two torch threads: on one
 2-core x86 machine MKL's few-row kernels were slow and uneven (53 ms for one row, 94 for two, 112
@@ -23,17 +26,19 @@ three to six; on another (a CPU with AMX) ``linear`` took 22-25 ms for one to th
 ``transposed`` 57, and ``packed`` was the fastest from four rows on (29-31 ms to six, 41 at sixteen).
 A fixed choice made on one machine costs the other a factor of two on a decode step. On that second
 machine ``streamed`` later took four to eight rows in two thirds of the best other kernel's time
-(the machine slower that hour: 29-38 ms against 42-58) and sixteen in 42 against 63.
+(the machine slower that hour: 29-38 ms against 42-58) and sixteen in 42 against 63, and ``panel``
+took one to sixteen rows in 22-30 ms, 32 in 46 and 48 in 60, against ``streamed``'s 25-43, 65 and 83.
 
 :func:`use_cpu_linears` switches a CPU float32 model's ``nn.Linear`` modules to :class:`CpuLinear` in
 place (the weights, their names and the state dict stay as they are) and measures the kernels on
 the model's own weights (:func:`measure_kernels`: every projection in the order a pass reads it, at
 row counts from one to 64, the kernels interleaved and the fastest of three tries kept, so a noisy
 neighbour slows them alike; 9-12 s for SmolLM2-135M on two cores, a third of a second for a drafter,
-once per process for models of the same shapes). The packed copy costs as much
-memory again as the projections' weights, and is packed anew when a weight is changed in place
-(``load_state_dict``) or replaced. Where oneDNN is missing (or fails a first check against
-``linear``), it is not among the candidates; likewise the streamed kernel. Results equal
+once per process for models of the same shapes). The packed and panel copies each cost as much
+memory again as the projections' weights; a copy the measured table never picks is freed, and a
+copy is made anew when a weight is changed in place (``load_state_dict``) or replaced. Where oneDNN
+is missing (or fails a first check against ``linear``), it is not among the candidates; likewise
+the project's own kernels. Results equal
 ``linear``'s up to float rounding (the summation order differs), as any change of batch size
 already does.
 """
@@ -50,13 +55,13 @@ import torch
 from torch import nn
 
 from common.logs import get_logger
-from common.streamed_linear import K_MULTIPLE, streamed_kernel
+from common.streamed_linear import K_MULTIPLE, PANEL_WIDTH, extension, streamed_kernel
 
 log = get_logger("cpu_linear")
 
 PACK_BATCH_HINT = 32  # the batch size oneDNN packs for (measured as good as 2 or 8 at 1..128 rows)
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts the kernels are timed at (larger: as at 64)
-KERNELS = ("linear", "transposed", "packed", "streamed")  # see the module docstring
+KERNELS = ("linear", "transposed", "packed", "streamed", "panel")  # see the module docstring
 MEASURE_TRIES = 3  # each kernel's time at a row count is the fastest of this many passes
 
 
@@ -107,6 +112,8 @@ class CpuLinear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, int] = (0, -1)  # (data_ptr, version) of the weight that was packed
+    _panels: torch.Tensor | None = None
+    _panels_of: tuple[int, int] = (0, -1)  # likewise for the panel kernel's copy
 
     table: KernelTable = UNMEASURED  # set for the whole model by use_cpu_linears (measure_kernels)
 
@@ -119,8 +126,16 @@ class CpuLinear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
     def product(self, flat: torch.Tensor, kernel: str) -> torch.Tensor:
-        """``flat @ W.T + b`` for a 2-d float32 ``flat``, by ``kernel`` (``packed`` and ``streamed``
-        fall back to ``linear`` where they are unavailable for this weight)."""
+        """``flat @ W.T + b`` for a 2-d float32 ``flat``, by ``kernel`` (``packed``, ``streamed`` and
+        ``panel`` fall back to ``linear`` where they are unavailable for this weight)."""
+        if kernel == "panel":
+            panels = self._panel_weight()
+            if panels is not None:
+                out = extension().panel_linear(flat, panels)
+                if self.bias is not None:
+                    out += self.bias
+                return out
+            kernel = "linear"
         if kernel == "streamed":
             streamed = streamed_kernel() if self.in_features % K_MULTIPLE == 0 and self.weight.is_contiguous() else None
             if streamed is not None:
@@ -145,6 +160,26 @@ class CpuLinear(nn.Linear):
 
     def _packed_weight(self) -> torch.Tensor | None:
         return pack_once(self, PACK_BATCH_HINT) if onednn_ready() else None
+
+    def _panel_weight(self) -> torch.Tensor | None:
+        """The weight in the panel kernel's layout, made once and again when the weight changes."""
+        if self.out_features % PANEL_WIDTH or extension() is None:
+            return None
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version)
+        if self._panels is None or self._panels_of != key:
+            with torch.no_grad():
+                self._panels = extension().pack_panels(weight.detach())
+            self._panels_of = key
+        return self._panels
+
+    def drop_unused_copies(self) -> None:
+        """Free the packed copies of kernels this module's table never picks (each is as large as
+        the weight); a kernel picked later packs its copy again."""
+        if "packed" not in self.table.kernels:
+            self._packed, self._packed_of = None, (0, -1)
+        if "panel" not in self.table.kernels:
+            self._panels, self._panels_of = None, (0, -1)
 
 
 def pack_once(module: nn.Linear, hint: int) -> torch.Tensor:
@@ -176,6 +211,7 @@ def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:
             module.__class__ = CpuLinear
             assert isinstance(module, CpuLinear)
             module._packed_weight()
+            module._panel_weight()
             switched.append(module)
     if switched and measure:
         # the kernels' speed follows the shapes and the threads, not the weights' values: a model of
@@ -183,13 +219,14 @@ def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:
         key = (tuple((m.out_features, m.in_features) for m in switched), torch.get_num_threads())
         table = _measured.get(key)
         if table is None:
-            streamed_kernel()  # built (on a machine's first use) before the timing starts
+            extension()  # built (on a machine's first use) before the timing starts
             t0 = time.perf_counter()
             table = _measured[key] = measure_kernels(switched)
             log.info("cpu projection kernels measured", kernels=table.describe(), projections=len(switched),
                      threads=key[1], seconds=round(time.perf_counter() - t0, 2))
         for module in switched:
             module.table = table
+            module.drop_unused_copies()
     return len(switched)
 
 
@@ -200,7 +237,8 @@ def measure_kernels(linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED
     """The fastest kernel at each of ``rows`` for a pass through every one of ``linears`` in turn
     (a model's projections: each weight read once, as a pass reads them). The kernels take turns
     within each try, and each keeps its fastest of ``tries`` passes."""
-    kernels = [k for k in KERNELS if (k != "packed" or onednn_ready()) and (k != "streamed" or streamed_kernel() is not None)]
+    own = extension() is not None
+    kernels = [k for k in KERNELS if (k != "packed" or onednn_ready()) and (k not in ("streamed", "panel") or own)]
     gen = torch.Generator().manual_seed(0)
     inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=gen) for m in linears} for n in rows}
     best = {(n, k): float("inf") for n in rows for k in kernels}

@@ -11,7 +11,7 @@ from torch import nn
 
 from common import cpu_linear
 from common.cpu_linear import KERNELS, UNMEASURED, CpuLinear, KernelTable, measure_kernels, onednn_ready, use_cpu_linears
-from common.streamed_linear import streamed_kernel, unavailable_reason
+from common.streamed_linear import extension, streamed_kernel, unavailable_reason
 
 
 def pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
@@ -50,16 +50,33 @@ def test_every_kernel_equals_linear_for_every_row_count_and_leading_shape(kernel
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_width_the_streamed_kernel_cannot_step_through_is_computed_by_linear() -> None:
+@pytest.mark.parametrize("kernel", ["streamed", "panel"])
+def test_a_width_the_own_kernels_cannot_step_through_is_computed_by_linear(kernel: str) -> None:
     torch.manual_seed(3)
-    plain = nn.Linear(40, 24)  # 40 inputs: not a multiple of 16
+    plain = nn.Linear(40, 24)  # 40 inputs, 24 outputs: neither a multiple of 16
     fast = nn.Linear(40, 24)
     fast.load_state_dict(plain.state_dict())
     use_cpu_linears(fast, measure=False)
-    fast.table = KernelTable((1,), ("streamed",))
+    fast.table = KernelTable((1,), (kernel,))
     x = torch.randn(5, 40)
     with torch.inference_mode():
         torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert fast._panels is None
+
+
+def test_copies_of_kernels_the_table_never_picks_are_freed() -> None:
+    _, fast = pair(False)
+    fast.table = KernelTable((1,), ("panel",))
+    fast._packed_weight(), fast._panel_weight()
+    fast.drop_unused_copies()
+    assert fast._packed is None
+    assert (fast._panels is not None) == (extension() is not None)
+    fast.table = KernelTable((3,), ("packed",))
+    fast.drop_unused_copies()
+    assert fast._panels is None and fast._packed is None  # packed again on its first use
+    with torch.inference_mode():
+        fast(torch.randn(2, 48))
+    assert (fast._packed is not None) == onednn_ready()
 
 
 @pytest.mark.parametrize("rows", [2, 6, 11])
@@ -95,8 +112,9 @@ def test_each_row_count_takes_the_kernel_its_table_names(monkeypatch: pytest.Mon
 
 def test_the_table_takes_the_fastest_kernel_at_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kernels slowed by 3 ms a call where they should lose: linear from four rows on, the transposed
-    and streamed products everywhere, the packed one under four rows. The table follows, and reads as ranges."""
-    slow = {"linear": lambda n: n >= 4, "transposed": lambda n: True, "packed": lambda n: n < 4, "streamed": lambda n: True}
+    streamed and panel products everywhere, the packed one under four rows. The table follows, and reads as ranges."""
+    slow = {"linear": lambda n: n >= 4, "transposed": lambda n: True, "packed": lambda n: n < 4, "streamed": lambda n: True,
+            "panel": lambda n: True}
     real = CpuLinear.product
 
     def product(self: CpuLinear, flat: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -141,8 +159,10 @@ def test_a_model_of_the_same_shapes_and_threads_is_not_measured_again(monkeypatc
     assert calls == [2, 1, 2]
 
 
-def test_a_weight_changed_in_place_is_packed_anew() -> None:
+@pytest.mark.parametrize("kernel", ["packed", "panel"])
+def test_a_weight_changed_in_place_is_packed_anew(kernel: str) -> None:
     plain, fast = pair(False)
+    fast.table = KernelTable((1,), (kernel,))
     x = torch.randn(4, 48)
     with torch.inference_mode():
         fast(x)

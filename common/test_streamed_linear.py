@@ -1,5 +1,5 @@
-"""The streamed kernel equals ``x @ W.T`` for every block and group remainder, and a failed build
-costs only the candidate."""
+"""The streamed and panel kernels equal ``x @ W.T`` for every block and group remainder, a row's
+result does not depend on the rows beside it, and a failed build costs only the candidates."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import streamed_linear
-from common.streamed_linear import build_name, streamed_kernel, unavailable_reason
+from common.streamed_linear import build_name, extension, streamed_kernel, unavailable_reason
 
 
 @pytest.fixture
@@ -32,6 +32,55 @@ def test_it_equals_the_product_for_every_remainder(kernel: streamed_linear.Strea
     got = kernel(x, weight)
     assert got.shape == (rows, out_features) and got.is_contiguous()
     torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def own():  # the built extension
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"own kernels not offered here: {reason}")
+    got = extension()
+    assert got is not None
+    return got
+
+
+# rows: under, at and over a group of eight; outputs: whole groups of three panels and one or two
+# left over; inputs: any width (the panel kernel steps through them one at a time)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("out_in", [(16, 1), (32, 7), (48, 16), (64, 48), (80, 576), (192, 576), (576, 1536)])
+def test_the_panel_kernel_equals_the_product_for_every_remainder(own, rows: int, out_in: tuple[int, int]) -> None:
+    out_features, in_features = out_in
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    panels = own.pack_panels(weight)
+    assert panels.shape == (out_features // 16, in_features, 16)
+    got = own.panel_linear(x, panels)
+    assert got.shape == (rows, out_features) and got.is_contiguous()
+    torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), rtol=1e-4, atol=3e-4)
+
+
+@pytest.mark.parametrize("which", ["streamed", "panel"])
+def test_a_row_gets_the_same_bits_alone_or_among_others(own, which: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    weight, x = torch.randn(96, 576, generator=gen), torch.randn(21, 576, generator=gen)
+    if which == "panel":
+        panels = own.pack_panels(weight)
+        product = lambda rows: own.panel_linear(rows, panels)  # noqa: E731
+    else:
+        product = lambda rows: own.streamed_linear(rows, weight)  # noqa: E731
+    together = product(x)
+    for i in (0, 7, 8, 20):
+        assert torch.equal(product(x[i : i + 1]), together[i : i + 1])
+
+
+def test_the_panel_kernel_refuses_what_it_cannot_take(own) -> None:
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        own.pack_panels(torch.randn(40, 32))
+    with pytest.raises(RuntimeError, match="float32"):
+        own.panel_linear(torch.randn(2, 32, dtype=torch.float64), own.pack_panels(torch.randn(16, 32)))
+    with pytest.raises(RuntimeError, match="panels"):
+        own.panel_linear(torch.randn(2, 31), own.pack_panels(torch.randn(16, 32)))
 
 
 def test_a_non_contiguous_input_is_read_as_its_values(kernel: streamed_linear.StreamedLinear) -> None:
@@ -69,11 +118,11 @@ def test_a_failed_build_leaves_the_kernel_out_and_says_why(monkeypatch: pytest.M
     monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda: None)
     monkeypatch.setattr(ext, "load", broken)
     monkeypatch.setenv("COSINE_CACHE_DIR", str(tmp_path))
-    streamed_kernel.cache_clear()
+    extension.cache_clear()
     try:
-        assert streamed_kernel() is None
+        assert streamed_kernel() is None and extension() is None
     finally:
-        streamed_kernel.cache_clear()
+        extension.cache_clear()
     assert any("unavailable" in event and "internal compiler error" in str(kw["error"]) for event, kw in said.lines)
     assert str(tmp_path) in str(said.lines[-1][1]["build_dir"])
 

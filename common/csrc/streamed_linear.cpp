@@ -57,6 +57,68 @@ inline void block(const float* x, int64_t M, int64_t K, const float* w, float* y
     group<RB>(x + m0 * K, std::min<int64_t>(G, M - m0), K, w, y + m0 * N, N, n);
 }
 
+
+// The panel kernel: y = x @ W.T with W packed once into column panels P [N/16, K, 16] (P[p, k, j] =
+// W[16p + j, k]), for passes of a dozen rows and more, where the product is bound by arithmetic.
+// Each output vector of 16 columns is an accumulator; an input element is broadcast and multiplied
+// into PV panels at once, so there are no horizontal sums. A thread takes PV panels at a time and
+// walks their inner dimension in chunks of PK steps; a chunk (PK x PV x 64 bytes) is read from
+// memory once and stays in L1 while every group of PG input rows adds its products to y. Each
+// output is summed in the order k = 0, 1, ..., K-1 whatever the number of rows.
+constexpr int PV = 3;                // panels (of 16 columns) a micro-tile spans
+constexpr int PG = 8;                // input rows a micro-tile spans
+constexpr int64_t PK = 128;          // inner steps a chunk spans (24 KiB of panels at PV = 3)
+constexpr int64_t PANEL_AHEAD = 16;  // k steps (one 64-byte line a panel each) prefetched ahead
+
+template <int M, int V>
+inline void panel_tile(const float* x, int64_t K, const float* p, int64_t k0, int64_t k1, float* y, int64_t N) {
+  __m512 acc[M][V];
+  for (int m = 0; m < M; m++)
+    for (int v = 0; v < V; v++) acc[m][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + v * 16);
+  for (int64_t k = k0; k < k1; k++) {
+    __m512 wv[V];
+    for (int v = 0; v < V; v++) {
+      const float* at = p + (v * K + k) * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(at + PANEL_AHEAD * 16), _MM_HINT_T0);
+      wv[v] = _mm512_loadu_ps(at);
+    }
+    for (int m = 0; m < M; m++) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      for (int v = 0; v < V; v++) acc[m][v] = _mm512_fmadd_ps(wv[v], xv, acc[m][v]);
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int v = 0; v < V; v++) _mm512_storeu_ps(y + m * N + v * 16, acc[m][v]);
+}
+
+template <int V>
+inline void panel_rows(const float* x, int64_t rows, int64_t K, const float* p, int64_t k0, int64_t k1, float* y, int64_t N) {
+  switch (rows) {  // rows <= PG
+    case 1: panel_tile<1, V>(x, K, p, k0, k1, y, N); break;
+    case 2: panel_tile<2, V>(x, K, p, k0, k1, y, N); break;
+    case 3: panel_tile<3, V>(x, K, p, k0, k1, y, N); break;
+    case 4: panel_tile<4, V>(x, K, p, k0, k1, y, N); break;
+    case 5: panel_tile<5, V>(x, K, p, k0, k1, y, N); break;
+    case 6: panel_tile<6, V>(x, K, p, k0, k1, y, N); break;
+    case 7: panel_tile<7, V>(x, K, p, k0, k1, y, N); break;
+    default: panel_tile<8, V>(x, K, p, k0, k1, y, N); break;
+  }
+}
+
+inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, int64_t panels, float* y, int64_t N) {
+  for (int64_t k0 = 0; k0 < K; k0 += PK) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + PK);
+    for (int64_t m0 = 0; m0 < M; m0 += PG) {
+      const int64_t rows = std::min<int64_t>(PG, M - m0);
+      switch (panels) {  // panels <= PV
+        case 1: panel_rows<1>(x + m0 * K, rows, K, p, k0, k1, y + m0 * N, N); break;
+        case 2: panel_rows<2>(x + m0 * K, rows, K, p, k0, k1, y + m0 * N, N); break;
+        default: panel_rows<PV>(x + m0 * K, rows, K, p, k0, k1, y + m0 * N, N); break;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -78,6 +140,35 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& weigh
   return y;
 }
 
+torch::Tensor pack_panels(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(), "pack_panels: a float32 CPU weight [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % 16 == 0, "pack_panels: N must be a multiple of 16");
+  return weight.reshape({N / 16, 16, K}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 16 && x.size(1) == panels.size(1), "panel_linear: x [M, K], panels [N/16, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "panel_linear: float32 only");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && panels.is_contiguous(), "panel_linear: contiguous CPU tensors");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * 16;
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = (P + PV - 1) / PV;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g++) {
+      const int64_t first = g * PV;
+      panel_group(xp, M, K, pp + first * K * 16, std::min<int64_t>(PV, P - first), yp + first * 16, N);
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("streamed_linear", &streamed_linear, "x @ weight.T, the weight read once (float32, AVX-512)");
+  m.def("pack_panels", &pack_panels, "weight [N, K] as column panels [N/16, K, 16] for panel_linear");
+  m.def("panel_linear", &panel_linear, "x @ weight.T from the weight's column panels (float32, AVX-512)");
 }
