@@ -11,12 +11,19 @@ from common.streamed_linear import build_name, extension, streamed_kernel, unava
 
 
 @pytest.fixture
-def kernel() -> streamed_linear.StreamedLinear:
+def own():  # the built extension
     reason = unavailable_reason()
     if reason is not None:
-        pytest.skip(f"streamed kernel not offered here: {reason}")
-    got = streamed_kernel()
+        pytest.skip(f"own kernels not offered here: {reason}")
+    got = extension()
     assert got is not None
+    return got
+
+
+@pytest.fixture
+def kernel(own) -> streamed_linear.StreamedLinear:
+    got = streamed_kernel()
+    assert got is own.streamed_linear
     return got
 
 
@@ -32,16 +39,6 @@ def test_it_equals_the_product_for_every_remainder(kernel: streamed_linear.Strea
     got = kernel(x, weight)
     assert got.shape == (rows, out_features) and got.is_contiguous()
     torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), rtol=1e-4, atol=1e-4)
-
-
-@pytest.fixture
-def own():  # the built extension
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"own kernels not offered here: {reason}")
-    got = extension()
-    assert got is not None
-    return got
 
 
 # rows: under, at and over a group of eight; outputs: whole groups of three panels and one or two
