@@ -4,7 +4,7 @@ A verify pass multiplies every weight matrix by a handful of rows (one per tree 
 batch), and on a CPU the pass is bound by reading the weights, not by arithmetic: SmolLM2-135M's
 projections and lm_head are 538 MB of float32 read once per pass. Ideally a pass of one row and a
 pass of six rows cost the same. Which kernel comes closest to that depends on the CPU, so there
-are four, and the fastest is measured for each row count when a model is loaded:
+are five, and the fastest is measured for each row count when a model is loaded:
 
 - ``linear``: ``torch.nn.functional.linear``, which hands ``x @ W.T`` to MKL's GEMM;
 - ``transposed``: ``(W @ x.T).T``, the weight on the left and the rows as the narrow operand (a

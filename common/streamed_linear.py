@@ -12,9 +12,9 @@
 - *panel*: for passes of a dozen rows and more, which are bound by arithmetic. The weight is packed
   once into column panels (``[N/16, K, 16]``, a copy as large as the weight); each accumulator is a
   vector of 16 outputs, an input element is broadcast into three panels at once (no horizontal sums),
-  and a thread's panels are reused from L2 for every further eight rows. On that machine, one
-  1536x576 projection at 32-64 rows ran at 280-300 GFLOP/s against MKL's 170-200 and the streamed
-  kernel's 200-210.
+  and a thread walks its panels in chunks of 128 inner steps that stay in L1 while every group of
+  eight rows adds its products. On that machine SmolLM2-135M's projections took 25 ms for eight rows
+  with it against the streamed kernel's 34 and MKL's 54, and 60 for 48 rows against 83 and 89.
 
 The extension is built from source the first time a process asks for it on a machine (about 30 s
 with the machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a
@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -90,7 +91,7 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
-def extension():  # -> the built module, or None
+def extension() -> ModuleType | None:
     """The built extension (``streamed_linear``, ``pack_panels``, ``panel_linear``), built on first
     use and checked against ``linear``; None where it cannot be had (the reason is logged once)."""
     reason = unavailable_reason()
