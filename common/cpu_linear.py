@@ -128,28 +128,8 @@ class CpuLinear(nn.Linear):
     def product(self, flat: torch.Tensor, kernel: str) -> torch.Tensor:
         """``flat @ W.T + b`` for a 2-d float32 ``flat``, by ``kernel`` (``packed``, ``streamed`` and
         ``panel`` fall back to ``linear`` where they are unavailable for this weight)."""
-        if kernel == "panel":
-            panels = self._panel_weight()
-            if panels is not None:
-                out = extension().panel_linear(flat, panels)
-                if self.bias is not None:
-                    out += self.bias
-                return out
-            kernel = "linear"
-        if kernel == "streamed":
-            streamed = streamed_kernel() if self.in_features % K_MULTIPLE == 0 and self.weight.is_contiguous() else None
-            if streamed is not None:
-                out = streamed(flat, self.weight)
-                if self.bias is not None:
-                    out += self.bias
-                return out
-            kernel = "linear"
-        if kernel == "transposed":
-            if flat.shape[0] == 1:
-                out = torch.mm(self.weight, torch.cat((flat, flat)).t())[:, :1]
-            else:
-                out = torch.mm(self.weight, flat.t())
-            out = out.t().contiguous()
+        out = self._without_bias(flat, kernel)
+        if out is not None:
             if self.bias is not None:
                 out += self.bias
             return out
@@ -157,6 +137,23 @@ class CpuLinear(nn.Linear):
         if packed is None:
             return torch.nn.functional.linear(flat, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
+
+    def _without_bias(self, flat: torch.Tensor, kernel: str) -> torch.Tensor | None:
+        """``flat @ W.T`` by the kernels that take no bias (``transposed``, ``streamed``, ``panel``);
+        None for the others, and where ``streamed`` or ``panel`` is unavailable for this weight."""
+        if kernel == "panel":
+            panels = self._panel_weight()
+            return None if panels is None else extension().panel_linear(flat, panels)
+        if kernel == "streamed":
+            streamed = streamed_kernel() if self.in_features % K_MULTIPLE == 0 and self.weight.is_contiguous() else None
+            return None if streamed is None else streamed(flat, self.weight)
+        if kernel == "transposed":
+            if flat.shape[0] == 1:
+                out = torch.mm(self.weight, torch.cat((flat, flat)).t())[:, :1]
+            else:
+                out = torch.mm(self.weight, flat.t())
+            return out.t().contiguous()
+        return None
 
     def _packed_weight(self) -> torch.Tensor | None:
         return pack_once(self, PACK_BATCH_HINT) if onednn_ready() else None
