@@ -9,7 +9,8 @@
   streams blocks of three weight rows once (prefetched ahead) and multiplies each block by the input
   rows eight at a time with the accumulators in AVX-512 registers: 29-38 ms for four to eight rows
   there, 42 ms for sixteen (packed: 63).
-- *panel*: for passes of a dozen rows and more, which are bound by arithmetic. The weight is packed
+- *panel*: written for passes past a few rows, which are bound by arithmetic (on that machine it
+  was also the fastest down to one row, so every row count took it). The weight is packed
   once into column panels (``[N/16, K, 16]``, a copy as large as the weight); each accumulator is a
   vector of 16 outputs, an input element is broadcast into three panels at once (no horizontal sums),
   and a thread walks its panels in chunks of 128 inner steps that stay in L1 while every group of
