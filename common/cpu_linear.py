@@ -12,10 +12,10 @@ are five, and the fastest is measured for each row count when a model is loaded:
 - ``packed``: oneDNN's matmul on a copy of the weight packed once into oneDNN's blocked layout
   (:func:`torch.ops.mkldnn._reorder_linear_weight`, the kernel PyTorch's own CPU compiler uses for
   frozen weights);
-- ``streamed``: the project's own AVX-512 kernel (:mod:`common.streamed_linear`), which streams the
-  weight once and keeps the products of eight rows in registers; built on a machine's first use and
-  left out where it cannot be (no AVX-512, no compiler);
-- ``panel``: the project's other AVX-512 kernel (same extension), on a copy of the weight packed
+- ``streamed``: the project's own kernel (:mod:`common.streamed_linear`, AVX-512 or AVX2), which
+  streams the weight once and keeps the products of eight rows (four on AVX2) in registers; built on
+  a machine's first use and left out where it cannot be (neither instruction set, no compiler);
+- ``panel``: the project's other kernel (same extension), on a copy of the weight packed
   once into column panels of 16 outputs, whose accumulators need no horizontal sums: the fastest
   from one row to 64 where it was measured.
 

@@ -19,12 +19,16 @@
 
 The extension is built from source the first time a process asks for it on a machine (about 30 s
 with the machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a
-name that follows the source, the CPU's flags and torch, so a cache shared with another kind of CPU
-is never loaded) and checked against ``linear`` on a small case. Without AVX-512, a compiler, ninja
-or a successful build neither kernel is offered (:func:`extension` returns None, logged once), and
-:mod:`common.cpu_linear` measures the other kernels as before. Results equal ``linear``'s up to
-float rounding (the summation order differs), as any other kernel's do; both kernels sum each output
-in the same order whatever the number of rows.
+name that follows the source, the flags, the CPU's flags and torch, so a cache shared with another
+kind of CPU is never loaded) and checked against ``linear`` on a small case. It compiles for the
+instruction set the CPU has: AVX-512, or AVX2 with FMA (``isa()`` says which), whose kernels hold
+fewer accumulators in their 16 registers (four input rows a streamed block, six rows of one panel a
+panel micro-tile) with the same packing. The AVX2 build measured on the benchmark machine (an
+AVX-512 CPU running it, ``-mno-avx512f``; not an AVX2-only CPU) is in docs/benchmarks.md. Without
+either, a compiler, ninja or a successful build neither kernel is offered (:func:`extension` returns
+None, logged once), and :mod:`common.cpu_linear` measures the other kernels as before. Results
+equal ``linear``'s up to float rounding (the summation order differs), as any other kernel's do;
+both kernels sum each output in the same order whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -47,17 +51,19 @@ from common.runtime import cache_dir
 log = get_logger("streamed_linear")
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
-K_MULTIPLE = 16  # the streamed kernel's inner dimension steps by one AVX-512 register of float32
-PANEL_WIDTH = 16  # the panel kernel's outputs come in panels of one AVX-512 register of float32
+K_MULTIPLE = 16  # the streamed kernel's inner dimension steps by one AVX-512 register of float32 (two AVX2 ones)
+PANEL_WIDTH = 16  # the panel kernel's outputs come in panels of one AVX-512 register of float32 (two AVX2 ones)
 FLAGS = ("-O3", "-march=native", "-fopenmp")
+AVX2_FLAGS = ("-mno-avx512f",)  # the AVX2 kernels on a CPU that has AVX-512 too (tests, comparisons)
+CAPABILITIES = ("AVX2", "AVX512", "AMX")  # torch's names for the CPUs the kernels compile for
 
 StreamedLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_name() -> str:
+def build_name(extra_flags: tuple[str, ...] = ()) -> str:
     """The extension's name: changes with the source, the compile flags, this CPU's flags and torch."""
     digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join(FLAGS + extra_flags).encode())
     digest.update(torch.__version__.encode())
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -79,8 +85,8 @@ def ninja_dir() -> Path | None:
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot be had on this machine before trying to build it, or None."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
-        return f"the CPU has no AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if torch.backends.cpu.get_cpu_capability() not in CAPABILITIES:
+        return f"the CPU has neither AVX-512 nor AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) on PATH"
@@ -93,8 +99,15 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def extension() -> ModuleType | None:
-    """The built extension (``streamed_linear``, ``pack_panels``, ``panel_linear``), built on first
-    use and checked against ``linear``; None where it cannot be had (the reason is logged once)."""
+    """The built extension (``isa``, ``streamed_linear``, ``pack_panels``, ``panel_linear``), built on
+    first use for this CPU and checked against ``linear``; None where it cannot be had (the reason is
+    logged once)."""
+    return build()
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
+    """Build (or load from the cache) and check the extension with ``extra_flags`` after
+    :data:`FLAGS` (:data:`AVX2_FLAGS`: the AVX2 kernels on an AVX-512 CPU); None where it cannot be had."""
     reason = unavailable_reason()
     if reason is not None:
         log.info("own cpu kernels not offered", reason=reason)
@@ -104,7 +117,7 @@ def extension() -> ModuleType | None:
     where = ninja_dir()
     if where is not None and shutil.which("ninja") is None:  # torch runs `ninja` by name
         os.environ["PATH"] = f"{where}{os.pathsep}{os.environ.get('PATH', '')}"
-    name = build_name()
+    name = build_name(extra_flags)
     build_dir = cache_dir() / "kernels" / name
     t0 = time.perf_counter()
     try:
@@ -112,7 +125,7 @@ def extension() -> ModuleType | None:
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             log.info("building the own cpu kernels (once per machine, about 30 s)", build_dir=str(build_dir))
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+        module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
                       build_directory=str(build_dir), verbose=False)
         gen = torch.Generator().manual_seed(0)
         weight, x = torch.randn(48, 48, generator=gen), torch.randn(11, 48, generator=gen)
@@ -124,7 +137,7 @@ def extension() -> ModuleType | None:
         log.warning("own cpu kernels unavailable; using torch's", error=str(exc)[-500:], build_dir=str(build_dir))
         return None
     if fresh:
-        log.info("own cpu kernels built", seconds=round(time.perf_counter() - t0, 1))
+        log.info("own cpu kernels built", isa=module.isa(), seconds=round(time.perf_counter() - t0, 1))
     return module
 
 

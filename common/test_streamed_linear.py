@@ -1,5 +1,6 @@
 """The streamed and panel kernels equal ``x @ W.T`` for every block and group remainder, a row's
-result does not depend on the rows beside it, and a failed build costs only the candidates."""
+result does not depend on the rows beside it, and a failed build costs only the candidates. Every
+kernel test runs on the build for this CPU and, where it has AVX-512, on the AVX2 build too."""
 
 from __future__ import annotations
 
@@ -7,29 +8,42 @@ import pytest
 import torch
 
 from common import streamed_linear
-from common.streamed_linear import build_name, extension, streamed_kernel, unavailable_reason
+from common.streamed_linear import AVX2_FLAGS, build, build_name, extension, streamed_kernel, unavailable_reason
 
 
-@pytest.fixture
-def own():  # the built extension
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def own(request):  # the built extension: for this CPU, or its AVX2 kernels on an AVX-512 CPU
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"own kernels not offered here: {reason}")
-    got = extension()
+    if request.param == "native":
+        got = extension()
+    elif torch.backends.cpu.get_cpu_capability() == "AVX2":
+        pytest.skip("this CPU's own build is the AVX2 one")
+    else:
+        got = build(AVX2_FLAGS)
+        assert got is not None and got.isa() == "avx2"
     assert got is not None
     return got
 
 
 @pytest.fixture
 def kernel(own) -> streamed_linear.StreamedLinear:
-    got = streamed_kernel()
-    assert got is own.streamed_linear
-    return got
+    return own.streamed_linear
 
 
-# rows: under, at and over a group of eight, and several groups; outputs: whole blocks of three and
+def test_the_services_get_the_kernels_built_for_this_cpu() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"own kernels not offered here: {reason}")
+    own = extension()
+    assert own is not None and streamed_kernel() is own.streamed_linear
+    assert own.isa() == ("avx2" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "avx512")
+
+
+# rows: under, at and over a group of eight (four on AVX2), and several groups; outputs: whole blocks of three and
 # one or two left over; inputs: one AVX-512 step and the target's widths
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("out_in", [(1, 16), (2, 32), (3, 16), (49, 576), (192, 576), (50, 1536)])
 def test_it_equals_the_product_for_every_remainder(kernel: streamed_linear.StreamedLinear, rows: int, out_in: tuple[int, int]) -> None:
     out_features, in_features = out_in
@@ -41,9 +55,9 @@ def test_it_equals_the_product_for_every_remainder(kernel: streamed_linear.Strea
     torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), rtol=1e-4, atol=1e-4)
 
 
-# rows: under, at and over a group of eight; outputs: whole groups of three panels and one or two
+# rows: under, at and over a group of eight (six on AVX2); outputs: whole groups of three panels and one or two
 # left over; inputs: any width (the panel kernel steps through them one at a time)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 12, 16, 17, 40])
 @pytest.mark.parametrize("out_in", [(16, 1), (32, 7), (48, 16), (64, 48), (80, 576), (192, 576), (576, 1536)])
 def test_the_panel_kernel_equals_the_product_for_every_remainder(own, rows: int, out_in: tuple[int, int]) -> None:
     out_features, in_features = out_in
@@ -131,6 +145,7 @@ def test_the_build_name_follows_the_source_and_the_cpu(monkeypatch: pytest.Monke
     changed.write_text(streamed_linear.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(streamed_linear, "SOURCE", changed)
     assert build_name() != name
+    assert build_name(AVX2_FLAGS) not in (name, build_name())
 
 
 def test_ninja_is_found_beside_the_interpreter_when_not_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -5,6 +5,12 @@
 // row costs. Blocks of R weight rows are streamed from memory once (prefetched ahead); for each
 // block, the input rows are taken G at a time with R x G accumulators held in AVX-512 registers,
 // and a block's later groups find its weight rows still in L1. K must be a multiple of 16.
+//
+// Two instruction sets, one chosen when the extension is compiled for its machine (-march=native):
+// AVX-512 (16 floats a register, 32 registers) and AVX2 with FMA (8 floats, 16 registers). The
+// AVX2 kernels hold fewer accumulators (4 input rows a streamed block; 6 rows of one panel a panel
+// micro-tile) and keep the same packing and summation order, so a row's result stays independent
+// of the rows beside it on either.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -12,6 +18,10 @@
 #include <algorithm>
 
 namespace {
+
+#if defined(__AVX512F__)
+
+constexpr const char* ISA = "avx512";
 
 constexpr int R = 3;                 // weight rows a block streams together
 constexpr int G = 8;                 // input rows whose accumulators live in registers at once
@@ -120,6 +130,108 @@ inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, in
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr const char* ISA = "avx2";
+constexpr int R = 3;                 // weight rows a block streams together
+constexpr int G = 4;                 // input rows whose accumulators live in registers at once (12 of 16)
+constexpr int64_t PREFETCH = 256;    // floats ahead of the loads (1 KiB)
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int M, int RB>
+inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
+  __m256 acc[RB][M];
+  for (int r = 0; r < RB; r++)
+    for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[RB];
+    for (int r = 0; r < RB; r++) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k + PREFETCH), _MM_HINT_T0);
+      wv[r] = _mm256_loadu_ps(w + (n + r) * K + k);
+    }
+    for (int m = 0; m < M; m++) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < RB; r++) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int m = 0; m < M; m++) y[m * N + n + r] = hsum(acc[r][m]);
+}
+
+template <int RB>
+inline void group(const float* x, int64_t rows, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
+  switch (rows) {  // rows <= G
+    case 1: tile<1, RB>(x, K, w, y, N, n); break;
+    case 2: tile<2, RB>(x, K, w, y, N, n); break;
+    case 3: tile<3, RB>(x, K, w, y, N, n); break;
+    default: tile<4, RB>(x, K, w, y, N, n); break;
+  }
+}
+
+template <int RB>
+inline void block(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
+  for (int64_t m0 = 0; m0 < M; m0 += G)
+    group<RB>(x + m0 * K, std::min<int64_t>(G, M - m0), K, w, y + m0 * N, N, n);
+}
+
+// The panel kernel as above, a panel of 16 columns being two registers: a micro-tile is one panel
+// and up to PG input rows (12 accumulators), a chunk PK x 64 bytes.
+constexpr int PV = 1;                // panels a thread's group spans
+constexpr int PG = 6;                // input rows a micro-tile spans
+constexpr int64_t PK = 128;          // inner steps a chunk spans (8 KiB of one panel)
+constexpr int64_t PANEL_AHEAD = 16;  // k steps prefetched ahead
+
+template <int M>
+inline void panel_tile(const float* x, int64_t K, const float* p, int64_t k0, int64_t k1, float* y, int64_t N) {
+  __m256 lo[M], hi[M];
+  for (int m = 0; m < M; m++) {
+    lo[m] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N);
+    hi[m] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + 8);
+  }
+  for (int64_t k = k0; k < k1; k++) {
+    const float* at = p + k * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(at + PANEL_AHEAD * 16), _MM_HINT_T0);
+    const __m256 wlo = _mm256_loadu_ps(at), whi = _mm256_loadu_ps(at + 8);
+    for (int m = 0; m < M; m++) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+      lo[m] = _mm256_fmadd_ps(wlo, xv, lo[m]);
+      hi[m] = _mm256_fmadd_ps(whi, xv, hi[m]);
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    _mm256_storeu_ps(y + m * N, lo[m]);
+    _mm256_storeu_ps(y + m * N + 8, hi[m]);
+  }
+}
+
+inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, int64_t panels, float* y, int64_t N) {
+  (void)panels;  // one (PV)
+  for (int64_t k0 = 0; k0 < K; k0 += PK) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + PK);
+    for (int64_t m0 = 0; m0 < M; m0 += PG) {
+      const float* xs = x + m0 * K;
+      float* ys = y + m0 * N;
+      switch (std::min<int64_t>(PG, M - m0)) {
+        case 1: panel_tile<1>(xs, K, p, k0, k1, ys, N); break;
+        case 2: panel_tile<2>(xs, K, p, k0, k1, ys, N); break;
+        case 3: panel_tile<3>(xs, K, p, k0, k1, ys, N); break;
+        case 4: panel_tile<4>(xs, K, p, k0, k1, ys, N); break;
+        case 5: panel_tile<5>(xs, K, p, k0, k1, ys, N); break;
+        default: panel_tile<PG>(xs, K, p, k0, k1, ys, N); break;
+      }
+    }
+  }
+}
+
+#else
+#error "the project's CPU kernels need AVX-512 or AVX2 with FMA"
+#endif
+
 }  // namespace
 
 torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -169,7 +281,8 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels) 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("streamed_linear", &streamed_linear, "x @ weight.T, the weight read once (float32, AVX-512)");
+  m.def("isa", []() { return std::string(ISA); }, "the instruction set the kernels were compiled for: avx512 or avx2");
+  m.def("streamed_linear", &streamed_linear, "x @ weight.T, the weight read once (float32)");
   m.def("pack_panels", &pack_panels, "weight [N, K] as column panels [N/16, K, 16] for panel_linear");
-  m.def("panel_linear", &panel_linear, "x @ weight.T from the weight's column panels (float32, AVX-512)");
+  m.def("panel_linear", &panel_linear, "x @ weight.T from the weight's column panels (float32)");
 }
