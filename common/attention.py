@@ -1,10 +1,13 @@
 """Attention backends for batched forwards over per-request KV caches with arbitrary tree masks.
 
-One interface, three implementations, chosen once at start-up (:func:`select_backend`):
+One interface, four implementations, chosen once at start-up (:func:`select_backend`):
 
 - ``eager``: matmul + masked softmax in fp32; the reference.
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask;
-  the CPU default.
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask.
+- ``cpu_kernel``: the project's own CPU kernel (``csrc/cache_attention.cpp``, built with the
+  projection kernels of :mod:`common.streamed_linear`) for every sequence of a pass with a few new
+  tokens, all in one call a layer; a prompt's many new tokens go to ``sdpa``. The CPU default in
+  float32 where the kernels can be built (else ``sdpa``).
 - ``flash_attn``: flash-attn's varlen kernel (CUDA, fp16/bf16). The kernel only knows causal
   masks, so every sequence's new tokens are expanded into root-to-leaf paths: each path is one
   varlen sequence ``past + path`` with a bottom-right aligned causal mask. A node shared by several
@@ -35,7 +38,7 @@ from common.logs import get_logger
 
 log = get_logger(__name__)
 
-BACKENDS = ("eager", "sdpa", "flash_attn")
+BACKENDS = ("eager", "sdpa", "cpu_kernel", "flash_attn")
 
 KV = tuple[torch.Tensor, torch.Tensor]  # ([Hkv, L_b + t_b, D], [Hkv, L_b + t_b, D])
 
@@ -121,11 +124,17 @@ class AttentionBackend:
     returns ``[N, H, D]``. ``H`` must be a multiple of ``Hkv`` (GQA)."""
 
     name = "abstract"
+    writes_new_kv = False  # True: the runner hands the new keys/values to attend_writing instead of writing them
 
     def plan(self, layout: BatchLayout, device: torch.device) -> Any:
         raise NotImplementedError
 
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
+        """:meth:`attend`, after writing the packed new keys/values ``k, v: [N, Hkv, D]`` into the last
+        ``t_b`` entries of each ``kvs[b]`` (for a backend with :attr:`writes_new_kv`)."""
         raise NotImplementedError
 
 
@@ -168,7 +177,7 @@ class GroupPlan:
         return self.additive
 
 
-def dense_plans(layout: BatchLayout, device: torch.device, together: bool) -> tuple[GroupPlan, ...]:
+def dense_plans(layout: BatchLayout, device: torch.device, together: bool, only: frozenset[int] | None = None) -> tuple[GroupPlan, ...]:
     """How the sequences of a pass are attended: each alone on its cache in place, or (``together``)
     padded together with the others of its count of new tokens, one call per count.
 
@@ -186,12 +195,15 @@ def dense_plans(layout: BatchLayout, device: torch.device, together: bool) -> tu
     SmolLM2-135M's shape at 300 tokens of context, float32, 16 plain requests took 71.2 ms a pass
     against 99.2 alone, 64 plain requests 178.2 against 403.9, and 64 requests with trees of five
     sizes 216.0 against 494.0 (bfloat16: 49.9 against 71.3, 135.9 against 196.5, 155.6 against 209.7).
+
+    ``only``: plan just those sequences (the others are attended elsewhere).
     """
     groups: dict[int, list[int]] = {}
     for b, t in enumerate(layout.new_lens):
-        if t:
+        if t and (only is None or b in only):
             groups.setdefault(t if together else -1 - b, []).append(b)
-    whole = len(groups) == 1  # every row of the pass is the group's, in order: attended without putting rows back
+    # every row of the pass is the group's, in order: attended without putting rows back
+    whole = len(groups) == 1 and (only is None or len(next(iter(groups.values()))) == sum(1 for t in layout.new_lens if t))
     offsets, past = layout.offsets, layout.past_lens
     plans = []
     for seqs in groups.values():
@@ -281,6 +293,84 @@ class SdpaBackend(DenseBackend):
             qp, k, v, attn_mask=plan.additive_mask(qp.dtype), scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
         )
         return ungroup(o)
+
+
+# ---- the project's CPU kernel -----------------------------------------------------------------
+
+SHORT = 32  # new tokens up to which a sequence is attended by the kernel; a longer one (a prompt) by sdpa
+
+
+@dataclass
+class KernelPlan:
+    """One pass of :class:`CpuKernelBackend`: every sequence's rows (the kernel writes every one's new
+    keys and values), which ones it attends (``attend``, their ancestor masks flattened one after the
+    other), and the long ones planned as ``sdpa`` plans them."""
+
+    offsets: list[int]
+    lens: list[int]
+    attend: list[bool]
+    mask: torch.Tensor  # bool, sum of t_b * t_b over the attended sequences
+    mask_offsets: list[int]
+    long: tuple[GroupPlan, ...]
+
+
+class CpuKernelBackend(SdpaBackend):
+    """Every sequence with at most :data:`SHORT` new tokens (a decode step, a draft tree) attended in
+    one call a layer by the project's kernel (``csrc/cache_attention.cpp``), which also writes every
+    sequence's new keys and values into its cache; the others (prompts) attended alone by ``sdpa``.
+    float32 on the CPU, ``head_dim`` a multiple of 16.
+
+    Why: ``sdpa`` and the per-sequence tensor operations around it (writing the cache, slicing the
+    rows, putting them back) cost about 60 us per sequence and layer on the CPU, two milliseconds per
+    request in a pass of SmolLM2-135M; the kernel's one call reads each key and value row once for
+    the query heads that share it. Each query row is computed alone in a fixed order (float32
+    softmax), so a sequence's result does not depend on the batch around it."""
+
+    name = "cpu_kernel"
+    writes_new_kv = True
+
+    def __init__(self, kernel: Callable[..., None]) -> None:
+        super().__init__(together=False)
+        self.kernel = kernel
+
+    def plan(self, layout: BatchLayout, device: torch.device) -> KernelPlan:
+        lens = list(layout.new_lens)
+        attend = [0 < t <= SHORT for t in lens]
+        masks, mask_offsets, at = [], [], 0
+        for b, t in enumerate(lens):
+            mask_offsets.append(at)
+            if attend[b]:
+                masks.append(layout.ancestor_mask(b).reshape(-1) if t > 1 else torch.ones(1, dtype=torch.bool))
+                at += t * t
+        mask = torch.cat(masks) if masks else torch.ones(0, dtype=torch.bool)
+        long = frozenset(b for b, t in enumerate(lens) if t > SHORT)
+        return KernelPlan(list(layout.offsets), lens, attend, mask, mask_offsets,
+                          dense_plans(layout, device, together=False, only=long) if long else ())
+
+    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
+        """With the new keys/values already in ``kvs`` (each sequence's last ``t_b`` entries)."""
+        news = [kv[0][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)], [kv[1][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)]
+        return self.attend_writing(q, torch.cat(news[0]).contiguous(), torch.cat(news[1]).contiguous(), kvs, plan, scale)
+
+    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.kernel(q, k.contiguous(), v.contiguous(), [kv[0] for kv in kvs], [kv[1] for kv in kvs], plan.offsets, plan.lens,
+                    plan.attend, plan.mask, plan.mask_offsets, scale, out)
+        for p in plan.long:
+            rows = slice(None) if p.rows is None else p.rows
+            out[rows] = self.attend_group(q[rows], [kvs[b] for b in p.seqs], p, scale)
+        return out
+
+
+def cpu_kernel_available(device: torch.device | str, dtype: torch.dtype) -> Callable[..., None] | None:
+    """The kernel where it can run: float32 on a CPU whose projection kernels build (AVX-512 or AVX2)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    from common.streamed_linear import extension
+
+    module = extension()
+    return None if module is None else module.cache_attention
 
 
 # ---- flash-attn varlen ---------------------------------------------------------------------------
@@ -381,11 +471,20 @@ def flash_attn_available(device: torch.device | str, dtype: torch.dtype) -> bool
     )
 
 
-def select_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
-    """``auto`` = ``flash_attn`` when importable on a CUDA device with a half dtype, else ``sdpa``.
+def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
+    """``auto`` = ``flash_attn`` when importable on a CUDA device with a half dtype, ``cpu_kernel``
+    in float32 on a CPU where it builds (``head_dim`` a multiple of 16), else ``sdpa``.
 
-    Raises ``ValueError`` for an unknown name or an explicit ``flash_attn`` that cannot run here.
+    Raises ``ValueError`` for an unknown name or an explicit ``flash_attn`` or ``cpu_kernel`` that
+    cannot run here.
     """
+    if name in ("auto", "cpu_kernel"):
+        kernel = cpu_kernel_available(device, dtype) if head_dim % 16 == 0 else None
+        if kernel is not None:
+            return CpuKernelBackend(kernel)
+        if name == "cpu_kernel":
+            raise ValueError(f"attention backend cpu_kernel needs float32 on a CPU with AVX-512 or AVX2, the project's kernels built "
+                             f"and head_dim a multiple of 16 (device={device}, dtype={dtype}, head_dim={head_dim}); use sdpa or eager")
     if name == "auto":
         name = "flash_attn" if flash_attn_available(device, dtype) else "sdpa"
     if name == "eager":

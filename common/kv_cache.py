@@ -136,6 +136,13 @@ class KVCache:
         self.v[layer, :, self.length : end] = v_new
         self.pending = t
 
+    def will_write(self, t: int) -> None:
+        """The next ``t`` slots of every layer are about to be written in place through :meth:`view`
+        (by an attention backend that writes them itself): they are pending from now."""
+        if self.length + t > self.capacity:
+            raise RuntimeError(f"cache overflow: {self.length + t} slots needed, capacity {self.capacity} (reserve first)")
+        self.pending = t
+
     def view(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the committed slots plus the first ``extra`` pending ones:
         ``[num_kv_heads, length + extra, head_dim]`` each (views, no copy)."""

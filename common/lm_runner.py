@@ -52,7 +52,7 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
     return "bfloat16" if torch.device(device).type == "cpu" and bf16_available() else "float32"
 
 
-def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype) -> AttentionBackend:
+def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
     """The attention backend: ``auto`` on a CPU in bfloat16 is the row-invariant one where this CPU
     has it (:class:`~common.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
     if name in ("auto", InvariantAttention.name) and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
@@ -63,7 +63,7 @@ def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype) -> A
             raise ValueError("attention backend invariant needs a CPU whose bfloat16 products are row-invariant (AMX)")
     if name == InvariantAttention.name:
         raise ValueError("attention backend invariant is for bfloat16 on a CPU")
-    return select_backend(name, device, dtype)
+    return select_backend(name, device, dtype, head_dim)
 
 
 class UnsupportedArchitecture(CheckpointError):
@@ -148,7 +148,8 @@ class LMRunner:
         config = read_config(path)
         arch = check_architecture(config, path)
         draft_vocab = load_draft_vocab(path, config)
-        attention = pick_backend(backend, device, DTYPES[dtype])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        attention = pick_backend(backend, device, DTYPES[dtype], head_dim)
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
         runner = cls(model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer),
@@ -227,6 +228,9 @@ class LMRunner:
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
         plan = self.backend.plan(layout, dev)
         offsets, lens = layout.offsets, layout.new_lens
+        if self.backend.writes_new_kv:
+            for s, t in zip(seqs, lens):
+                s.cache.will_write(t)  # checks the room the views below need
 
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -234,11 +238,14 @@ class LMRunner:
             q = _rope(attn.q_proj(x).view(N, H, D), cos, sin)
             k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
             v = attn.v_proj(x).view(N, Hkv, D)
-            kvs = []
-            for s, off, t in zip(seqs, offsets, lens):
-                s.cache.write(li, k[off : off + t].transpose(0, 1), v[off : off + t].transpose(0, 1))
-                kvs.append(s.cache.view(li, t))
-            o = self.backend.attend(q, kvs, plan, self.scale)  # [N, H, D]
+            if self.backend.writes_new_kv:  # the backend writes the new keys/values itself, all sequences at once
+                o = self.backend.attend_writing(q, k, v, [s.cache.view(li, t) for s, t in zip(seqs, lens)], plan, self.scale)
+            else:
+                kvs = []
+                for s, off, t in zip(seqs, offsets, lens):
+                    s.cache.write(li, k[off : off + t].transpose(0, 1), v[off : off + t].transpose(0, 1))
+                    kvs.append(s.cache.view(li, t))
+                o = self.backend.attend(q, kvs, plan, self.scale)  # [N, H, D]
             h = h + attn.o_proj(o.reshape(N, H * D))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -51,6 +51,7 @@ from common.runtime import cache_dir
 log = get_logger("streamed_linear")
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
+ATTENTION_SOURCE = SOURCE.with_name("cache_attention.cpp")  # the same extension's attention (common/attention.py)
 K_MULTIPLE = 16  # the streamed kernel's inner dimension steps by one AVX-512 register of float32 (two AVX2 ones)
 PANEL_WIDTH = 16  # the panel kernel's outputs come in panels of one AVX-512 register of float32 (two AVX2 ones)
 FLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -62,7 +63,7 @@ StreamedLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def build_name(extra_flags: tuple[str, ...] = ()) -> str:
     """The extension's name: changes with the source, the compile flags, this CPU's flags and torch."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, ATTENTION_SOURCE)))
     digest.update(" ".join(FLAGS + extra_flags).encode())
     digest.update(torch.__version__.encode())
     try:
@@ -92,8 +93,9 @@ def unavailable_reason() -> str | None:
         return f"no C++ compiler ({compiler}) on PATH"
     if ninja_dir() is None:
         return "no ninja on PATH or beside the interpreter (torch builds extensions with it: pip install ninja)"
-    if not SOURCE.is_file():
-        return f"its source {SOURCE} is missing"
+    missing = [str(p) for p in (SOURCE, ATTENTION_SOURCE) if not p.is_file()]
+    if missing:
+        return f"its sources {', '.join(missing)} are missing"
     return None
 
 
@@ -125,7 +127,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             log.info("building the own cpu kernels (once per machine, about 30 s)", build_dir=str(build_dir))
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
+        module = load(name=name, sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)], extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
                       build_directory=str(build_dir), verbose=False)
         gen = torch.Generator().manual_seed(0)
         weight, x = torch.randn(48, 48, generator=gen), torch.randn(11, 48, generator=gen)

@@ -165,7 +165,14 @@ def test_away_from_the_cpu_the_dense_backends_pad_together_unless_told() -> None
 
 
 def test_select_backend() -> None:
-    assert select_backend("auto", "cpu", torch.float32).name == "sdpa"
+    from common.streamed_linear import extension
+
+    own = "cpu_kernel" if extension() is not None else "sdpa"  # float32 on a CPU: the project's kernel where it builds
+    assert select_backend("auto", "cpu", torch.float32).name == own
+    assert select_backend("auto", "cpu", torch.float32, head_dim=24).name == "sdpa"  # not a multiple of 16
+    assert select_backend("auto", "cpu", torch.bfloat16).name == "sdpa"
+    with pytest.raises(ValueError, match="cpu_kernel needs"):
+        select_backend("cpu_kernel", "cpu", torch.float32, head_dim=24)
     assert select_backend("eager", "cpu", torch.float32).name == "eager"
     with pytest.raises(ValueError, match="flash_attn needs"):
         select_backend("flash_attn", "cpu", torch.float32)

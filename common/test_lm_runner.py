@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.attention import FlashAttnBackend, SdpaBackend, reference_varlen
+from common.attention import CpuKernelBackend, FlashAttnBackend, SdpaBackend, cpu_kernel_available, reference_varlen
 from common.checkpoints import CheckpointError, load_causal_lm
 from common.lm_runner import LMRunner, SeqInput, UnsupportedArchitecture
 from common.random_checkpoints import make_checkpoint
@@ -111,6 +111,9 @@ def test_backends_agree_on_a_mixed_tree_batch(checkpoints: dict[str, Path]) -> N
     base = runners["sdpa"]
     runners["flash_attn(reference kernel)"] = LMRunner(base.model, FlashAttnBackend(varlen_fn=reference_varlen), name="x")
     runners["sdpa(padded together, as on a GPU)"] = LMRunner(base.model, SdpaBackend(together=True), name="x")
+    kernel = cpu_kernel_available("cpu", torch.float32)
+    if kernel is not None:
+        runners["cpu_kernel"] = LMRunner(base.model, CpuKernelBackend(kernel), name="x")
     results = {}
     for name, runner in runners.items():
         pool = runner.new_pool(None)
@@ -150,7 +153,7 @@ def test_missing_checkpoint_is_a_checkpoint_error(tmp_path: Path) -> None:
 def test_facts(checkpoints: dict[str, Path]) -> None:
     runner = LMRunner.from_checkpoint(checkpoints["qwen2-gqa-tied"], backend="auto")
     assert runner.architecture == "Qwen2ForCausalLM"
-    assert runner.backend.name == "sdpa"
+    assert runner.backend.name == ("cpu_kernel" if cpu_kernel_available("cpu", torch.float32) else "sdpa")
     assert runner.vocab_size == 512 and runner.max_context == 1024
     assert runner.num_kv_heads == 2 and runner.head_dim == 16
     assert runner.num_parameters == sum(p.numel() for p in runner.model.parameters())

@@ -280,9 +280,16 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels) 
   return y;
 }
 
+// cache_attention.cpp
+void cache_attention(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                     const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& lens, const std::vector<bool>& attend,
+                     const torch::Tensor& mask, const std::vector<int64_t>& mask_offsets, double scale, torch::Tensor& out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", []() { return std::string(ISA); }, "the instruction set the kernels were compiled for: avx512 or avx2");
   m.def("streamed_linear", &streamed_linear, "x @ weight.T, the weight read once (float32)");
   m.def("pack_panels", &pack_panels, "weight [N, K] as column panels [N/16, K, 16] for panel_linear");
+  m.def("cache_attention", &cache_attention, "write every sequence's new keys/values into its cache, attend the short ones into out (float32)");
   m.def("panel_linear", &panel_linear, "x @ weight.T from the weight's column panels (float32)");
 }

@@ -20,9 +20,11 @@ class VerifierSettings(ServiceSettings):
                         "(AMX; every output stays the bfloat16 target's own, and a verify pass costs about a decode step), float32 "
                         "anywhere else; float32 gives the checkpoint's float32 outputs", choices=("auto", "float32", "float16", "bfloat16"))
     attention: str = setting(
-        "auto", help="attention backend: flash_attn (CUDA, when installed), sdpa, eager, invariant (bfloat16 on a CPU with AMX, "
-                     "row-invariant); auto picks invariant for that bfloat16, flash_attn on CUDA when importable, else sdpa",
-        choices=("auto", "flash_attn", "sdpa", "eager", "invariant"),
+        "auto", help="attention backend: flash_attn (CUDA, when installed), cpu_kernel (the project's own, float32 on a CPU with "
+                     "AVX-512 or AVX2: a pass's short sequences in one call a layer), sdpa, eager, invariant (bfloat16 on a CPU with "
+                     "AMX, row-invariant); auto picks invariant for that bfloat16, flash_attn on CUDA when importable, cpu_kernel in "
+                     "float32 on a CPU where it builds, else sdpa",
+        choices=("auto", "flash_attn", "cpu_kernel", "sdpa", "eager", "invariant"),
     )
     torch_threads: int = setting(0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative)
     kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests; a request that would exceed it is refused", check=positive)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.attention import cpu_kernel_available
 from common.checkpoints import load_causal_lm
 from services.drafter.engine import DrafterEngine
 from services.verifier.engine import VerifierEngine
@@ -55,7 +56,7 @@ def mixed_sources(target: Path, near: Path, vocab: int, backend: str = "sdpa") -
 def test_mixed_batch_equals_hf_greedy(family: str, request: pytest.FixtureRequest) -> None:
     target: Path = request.getfixturevalue(f"{family}_target")
     near: Path = request.getfixturevalue(f"{family}_near")
-    verifier = VerifierEngine.from_checkpoint(target, attention_backend="sdpa")
+    verifier = VerifierEngine.from_checkpoint(target)  # the default backend: the project's CPU kernel where it builds
     vocab = verifier.runner.vocab_size
     sources = mixed_sources(target, near, vocab)
     # near-drafter sources share one engine: give them distinct requests
@@ -72,9 +73,9 @@ def test_mixed_batch_equals_hf_greedy(family: str, request: pytest.FixtureReques
 @pytest.mark.slow
 def test_long_generation_equals_hf_greedy(llama_target: Path, llama_near: Path) -> None:
     """220 new tokens for a batch of 4 (chains, a wide tree, an all-right drafter, empty drafts)."""
-    verifier = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa")
-    near = DrafterEngine.from_checkpoint(llama_near, attention_backend="sdpa")
-    selfd = DrafterEngine.from_checkpoint(llama_target, attention_backend="sdpa")
+    verifier = VerifierEngine.from_checkpoint(llama_target)
+    near = DrafterEngine.from_checkpoint(llama_near)
+    selfd = DrafterEngine.from_checkpoint(llama_target)
     prompts = make_prompts(4, verifier.runner.vocab_size, seed=3, lengths=(2, 9, 25, 5))
     sources = dict(zip(prompts, [DrafterSource(near, 4), DrafterSource(near, 2, 2), DrafterSource(selfd, 6), EmptySource()]))
     max_new = 220
@@ -85,8 +86,10 @@ def test_long_generation_equals_hf_greedy(llama_target: Path, llama_near: Path) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "cpu_kernel"])
 def test_backends_equal_hf_greedy(backend: str, qwen2_target: Path, qwen2_near: Path) -> None:
+    if backend == "cpu_kernel" and cpu_kernel_available("cpu", torch.float32) is None:
+        pytest.skip("the project's CPU kernels are not built here")
     verifier = VerifierEngine.from_checkpoint(qwen2_target, attention_backend=backend)
     near = DrafterEngine.from_checkpoint(qwen2_near, attention_backend=backend)
     prompts = make_prompts(4, verifier.runner.vocab_size, seed=5)
@@ -100,11 +103,11 @@ def test_tiny_zoo_equals_hf_greedy(tiny_zoo) -> None:
     """The project's tiny zoo: every drafter against the target, in one mixed batch."""
     zoo = tiny_zoo
     target = Path(zoo.target.path)
-    verifier = VerifierEngine.from_checkpoint(target, attention_backend="sdpa")
+    verifier = VerifierEngine.from_checkpoint(target)
     vocab = verifier.runner.vocab_size
     sources: list = []
     for i, drafter in enumerate(zoo.drafters.values()):
-        engine = DrafterEngine.from_checkpoint(Path(drafter.path), attention_backend="sdpa")
+        engine = DrafterEngine.from_checkpoint(Path(drafter.path))
         sources += [DrafterSource(engine, depth=4), DrafterSource(engine, depth=3, width=3)]
     sources += [RandomSource(vocab, 5, seed=1), EmptySource()]
     prompts = make_prompts(len(sources) * 2, vocab, seed=9)
