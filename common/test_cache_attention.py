@@ -93,3 +93,18 @@ def test_a_cache_without_room_is_refused_before_anything_is_written() -> None:
         cache.will_write(cache.capacity + 1)
     cache.will_write(3)
     assert cache.pending == 3 and cache.view(0, 3)[0].shape == (1, 3, 16)
+
+
+def test_a_tree_row_gets_the_bits_of_the_plain_step_for_its_token(backend: CpuKernelBackend) -> None:
+    # row i of a tree sees the cache and its ancestors-or-self; a plain step on a cache holding exactly
+    # those keys must give the same bits, so verifying a node computes what decoding it would
+    layout = BatchLayout(past_lens=(20,), parents=(TREE_PARENTS,))
+    q, kvs = batch(layout, 9, 3, 64, seed=9)
+    tree = backend.attend(q, kvs, backend.plan(layout, torch.device("cpu")), 0.125)
+    k, v = kvs[0]
+    anc = layout.ancestor_mask(0)
+    for i in range(len(TREE_PARENTS)):
+        keep = list(range(20)) + [20 + j for j in range(len(TREE_PARENTS)) if anc[i, j]]
+        step = BatchLayout(past_lens=(len(keep) - 1,), parents=((-1,),))
+        got = backend.attend(q[i : i + 1], [(k[:, keep].contiguous(), v[:, keep].contiguous())], backend.plan(step, torch.device("cpu")), 0.125)
+        assert torch.equal(got, tree[i : i + 1]), i

@@ -44,20 +44,25 @@ inline float dot(const float* a, const float* b, int64_t D) {
 }
 #endif
 
-// One query row i of sequence b for the `rep` query heads of key/value head g.
-void attend_row(const float* q, int64_t q_stride_h, int rep, const float* k, const float* v, int64_t kv_stride_s,
-                int64_t past, int64_t t, const bool* mask_row, int64_t D, float scale, float* out, int64_t out_stride_h,
-                std::vector<float>& scores) {
-  const int64_t S = past + t;
-  scores.resize(static_cast<size_t>(rep) * S);
+// Every query row (t of them) of sequence b for the `rep` query heads of key/value head g: each key
+// and value row is read once for all of them. Row i sees the first `past` keys and new key j where
+// mask[i * t + j]; each (row, head) sums its scores and values over the keys in order j = 0, 1, ...
+// (a masked key adds nothing), as the same row alone would.
+void attend_rows(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
+                 int64_t past, int64_t t, const bool* mask, int64_t D, float scale, float* out, std::vector<float>& scores) {
+  const int64_t S = past + t, R = t * rep;  // R score rows: (row i, head r) at i * rep + r
+  scores.resize(static_cast<size_t>(R) * S);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < S; j++) {
-    const bool allowed = j < past || mask_row[j - past];
     const float* kj = k + j * kv_stride_s;
-    for (int r = 0; r < rep; r++) scores[r * S + j] = allowed ? dot(q + r * q_stride_h, kj, D) * scale : neg_inf;
+    for (int64_t i = 0; i < t; i++) {
+      const bool allowed = j < past || mask[i * t + (j - past)];
+      for (int r = 0; r < rep; r++)
+        scores[(i * rep + r) * S + j] = allowed ? dot(q + i * q_stride_row + r * D, kj, D) * scale : neg_inf;
+    }
   }
-  for (int r = 0; r < rep; r++) {
-    float* sc = scores.data() + r * S;
+  for (int64_t x = 0; x < R; x++) {
+    float* sc = scores.data() + x * S;
     float m = neg_inf;
     for (int64_t j = 0; j < S; j++) m = std::max(m, sc[j]);
     float sum = 0.f;
@@ -68,15 +73,17 @@ void attend_row(const float* q, int64_t q_stride_h, int rep, const float* k, con
     const float inv = 1.f / sum;
     for (int64_t j = 0; j < S; j++) sc[j] *= inv;
   }
-  for (int r = 0; r < rep; r++) std::fill(out + r * out_stride_h, out + r * out_stride_h + D, 0.f);
+  for (int64_t i = 0; i < t; i++)
+    for (int r = 0; r < rep; r++) std::fill(out + i * q_stride_row + r * D, out + i * q_stride_row + (r + 1) * D, 0.f);
   for (int64_t j = 0; j < S; j++) {
     const float* vj = v + j * kv_stride_s;
-    for (int r = 0; r < rep; r++) {
-      const float p = scores[r * S + j];
-      if (p == 0.f) continue;
-      float* o = out + r * out_stride_h;
-      for (int64_t d = 0; d < D; d++) o[d] += p * vj[d];
-    }
+    for (int64_t i = 0; i < t; i++)
+      for (int r = 0; r < rep; r++) {
+        const float p = scores[(i * rep + r) * S + j];
+        if (p == 0.f) continue;
+        float* o = out + i * q_stride_row + r * D;
+        for (int64_t d = 0; d < D; d++) o[d] += p * vj[d];
+      }
   }
 }
 
@@ -146,11 +153,8 @@ void cache_attention(const torch::Tensor& q, const torch::Tensor& k_new, const t
       const int64_t t = lens[b], S = ks[b].size(1), past = S - t;
       const float* k = ks[b].data_ptr<float>() + g * ks[b].stride(0);
       const float* v = vs[b].data_ptr<float>() + g * vs[b].stride(0);
-      for (int64_t i = 0; i < t; i++) {
-        const int64_t row = offsets[b] + i;
-        attend_row(qp + (row * H + g * rep) * D, D, rep, k, v, ks[b].stride(1), past, t, mp + mask_offsets[b] + i * t, D, sc,
-                   op + (row * H + g * rep) * D, D, scores);
-      }
+      const int64_t first = (offsets[b] * H + g * rep) * D;  // row offsets[b], head g * rep; rows H * D apart
+      attend_rows(qp + first, H * D, rep, k, v, ks[b].stride(1), past, t, mp + mask_offsets[b], D, sc, op + first, scores);
     }
   });
 }
