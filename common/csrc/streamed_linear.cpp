@@ -19,54 +19,75 @@
 
 namespace {
 
+// One vector register of floats, for the streamed kernel.
 #if defined(__AVX512F__)
-
 constexpr const char* ISA = "avx512";
+constexpr int G = 8;  // input rows whose accumulators live in registers at once (24 of 32)
+struct Vec {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* ISA = "avx2";
+constexpr int G = 4;  // input rows whose accumulators live in registers at once (12 of 16)
+struct Vec {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(T v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+};
+#else
+#error "the project's CPU kernels need AVX-512 or AVX2 with FMA"
+#endif
 
 constexpr int R = 3;                 // weight rows a block streams together
-constexpr int G = 8;                 // input rows whose accumulators live in registers at once
 constexpr int64_t PREFETCH = 256;    // floats ahead of the loads (1 KiB)
 
 template <int M, int RB>
 inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
-  __m512 acc[RB][M];
+  typename Vec::T acc[RB][M];
   for (int r = 0; r < RB; r++)
-    for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 wv[RB];
+    for (int m = 0; m < M; m++) acc[r][m] = Vec::zero();
+  for (int64_t k = 0; k < K; k += Vec::W) {
+    typename Vec::T wv[RB];
     for (int r = 0; r < RB; r++) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k + PREFETCH), _MM_HINT_T0);
-      wv[r] = _mm512_loadu_ps(w + (n + r) * K + k);
+      wv[r] = Vec::load(w + (n + r) * K + k);
     }
     for (int m = 0; m < M; m++) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      for (int r = 0; r < RB; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+      const typename Vec::T xv = Vec::load(x + m * K + k);
+      for (int r = 0; r < RB; r++) acc[r][m] = Vec::fma(wv[r], xv, acc[r][m]);
     }
   }
   for (int r = 0; r < RB; r++)
-    for (int m = 0; m < M; m++) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+    for (int m = 0; m < M; m++) y[m * N + n + r] = Vec::sum(acc[r][m]);
 }
 
-template <int RB>
+template <int M, int RB>
 inline void group(const float* x, int64_t rows, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
-  switch (rows) {  // rows <= G
-    case 1: tile<1, RB>(x, K, w, y, N, n); break;
-    case 2: tile<2, RB>(x, K, w, y, N, n); break;
-    case 3: tile<3, RB>(x, K, w, y, N, n); break;
-    case 4: tile<4, RB>(x, K, w, y, N, n); break;
-    case 5: tile<5, RB>(x, K, w, y, N, n); break;
-    case 6: tile<6, RB>(x, K, w, y, N, n); break;
-    case 7: tile<7, RB>(x, K, w, y, N, n); break;
-    default: tile<8, RB>(x, K, w, y, N, n); break;
+  if constexpr (M > 1) {  // rows <= M: the tile of exactly `rows` rows
+    if (rows < M) return group<M - 1, RB>(x, rows, K, w, y, N, n);
   }
+  tile<M, RB>(x, K, w, y, N, n);
 }
 
 template <int RB>
 inline void block(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
   for (int64_t m0 = 0; m0 < M; m0 += G)
-    group<RB>(x + m0 * K, std::min<int64_t>(G, M - m0), K, w, y + m0 * N, N, n);
+    group<G, RB>(x + m0 * K, std::min<int64_t>(G, M - m0), K, w, y + m0 * N, N, n);
 }
 
+#if defined(__AVX512F__)
 
 // The panel kernel: y = x @ W.T with W packed once into column panels P [N/16, K, 16] (P[p, k, j] =
 // W[16p + j, k]). Written for passes past a few rows, where the product is bound by arithmetic;
@@ -130,54 +151,7 @@ inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, in
   }
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
-
-constexpr const char* ISA = "avx2";
-constexpr int R = 3;                 // weight rows a block streams together
-constexpr int G = 4;                 // input rows whose accumulators live in registers at once (12 of 16)
-constexpr int64_t PREFETCH = 256;    // floats ahead of the loads (1 KiB)
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-template <int M, int RB>
-inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
-  __m256 acc[RB][M];
-  for (int r = 0; r < RB; r++)
-    for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[RB];
-    for (int r = 0; r < RB; r++) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k + PREFETCH), _MM_HINT_T0);
-      wv[r] = _mm256_loadu_ps(w + (n + r) * K + k);
-    }
-    for (int m = 0; m < M; m++) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int r = 0; r < RB; r++) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
-    }
-  }
-  for (int r = 0; r < RB; r++)
-    for (int m = 0; m < M; m++) y[m * N + n + r] = hsum(acc[r][m]);
-}
-
-template <int RB>
-inline void group(const float* x, int64_t rows, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
-  switch (rows) {  // rows <= G
-    case 1: tile<1, RB>(x, K, w, y, N, n); break;
-    case 2: tile<2, RB>(x, K, w, y, N, n); break;
-    case 3: tile<3, RB>(x, K, w, y, N, n); break;
-    default: tile<4, RB>(x, K, w, y, N, n); break;
-  }
-}
-
-template <int RB>
-inline void block(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
-  for (int64_t m0 = 0; m0 < M; m0 += G)
-    group<RB>(x + m0 * K, std::min<int64_t>(G, M - m0), K, w, y + m0 * N, N, n);
-}
+#else  // AVX2 with FMA
 
 // The panel kernel as above, a panel of 16 columns being two registers: a micro-tile is one panel
 // and up to PG input rows (12 accumulators), a chunk PK x 64 bytes.
@@ -228,8 +202,6 @@ inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, in
   }
 }
 
-#else
-#error "the project's CPU kernels need AVX-512 or AVX2 with FMA"
 #endif
 
 }  // namespace
