@@ -1,4 +1,6 @@
-"""The project's own CPU projection kernels (``csrc/streamed_linear.cpp``), built into one extension.
+"""The project's own CPU projection kernels (``csrc/streamed_linear.cpp``), built into one extension
+with its CPU attention kernel (``csrc/cache_attention.cpp``: the ``cpu_kernel`` backend of
+:mod:`common.attention`).
 
 - *streamed*: a few rows times a weight, the weight read once. A verify pass on a CPU is bound by
   reading the weights up to a dozen or so rows, so a pass of eight rows should cost about what a
