@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from common.logs import get_logger
+from common.streamed_linear import extension
 
 log = get_logger(__name__)
 
@@ -202,8 +203,8 @@ def dense_plans(layout: BatchLayout, device: torch.device, together: bool, only:
     for b, t in enumerate(layout.new_lens):
         if t and (only is None or b in only):
             groups.setdefault(t if together else -1 - b, []).append(b)
-    # every row of the pass is the group's, in order: attended without putting rows back
-    whole = len(groups) == 1 and (only is None or len(next(iter(groups.values()))) == sum(1 for t in layout.new_lens if t))
+    # every sequence with new tokens in the one group: its rows are the pass's, attended without putting them back
+    whole = len(groups) == 1 and sum(map(len, groups.values())) == sum(1 for t in layout.new_lens if t)
     offsets, past = layout.offsets, layout.past_lens
     plans = []
     for seqs in groups.values():
@@ -349,8 +350,8 @@ class CpuKernelBackend(SdpaBackend):
 
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
         """With the new keys/values already in ``kvs`` (each sequence's last ``t_b`` entries)."""
-        news = [kv[0][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)], [kv[1][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)]
-        return self.attend_writing(q, torch.cat(news[0]).contiguous(), torch.cat(news[1]).contiguous(), kvs, plan, scale)
+        k, v = (torch.cat([kv[i][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)]) for i in (0, 1))
+        return self.attend_writing(q, k, v, kvs, plan, scale)
 
     def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
         q = q.contiguous()
@@ -367,8 +368,6 @@ def cpu_kernel_available(device: torch.device | str, dtype: torch.dtype) -> Call
     """The kernel where it can run: float32 on a CPU whose projection kernels build (AVX-512 or AVX2)."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return None
-    from common.streamed_linear import extension
-
     module = extension()
     return None if module is None else module.cache_attention
 

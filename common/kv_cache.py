@@ -130,8 +130,7 @@ class KVCache:
         """Write the new tokens' ``k_new, v_new: [num_kv_heads, t, head_dim]`` into the pending slots."""
         t = k_new.shape[1]
         end = self.length + t
-        if end > self.capacity:
-            raise RuntimeError(f"cache overflow: {end} slots needed, capacity {self.capacity} (reserve first)")
+        self._check_room(t)
         self.k[layer, :, self.length : end] = k_new
         self.v[layer, :, self.length : end] = v_new
         self.pending = t
@@ -139,9 +138,12 @@ class KVCache:
     def will_write(self, t: int) -> None:
         """The next ``t`` slots of every layer are about to be written in place through :meth:`view`
         (by an attention backend that writes them itself): they are pending from now."""
+        self._check_room(t)
+        self.pending = t
+
+    def _check_room(self, t: int) -> None:
         if self.length + t > self.capacity:
             raise RuntimeError(f"cache overflow: {self.length + t} slots needed, capacity {self.capacity} (reserve first)")
-        self.pending = t
 
     def view(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the committed slots plus the first ``extra`` pending ones:

@@ -54,6 +54,7 @@ log = get_logger("streamed_linear")
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("cache_attention.cpp")  # the same extension's attention (common/attention.py)
+VEC_HEADER = SOURCE.with_name("vec.h")  # the vector type and row dispatch both sources include
 K_MULTIPLE = 16  # the streamed kernel's inner dimension steps by one AVX-512 register of float32 (two AVX2 ones)
 PANEL_WIDTH = 16  # the panel kernel's outputs come in panels of one AVX-512 register of float32 (two AVX2 ones)
 FLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -65,7 +66,7 @@ StreamedLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def build_name(extra_flags: tuple[str, ...] = ()) -> str:
     """The extension's name: changes with the source, the compile flags, this CPU's flags and torch."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, ATTENTION_SOURCE)))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, ATTENTION_SOURCE, VEC_HEADER)))
     digest.update(" ".join(FLAGS + extra_flags).encode())
     digest.update(torch.__version__.encode())
     try:
@@ -95,7 +96,7 @@ def unavailable_reason() -> str | None:
         return f"no C++ compiler ({compiler}) on PATH"
     if ninja_dir() is None:
         return "no ninja on PATH or beside the interpreter (torch builds extensions with it: pip install ninja)"
-    missing = [str(p) for p in (SOURCE, ATTENTION_SOURCE) if not p.is_file()]
+    missing = [str(p) for p in (SOURCE, ATTENTION_SOURCE, VEC_HEADER) if not p.is_file()]
     if missing:
         return f"its sources {', '.join(missing)} are missing"
     return None

@@ -11,7 +11,8 @@
 // S_b - t_b keys (its cache) and to its new keys j where mask[i, j] (ancestors-or-self).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -20,29 +21,20 @@
 
 namespace {
 
+using cosine_kernels::Vec;
+
 constexpr int LANES = 16;  // head_dim steps by 16 floats
 
-// q . k over D floats (a multiple of 16), summed in a fixed order
-#if defined(__AVX512F__)
+// q . k over D floats (a multiple of 16): 16 / W registers of partial sums, added in a fixed order
 inline float dot(const float* a, const float* b, int64_t D) {
-  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-  for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
+  constexpr int L = LANES / Vec::W;
+  typename Vec::T acc[L];
+  for (int l = 0; l < L; l++) acc[l] = Vec::mul(Vec::load(a + l * Vec::W), Vec::load(b + l * Vec::W));
+  for (int64_t d = LANES; d < D; d += LANES)
+    for (int l = 0; l < L; l++) acc[l] = Vec::fma(Vec::load(a + d + l * Vec::W), Vec::load(b + d + l * Vec::W), acc[l]);
+  for (int l = 1; l < L; l++) acc[0] = Vec::add(acc[0], acc[l]);
+  return Vec::sum(acc[0]);
 }
-#else
-inline float dot(const float* a, const float* b, int64_t D) {
-  __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-  __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8));
-  for (int64_t d = 16; d < D; d += 16) {
-    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
-    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
-  }
-  const __m256 v = _mm256_add_ps(lo, hi);
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-#endif
 
 // Every query row (t of them) of sequence b for the `rep` query heads of key/value head g: each key
 // and value row is read once for all of them. Row i sees the first `past` keys and new key j where

@@ -13,43 +13,18 @@
 // of the rows beside it on either.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+
+#include "vec.h"
 
 #include <algorithm>
 
 namespace {
 
-// One vector register of floats, for the streamed kernel.
-#if defined(__AVX512F__)
-constexpr const char* ISA = "avx512";
-constexpr int G = 8;  // input rows whose accumulators live in registers at once (24 of 32)
-struct Vec {
-  using T = __m512;
-  static constexpr int W = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(T v) { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr const char* ISA = "avx2";
-constexpr int G = 4;  // input rows whose accumulators live in registers at once (12 of 16)
-struct Vec {
-  using T = __m256;
-  static constexpr int W = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(T v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  }
-};
-#else
-#error "the project's CPU kernels need AVX-512 or AVX2 with FMA"
-#endif
+using cosine_kernels::ISA;
+using cosine_kernels::Vec;
+using cosine_kernels::with_rows;
 
+constexpr int G = Vec::W == 16 ? 8 : 4;  // input rows whose accumulators live in registers at once (24 of 32; 12 of 16)
 constexpr int R = 3;                 // weight rows a block streams together
 constexpr int64_t PREFETCH = 256;    // floats ahead of the loads (1 KiB)
 
@@ -73,18 +48,10 @@ inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t N,
     for (int m = 0; m < M; m++) y[m * N + n + r] = Vec::sum(acc[r][m]);
 }
 
-template <int M, int RB>
-inline void group(const float* x, int64_t rows, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
-  if constexpr (M > 1) {  // rows <= M: the tile of exactly `rows` rows
-    if (rows < M) return group<M - 1, RB>(x, rows, K, w, y, N, n);
-  }
-  tile<M, RB>(x, K, w, y, N, n);
-}
-
 template <int RB>
 inline void block(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n) {
   for (int64_t m0 = 0; m0 < M; m0 += G)
-    group<G, RB>(x + m0 * K, std::min<int64_t>(G, M - m0), K, w, y + m0 * N, N, n);
+    with_rows<G>(std::min<int64_t>(G, M - m0), [&](auto rows) { tile<decltype(rows)::value, RB>(x + m0 * K, K, w, y + m0 * N, N, n); });
 }
 
 #if defined(__AVX512F__)
@@ -123,30 +90,14 @@ inline void panel_tile(const float* x, int64_t K, const float* p, int64_t k0, in
     for (int v = 0; v < V; v++) _mm512_storeu_ps(y + m * N + v * 16, acc[m][v]);
 }
 
-template <int V>
-inline void panel_rows(const float* x, int64_t rows, int64_t K, const float* p, int64_t k0, int64_t k1, float* y, int64_t N) {
-  switch (rows) {  // rows <= PG
-    case 1: panel_tile<1, V>(x, K, p, k0, k1, y, N); break;
-    case 2: panel_tile<2, V>(x, K, p, k0, k1, y, N); break;
-    case 3: panel_tile<3, V>(x, K, p, k0, k1, y, N); break;
-    case 4: panel_tile<4, V>(x, K, p, k0, k1, y, N); break;
-    case 5: panel_tile<5, V>(x, K, p, k0, k1, y, N); break;
-    case 6: panel_tile<6, V>(x, K, p, k0, k1, y, N); break;
-    case 7: panel_tile<7, V>(x, K, p, k0, k1, y, N); break;
-    default: panel_tile<8, V>(x, K, p, k0, k1, y, N); break;
-  }
-}
-
 inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, int64_t panels, float* y, int64_t N) {
   for (int64_t k0 = 0; k0 < K; k0 += PK) {
     const int64_t k1 = std::min<int64_t>(K, k0 + PK);
     for (int64_t m0 = 0; m0 < M; m0 += PG) {
       const int64_t rows = std::min<int64_t>(PG, M - m0);
-      switch (panels) {  // panels <= PV
-        case 1: panel_rows<1>(x + m0 * K, rows, K, p, k0, k1, y + m0 * N, N); break;
-        case 2: panel_rows<2>(x + m0 * K, rows, K, p, k0, k1, y + m0 * N, N); break;
-        default: panel_rows<PV>(x + m0 * K, rows, K, p, k0, k1, y + m0 * N, N); break;
-      }
+      with_rows<PV>(panels, [&](auto v) {
+        with_rows<PG>(rows, [&](auto m) { panel_tile<decltype(m)::value, decltype(v)::value>(x + m0 * K, K, p, k0, k1, y + m0 * N, N); });
+      });
     }
   }
 }
@@ -188,16 +139,7 @@ inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, in
   for (int64_t k0 = 0; k0 < K; k0 += PK) {
     const int64_t k1 = std::min<int64_t>(K, k0 + PK);
     for (int64_t m0 = 0; m0 < M; m0 += PG) {
-      const float* xs = x + m0 * K;
-      float* ys = y + m0 * N;
-      switch (std::min<int64_t>(PG, M - m0)) {
-        case 1: panel_tile<1>(xs, K, p, k0, k1, ys, N); break;
-        case 2: panel_tile<2>(xs, K, p, k0, k1, ys, N); break;
-        case 3: panel_tile<3>(xs, K, p, k0, k1, ys, N); break;
-        case 4: panel_tile<4>(xs, K, p, k0, k1, ys, N); break;
-        case 5: panel_tile<5>(xs, K, p, k0, k1, ys, N); break;
-        default: panel_tile<PG>(xs, K, p, k0, k1, ys, N); break;
-      }
+      with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) { panel_tile<decltype(m)::value>(x + m0 * K, K, p, k0, k1, y + m0 * N, N); });
     }
   }
 }
