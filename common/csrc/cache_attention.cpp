@@ -39,42 +39,65 @@ inline float dot(const float* a, const float* b, int64_t D) {
 // Every query row (t of them) of sequence b for the `rep` query heads of key/value head g: each key
 // and value row is read once for all of them. Row i sees the first `past` keys and new key j where
 // mask[i * t + j]; each (row, head) sums its scores and values over the keys in order j = 0, 1, ...
-// (a masked key adds nothing), as the same row alone would.
+// (a masked key adds nothing), as the same row alone would. Exponentials and the weighted values
+// go lane by lane (a lane's result depends on its own inputs only); a row's sum of exponentials is
+// added key by key.
+void attend_block(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
+                  int64_t past, int64_t t, int64_t i0, int64_t i1, const bool* mask, int64_t D, float scale, float* out,
+                  std::vector<float>& scores);
+
+// Rows in blocks of ROW_BLOCK (a prompt's rows too), so the scores of a block stay small; a row's
+// result does not depend on its block.
+constexpr int64_t ROW_BLOCK = 32;
+
 void attend_rows(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
                  int64_t past, int64_t t, const bool* mask, int64_t D, float scale, float* out, std::vector<float>& scores) {
-  const int64_t S = past + t, R = t * rep;  // R score rows: (row i, head r) at i * rep + r
-  scores.resize(static_cast<size_t>(R) * S);
+  for (int64_t i0 = 0; i0 < t; i0 += ROW_BLOCK)
+    attend_block(q, q_stride_row, rep, k, v, kv_stride_s, past, t, i0, std::min(t, i0 + ROW_BLOCK), mask, D, scale, out, scores);
+}
+
+// Rows i0 .. i1 of attend_rows: they see the keys up to past + i1 at most (new key j needs j <= i).
+void attend_block(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
+                  int64_t past, int64_t t, int64_t i0, int64_t i1, const bool* mask, int64_t D, float scale, float* out,
+                  std::vector<float>& scores) {
+  const int64_t S = past + i1, R = (i1 - i0) * rep;  // R score rows: (row i, head r) at (i - i0) * rep + r
+  const int64_t P = (S + Vec::W - 1) / Vec::W * Vec::W;  // a score row padded with -inf to whole vectors
+  scores.resize(static_cast<size_t>(R) * P);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < S; j++) {
     const float* kj = k + j * kv_stride_s;
-    for (int64_t i = 0; i < t; i++) {
+    for (int64_t i = i0; i < i1; i++) {
       const bool allowed = j < past || mask[i * t + (j - past)];
       for (int r = 0; r < rep; r++)
-        scores[(i * rep + r) * S + j] = allowed ? dot(q + i * q_stride_row + r * D, kj, D) * scale : neg_inf;
+        scores[((i - i0) * rep + r) * P + j] = allowed ? dot(q + i * q_stride_row + r * D, kj, D) * scale : neg_inf;
     }
   }
   for (int64_t x = 0; x < R; x++) {
-    float* sc = scores.data() + x * S;
+    float* sc = scores.data() + x * P;
+    std::fill(sc + S, sc + P, neg_inf);
     float m = neg_inf;
     for (int64_t j = 0; j < S; j++) m = std::max(m, sc[j]);
-    float sum = 0.f;
-    for (int64_t j = 0; j < S; j++) {
-      sc[j] = sc[j] == neg_inf ? 0.f : std::exp(sc[j] - m);
-      sum += sc[j];
+    const Vec::T vm = Vec::set1(m);
+    for (int64_t j = 0; j < P; j += Vec::W) {
+      const Vec::T s = Vec::load(sc + j);
+      Vec::store(sc + j, Vec::zero_where_neg_inf(s, cosine_kernels::exp_neg(Vec::sub(s, vm))));
     }
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < S; j++) sc[j] *= inv;
+    float sum = 0.f;
+    for (int64_t j = 0; j < S; j++) sum += sc[j];
+    const Vec::T inv = Vec::set1(1.f / sum);
+    for (int64_t j = 0; j < P; j += Vec::W) Vec::store(sc + j, Vec::mul(Vec::load(sc + j), inv));
   }
-  for (int64_t i = 0; i < t; i++)
+  for (int64_t i = i0; i < i1; i++)
     for (int r = 0; r < rep; r++) std::fill(out + i * q_stride_row + r * D, out + i * q_stride_row + (r + 1) * D, 0.f);
   for (int64_t j = 0; j < S; j++) {
     const float* vj = v + j * kv_stride_s;
-    for (int64_t i = 0; i < t; i++)
+    for (int64_t i = i0; i < i1; i++)
       for (int r = 0; r < rep; r++) {
-        const float p = scores[(i * rep + r) * S + j];
+        const float p = scores[((i - i0) * rep + r) * P + j];
         if (p == 0.f) continue;
         float* o = out + i * q_stride_row + r * D;
-        for (int64_t d = 0; d < D; d++) o[d] += p * vj[d];
+        const Vec::T vp = Vec::set1(p);
+        for (int64_t d = 0; d < D; d += Vec::W) Vec::store(o + d, Vec::fma(vp, Vec::load(vj + d), Vec::load(o + d)));
       }
   }
 }
@@ -116,35 +139,26 @@ void cache_attention(const torch::Tensor& q, const torch::Tensor& k_new, const t
   }
   const float* kn = k_new.data_ptr<float>();
   const float* vn = v_new.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; b++) {
-      const int64_t t = lens[b], past = ks[b].size(1) - t;
-      float* kc = ks[b].data_ptr<float>();
-      float* vc = vs[b].data_ptr<float>();
-      for (int64_t i = 0; i < t; i++)
-        for (int64_t g = 0; g < Hkv; g++) {
-          const int64_t from = ((offsets[b] + i) * Hkv + g) * D, to = g * ks[b].stride(0) + (past + i) * ks[b].stride(1);
-          std::copy(kn + from, kn + from + D, kc + to);
-          std::copy(vn + from, vn + from + D, vc + to);
-        }
-    }
-  });
-  std::vector<int64_t> items;  // (sequence, key/value head) pairs to attend
-  for (int64_t b = 0; b < B; b++)
-    if (attend[b])
-      for (int64_t g = 0; g < Hkv; g++) items.push_back(b * Hkv + g);
   const int rep = static_cast<int>(H / Hkv);
   const float* qp = q.data_ptr<float>();
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // one item per (sequence, key/value head): it writes that head's new keys and values, then (for a
+  // sequence the kernel attends) attends that head's query rows
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t it = begin; it < end; it++) {
-      const int64_t b = items[it] / Hkv, g = items[it] % Hkv;
+      const int64_t b = it / Hkv, g = it % Hkv;
       const int64_t t = lens[b], S = ks[b].size(1), past = S - t;
-      const float* k = ks[b].data_ptr<float>() + g * ks[b].stride(0);
-      const float* v = vs[b].data_ptr<float>() + g * vs[b].stride(0);
+      float* k = ks[b].data_ptr<float>() + g * ks[b].stride(0);
+      float* v = vs[b].data_ptr<float>() + g * vs[b].stride(0);
+      for (int64_t i = 0; i < t; i++) {
+        const int64_t from = ((offsets[b] + i) * Hkv + g) * D, to = (past + i) * ks[b].stride(1);
+        std::copy(kn + from, kn + from + D, k + to);
+        std::copy(vn + from, vn + from + D, v + to);
+      }
+      if (!attend[b]) continue;
       const int64_t first = (offsets[b] * H + g * rep) * D;  // row offsets[b], head g * rep; rows H * D apart
       attend_rows(qp + first, H * D, rep, k, v, ks[b].stride(1), past, t, mp + mask_offsets[b], D, sc, op + first, scores);
     }
