@@ -99,7 +99,7 @@ class BenchOptions:
     requests: int | None = None  # overrides every workload's request count
     cores: int = 0
     threads: int = 0  # torch intra-op threads of the in-process systems (0: one per core)
-    dtype: str = "float32"  # the target's, in every system (auto: bfloat16 on a CPU with AMX)
+    dtype: str = "auto"  # the target's, in every system (auto: bfloat16 on a CPU with AMX, else float32)
     plots: bool = True
     progress: bool = True
     log_dir: str = ""
@@ -380,8 +380,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cores", type=int, default=0, help="cores every system may use (default: all); the service processes split them")
     p.add_argument("--threads", type=int, default=0, help="torch threads of the in-process systems, at most --cores (default 0: "
                    "one per core, the same cores the service processes share)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "auto", "bfloat16"),
-                   help="the target's dtype in every system (default float32; auto: bfloat16 on a CPU with AMX, row-invariant, float32 "
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the target's dtype in every system (default auto: bfloat16 on a CPU with AMX, row-invariant, float32 "
                         "elsewhere; transformers' systems are not held to greedy equality in bfloat16, their kernels round by shape)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_bench)

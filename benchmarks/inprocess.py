@@ -160,8 +160,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                  epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--zoo", type=Path, default=Path(".cosine/zoo-smol"), help="model zoo directory (default .cosine/zoo-smol)")
     ap.add_argument("--device", default="cpu", help="torch device of every model: cpu, cuda, cuda:1 ... (default cpu)")
-    ap.add_argument("--dtype", default="float32", choices=("auto", "float32", "float16", "bfloat16"),
-                    help="the target's weights and activations (default float32; auto: bfloat16 on a CPU whose bfloat16 products are "
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                    help="the target's weights and activations (default auto: bfloat16 on a CPU whose bfloat16 products are "
                          "row-invariant, float32 elsewhere, with the drafters in float32). On a GPU, in bfloat16 or float16 a greedy "
                          "output may leave the target alone's at a near tie, since rounding there depends on the shape of the pass")
     ap.add_argument("--drafters", default="", help="comma-separated drafters of the zoo to load (default: all)")

@@ -126,6 +126,7 @@ class AttentionBackend:
 
     name = "abstract"
     writes_new_kv = False  # True: the runner hands the new keys/values to attend_writing instead of writing them
+    cache_dtype: torch.dtype | None = None  # the keys/values' dtype in the cache; None: the model's
 
     def plan(self, layout: BatchLayout, device: torch.device) -> Any:
         raise NotImplementedError
@@ -325,18 +326,31 @@ class CpuKernelBackend(SdpaBackend):
     rows, putting them back) cost about 60 us per sequence and layer on the CPU, two milliseconds per
     request in a pass of SmolLM2-135M; the kernel's one call reads each key and value row once for
     the query heads that share it. Each query row is computed alone in a fixed order (float32
-    softmax), so a sequence's result does not depend on the batch around it."""
+    softmax), so a sequence's result does not depend on the batch around it.
+
+    A bfloat16 model (on a CPU with AMX, its projections row-invariant: ``common/invariant_bf16.py``)
+    keeps its keys and values in float32 (bfloat16 values, exact in float32) and is attended in
+    float32, its output rounded to bfloat16 once: a row's result is still the row's alone, and the
+    same kernel serves both dtypes. There every sequence goes to the kernel (``short=None``), a prompt
+    too: whether a prompt's rows met ``sdpa`` or the kernel would depend on what else its pass held
+    (a prompt alone, or a prompt and a draft tree), and ``sdpa``'s sums differ from the kernel's in
+    the last bits, which bfloat16's rounding turns into different tokens (in float32, only at exact
+    ties). The kernel's cost grows with a prompt's length squared (32 rows at a time), so ``sdpa``
+    keeps float32's prompts."""
 
     name = "cpu_kernel"
     writes_new_kv = True
+    cache_dtype = torch.float32
 
-    def __init__(self, kernel: Callable[..., None]) -> None:
+    def __init__(self, kernel: Callable[..., None], short: int | None = SHORT) -> None:
         super().__init__(together=False)
         self.kernel = kernel
+        self.short = short  # None: every sequence by the kernel (bfloat16: a prompt's rows too, see above)
 
     def plan(self, layout: BatchLayout, device: torch.device) -> KernelPlan:
         lens = list(layout.new_lens)
-        attend = [0 < t <= SHORT for t in lens]
+        short = self.short if self.short is not None else max(lens, default=0)
+        attend = [0 < t <= short for t in lens]
         masks, mask_offsets, at = [], [], 0
         for b, t in enumerate(lens):
             mask_offsets.append(at)
@@ -344,7 +358,7 @@ class CpuKernelBackend(SdpaBackend):
                 masks.append(layout.ancestor_mask(b).reshape(-1) if t > 1 else torch.ones(1, dtype=torch.bool))
                 at += t * t
         mask = torch.cat(masks) if masks else torch.ones(0, dtype=torch.bool)
-        long = frozenset(b for b, t in enumerate(lens) if t > SHORT)
+        long = frozenset(b for b, t in enumerate(lens) if t > short)
         return KernelPlan(list(layout.offsets), lens, attend, mask, mask_offsets,
                           dense_plans(layout, device, together=False, only=long) if long else ())
 
@@ -354,19 +368,21 @@ class CpuKernelBackend(SdpaBackend):
         return self.attend_writing(q, k, v, kvs, plan, scale)
 
     def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
-        q = q.contiguous()
+        dtype = q.dtype  # float32, or bfloat16 attended in float32
+        q = q.float().contiguous()
         out = torch.empty_like(q)
-        self.kernel(q, k.contiguous(), v.contiguous(), [kv[0] for kv in kvs], [kv[1] for kv in kvs], plan.offsets, plan.lens,
-                    plan.attend, plan.mask, plan.mask_offsets, scale, out)
+        self.kernel(q, k.float().contiguous(), v.float().contiguous(), [kv[0] for kv in kvs], [kv[1] for kv in kvs], plan.offsets,
+                    plan.lens, plan.attend, plan.mask, plan.mask_offsets, scale, out)
         for p in plan.long:
             rows = slice(None) if p.rows is None else p.rows
             out[rows] = self.attend_group(q[rows], [kvs[b] for b in p.seqs], p, scale)
-        return out
+        return out.to(dtype)
 
 
 def cpu_kernel_available(device: torch.device | str, dtype: torch.dtype) -> Callable[..., None] | None:
-    """The kernel where it can run: float32 on a CPU whose projection kernels build (AVX-512 or AVX2)."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    """The kernel where it can run: float32 or bfloat16 (attended in float32) on a CPU whose projection
+    kernels build (AVX-512 or AVX2)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     module = extension()
     return None if module is None else module.cache_attention
@@ -472,17 +488,18 @@ def flash_attn_available(device: torch.device | str, dtype: torch.dtype) -> bool
 
 def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
     """``auto`` = ``flash_attn`` when importable on a CUDA device with a half dtype, ``cpu_kernel``
-    in float32 on a CPU where it builds (``head_dim`` a multiple of 16), else ``sdpa``.
+    in float32 on a CPU where it builds (``head_dim`` a multiple of 16), else ``sdpa``; ``cpu_kernel``
+    by name also in bfloat16.
 
     Raises ``ValueError`` for an unknown name or an explicit ``flash_attn`` or ``cpu_kernel`` that
     cannot run here.
     """
-    if name in ("auto", "cpu_kernel"):
+    if name == "cpu_kernel" or (name == "auto" and dtype == torch.float32):  # bfloat16's auto: common.lm_runner.pick_backend
         kernel = cpu_kernel_available(device, dtype) if head_dim % 16 == 0 else None
         if kernel is not None:
-            return CpuKernelBackend(kernel)
+            return CpuKernelBackend(kernel, SHORT if dtype == torch.float32 else None)
         if name == "cpu_kernel":
-            raise ValueError(f"attention backend cpu_kernel needs float32 on a CPU with AVX-512 or AVX2, the project's kernels built "
+            raise ValueError(f"attention backend cpu_kernel needs float32 or bfloat16 on a CPU with AVX-512 or AVX2, the project's kernels built "
                              f"and head_dim a multiple of 16 (device={device}, dtype={dtype}, head_dim={head_dim}); use sdpa or eager")
     if name == "auto":
         name = "flash_attn" if flash_attn_available(device, dtype) else "sdpa"

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from common.attention import AttentionBackend, BatchLayout, select_backend
+from common.attention import AttentionBackend, BatchLayout, CpuKernelBackend, cpu_kernel_available, select_backend
 from common.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
 from common.draft_vocab import DraftVocab, load_draft_vocab
 from common.kv_cache import KVCache, KVPool
@@ -53,10 +53,14 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
 
 
 def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
-    """The attention backend: ``auto`` on a CPU in bfloat16 is the row-invariant one where this CPU
-    has it (:class:`~common.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
+    """The attention backend: ``auto`` on a CPU in bfloat16, where this CPU's bfloat16 products are
+    row-invariant, is the project's kernel (float32 attention on float32 keys/values, every row
+    alone) where it builds, else the row-invariant eager one
+    (:class:`~common.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
     if name in ("auto", InvariantAttention.name) and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         rows = invariant_rows()
+        if rows and name == "auto" and head_dim % 16 == 0 and (kernel := cpu_kernel_available(device, dtype)) is not None:
+            return CpuKernelBackend(kernel, short=None)  # every sequence: see CpuKernelBackend
         if rows:
             return InvariantAttention(rows)
         if name != "auto":
@@ -110,7 +114,7 @@ class LMRunner:
         cfg = model.config
         check_architecture(cfg.to_dict(), name or cfg.model_type)
         use_cpu_linears(model)  # CPU float32 only: few-row projections with the kernels fast at them
-        if isinstance(backend, InvariantAttention):  # CPU bfloat16: every row as if alone
+        if isinstance(backend, (InvariantAttention, CpuKernelBackend)):  # CPU bfloat16: every row as if alone
             use_invariant_linears(model)
         self.model = model
         self.config = cfg
@@ -184,7 +188,7 @@ class LMRunner:
     def new_pool(self, token_budget: int | None) -> KVPool:
         return KVPool(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            dtype=self.dtype, device=self.device, token_budget=token_budget,
+            dtype=self.backend.cache_dtype or self.dtype, device=self.device, token_budget=token_budget,
         )
 
     def model_info(self) -> ModelInfo:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common import invariant_bf16
+from common.attention import CpuKernelBackend
 from common.invariant_bf16 import InvariantAttention, InvariantLinear, bf16_available, pad_keys, use_invariant_linears
 from common.lm_runner import LMRunner, SeqInput, pick_backend, resolve_dtype
 from common.random_checkpoints import make_checkpoint
@@ -74,12 +75,22 @@ def random_tree(rng: random.Random, n: int) -> tuple[int, ...]:
 
 
 @needs_bf16
-def test_tree_nodes_in_a_batch_get_the_logits_of_their_path_decoded_alone(gqa_target: Path) -> None:
+@pytest.mark.parametrize("backend", ["auto", "invariant"])
+def test_tree_nodes_in_a_batch_get_the_logits_of_their_path_decoded_alone(gqa_target: Path, backend: str) -> None:
     """Random batches of random trees (branches, several roots, more nodes than a query chunk): every
-    node's logits equal, bit for bit, those of decoding its root-to-node path one token at a time."""
-    runner = LMRunner.from_checkpoint(gqa_target, dtype="auto")
-    assert runner.dtype == torch.bfloat16 and isinstance(runner.backend, InvariantAttention)
-    runner.backend.rows = 6  # chunks of three tokens (two query heads per key/value head): chunking is exercised
+    node's logits equal, bit for bit, those of decoding its root-to-node path one token at a time,
+    with the project's attention kernel (``auto``: float32 attention on float32 keys/values) and the
+    eager row-invariant one."""
+    runner = LMRunner.from_checkpoint(gqa_target, dtype="auto", backend=backend)
+    assert runner.dtype == torch.bfloat16
+    if backend == "auto":
+        assert isinstance(runner.backend, CpuKernelBackend) and runner.new_pool(None).dtype == torch.float32
+        for m in runner.model.modules():  # projections in chunks of five rows: chunking is exercised
+            if isinstance(m, InvariantLinear):
+                m.rows = 5
+    else:
+        assert isinstance(runner.backend, InvariantAttention)
+        runner.backend.rows = 6  # chunks of three tokens (two query heads per key/value head): chunking is exercised
     pool = runner.new_pool(None)
     rng = random.Random(5)
     vocab = runner.vocab_size
@@ -114,6 +125,51 @@ def test_tree_nodes_in_a_batch_get_the_logits_of_their_path_decoded_alone(gqa_ta
                 cache.truncate(base)
                 checked += 1
     assert checked > 20
+
+
+@pytest.fixture(scope="module")
+def wide_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with head_dim 64 (4 query heads on 2 key/value heads, hidden 256), where ``sdpa``'s sums
+    differ from the kernel's often enough to show up in bfloat16 logits."""
+    return make_checkpoint(tmp_path_factory.mktemp("bf16_wide"), "llama", seed=3, num_hidden_layers=2, hidden_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+
+
+@needs_bf16
+@pytest.mark.parametrize("backend", ["auto", "invariant"])
+def test_a_prompt_with_its_draft_tree_in_one_pass_gets_the_logits_of_the_prompt_alone(wide_target: Path, backend: str) -> None:
+    """A request's first pass may hold its prompt and a draft tree while the target alone prefills
+    the prompt by itself and then decodes: every row's logits must be the same either way, bit for
+    bit, for prompts on both sides of the float32 kernel's 32 new tokens (with the prompts' rows
+    sent to ``sdpa`` past 32, as float32 does, 5 of these 307 rows differed)."""
+    runner = LMRunner.from_checkpoint(wide_target, dtype="auto", backend=backend)
+    pool = runner.new_pool(None)
+    rng = random.Random(3)
+    vocab = runner.vocab_size
+    for length in (20, 28, 31, 33, 40, 45, 75):
+        prompt = tuple(rng.randrange(vocab) for _ in range(length))
+        tree = tuple(rng.randrange(vocab) for _ in range(5))
+        parents = tuple(p + length if p >= 0 else length - 1 for p in random_tree(rng, 5))
+        together = pool.new_cache()
+        together.reserve(length + 5)
+        got = runner.forward([SeqInput(together, prompt + tree, tuple(range(-1, length - 1)) + parents,
+                                       tuple(range(length + 5)))])[0]
+        alone = pool.new_cache()
+        alone.reserve(length)
+        first = runner.forward([SeqInput(alone, prompt, None, tuple(range(length)))])[0]
+        alone.commit(length)
+        assert torch.equal(got[:length], first), f"prompt of {length}"
+        for node in range(5):
+            path, x = [], node
+            while x >= 0:
+                path.append(x)
+                x = parents[x] - length
+            for x in reversed(path):
+                alone.reserve(1)
+                logits = runner.forward([SeqInput(alone, (tree[x],))])[0][0]
+                alone.commit(1)
+            assert torch.equal(logits, got[length + node]), f"node {node} after a prompt of {length}"
+            alone.truncate(length)
 
 
 def test_bfloat16_is_not_offered_where_zero_padded_keys_are_not_exact(monkeypatch: pytest.MonkeyPatch) -> None:

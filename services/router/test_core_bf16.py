@@ -21,10 +21,11 @@ from services.verifier.test_greedy_equality import make_prompts
 pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)")
 
 
-@pytest.fixture(scope="module")
-def bf16_verifier(llama_target: Path) -> VerifierEngine:
-    verifier = VerifierEngine.from_checkpoint(llama_target, dtype="auto")
-    assert verifier.runner.backend.name == "invariant"
+@pytest.fixture(scope="module", params=["auto", "invariant"])
+def bf16_verifier(llama_target: Path, request: pytest.FixtureRequest) -> VerifierEngine:
+    """The bfloat16 target with the project's attention kernel (``auto``) and the eager row-invariant one."""
+    verifier = VerifierEngine.from_checkpoint(llama_target, dtype="auto", attention_backend=request.param)
+    assert verifier.runner.backend.name == ("cpu_kernel" if request.param == "auto" else "invariant")
     return verifier
 
 
