@@ -379,6 +379,13 @@ class CpuKernelBackend(SdpaBackend):
         return out.to(dtype)
 
 
+def cpu_kernel_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> CpuKernelBackend | None:
+    """The kernel's backend where it can run (see :func:`cpu_kernel_available`, and ``head_dim`` a
+    multiple of 16): short sequences only in float32, every sequence in bfloat16."""
+    kernel = cpu_kernel_available(device, dtype) if head_dim % 16 == 0 else None
+    return None if kernel is None else CpuKernelBackend(kernel, SHORT if dtype == torch.float32 else None)
+
+
 def cpu_kernel_available(device: torch.device | str, dtype: torch.dtype) -> Callable[..., None] | None:
     """The kernel where it can run: float32 or bfloat16 (attended in float32) on a CPU whose projection
     kernels build (AVX-512 or AVX2)."""
@@ -495,9 +502,9 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, he
     cannot run here.
     """
     if name == "cpu_kernel" or (name == "auto" and dtype == torch.float32):  # bfloat16's auto: common.lm_runner.pick_backend
-        kernel = cpu_kernel_available(device, dtype) if head_dim % 16 == 0 else None
-        if kernel is not None:
-            return CpuKernelBackend(kernel, SHORT if dtype == torch.float32 else None)
+        backend = cpu_kernel_backend(device, dtype, head_dim)
+        if backend is not None:
+            return backend
         if name == "cpu_kernel":
             raise ValueError(f"attention backend cpu_kernel needs float32 or bfloat16 on a CPU with AVX-512 or AVX2, the project's kernels built "
                              f"and head_dim a multiple of 16 (device={device}, dtype={dtype}, head_dim={head_dim}); use sdpa or eager")

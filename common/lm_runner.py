@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from common.attention import AttentionBackend, BatchLayout, CpuKernelBackend, cpu_kernel_available, select_backend
+from common.attention import AttentionBackend, BatchLayout, CpuKernelBackend, cpu_kernel_backend, select_backend
 from common.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
 from common.draft_vocab import DraftVocab, load_draft_vocab
 from common.kv_cache import KVCache, KVPool
@@ -59,8 +59,8 @@ def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype, head
     (:class:`~common.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
     if name in ("auto", InvariantAttention.name) and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         rows = invariant_rows()
-        if rows and name == "auto" and head_dim % 16 == 0 and (kernel := cpu_kernel_available(device, dtype)) is not None:
-            return CpuKernelBackend(kernel, short=None)  # every sequence: see CpuKernelBackend
+        if rows and name == "auto" and (kernel := cpu_kernel_backend(device, dtype, head_dim)) is not None:
+            return kernel
         if rows:
             return InvariantAttention(rows)
         if name != "auto":

@@ -3,10 +3,11 @@
 // On a CPU the dense backends attend one sequence at a time: a dozen small tensor operations and a
 // scaled_dot_product_attention call per sequence and layer, about 60 us each, which is two
 // milliseconds per request in a pass of SmolLM2-135M (30 layers), a third of a 16-request pass.
-// Here one call per layer does every sequence with a few new tokens (a decode step, a draft
-// tree): threads take (sequence, key/value head) items; each key and value row is read once for the
-// query heads that share it (GQA), scores go through a softmax in float32, and each query row is
-// computed alone in a fixed order, so its result does not depend on the rows or sequences beside it.
+// Here one call per layer does every sequence it is given to attend (in float32 those with a few new
+// tokens: a decode step, a draft tree; in bfloat16 prompts too): threads take (sequence, key/value
+// head) items; each key and value row is read once for the query heads that share it (GQA), scores
+// go through a softmax in float32, and each query row is computed alone in a fixed order, so its
+// result does not depend on the rows or sequences beside it.
 // The queries of sequence b (rows offsets[b] .. offsets[b] + t_b of q) attend to the first
 // S_b - t_b keys (its cache) and to its new keys j where mask[i, j] (ancestors-or-self).
 #include <torch/extension.h>
@@ -36,27 +37,9 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return Vec::sum(acc[0]);
 }
 
-// Every query row (t of them) of sequence b for the `rep` query heads of key/value head g: each key
-// and value row is read once for all of them. Row i sees the first `past` keys and new key j where
-// mask[i * t + j]; each (row, head) sums its scores and values over the keys in order j = 0, 1, ...
-// (a masked key adds nothing), as the same row alone would. Exponentials and the weighted values
-// go lane by lane (a lane's result depends on its own inputs only); a row's sum of exponentials is
-// added key by key.
-void attend_block(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
-                  int64_t past, int64_t t, int64_t i0, int64_t i1, const bool* mask, int64_t D, float scale, float* out,
-                  std::vector<float>& scores);
-
-// Rows in blocks of ROW_BLOCK (a prompt's rows too), so the scores of a block stay small; a row's
-// result does not depend on its block.
-constexpr int64_t ROW_BLOCK = 32;
-
-void attend_rows(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
-                 int64_t past, int64_t t, const bool* mask, int64_t D, float scale, float* out, std::vector<float>& scores) {
-  for (int64_t i0 = 0; i0 < t; i0 += ROW_BLOCK)
-    attend_block(q, q_stride_row, rep, k, v, kv_stride_s, past, t, i0, std::min(t, i0 + ROW_BLOCK), mask, D, scale, out, scores);
-}
-
-// Rows i0 .. i1 of attend_rows: they see the keys up to past + i1 at most (new key j needs j <= i).
+// Rows i0 .. i1 of attend_rows (below): they see the keys up to past + i1 at most (new key j needs
+// j <= i). Exponentials and the weighted values go lane by lane (a lane's result depends on its own
+// inputs only); a row's sum of exponentials is added key by key.
 void attend_block(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
                   int64_t past, int64_t t, int64_t i0, int64_t i1, const bool* mask, int64_t D, float scale, float* out,
                   std::vector<float>& scores) {
@@ -100,6 +83,20 @@ void attend_block(const float* q, int64_t q_stride_row, int rep, const float* k,
         for (int64_t d = 0; d < D; d += Vec::W) Vec::store(o + d, Vec::fma(vp, Vec::load(vj + d), Vec::load(o + d)));
       }
   }
+}
+
+constexpr int64_t ROW_BLOCK = 32;
+
+// Every query row (t of them) of sequence b for the `rep` query heads of key/value head g: each key
+// and value row is read once for all of a block's rows. Row i sees the first `past` keys and new key
+// j where mask[i * t + j]; each (row, head) sums its scores and values over the keys in order j = 0,
+// 1, ... (a masked key adds nothing), as the same row alone would. Rows go in blocks of ROW_BLOCK (a
+// prompt's rows too), so a block's scores stay small; a row's result does not depend on its block.
+
+void attend_rows(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
+                 int64_t past, int64_t t, const bool* mask, int64_t D, float scale, float* out, std::vector<float>& scores) {
+  for (int64_t i0 = 0; i0 < t; i0 += ROW_BLOCK)
+    attend_block(q, q_stride_row, rep, k, v, kv_stride_s, past, t, i0, std::min(t, i0 + ROW_BLOCK), mask, D, scale, out, scores);
 }
 
 }  // namespace

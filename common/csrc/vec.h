@@ -65,8 +65,8 @@ struct Vec {
 #endif
 
 // e^x lane by lane for x <= 0 (a softmax's shifted scores; below -87 it gives e^-87): x = n ln 2 + r
-// with |r| <= ln 2 / 2, e^r by its degree-7 Taylor-like polynomial (Cephes' expf coefficients),
-// times 2^n. Within 2 ulp of e^x; each lane's result depends on its own input only.
+// with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (Cephes' expf coefficients), times 2^n; each
+// lane's result depends on its own input only.
 inline Vec::T exp_neg(Vec::T x) {
   x = Vec::max(x, Vec::set1(-87.0f));
   const Vec::T n = Vec::floor(Vec::fma(x, Vec::set1(1.44269504088896341f), Vec::set1(0.5f)));
