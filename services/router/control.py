@@ -133,7 +133,10 @@ class SpeculationControl:
     enabled: bool = True
     smoothing: float = 0.2  # EWMA weight of the newest round
     min_threshold: float = 0.02  # below this a node is never worth a row, however cheap
-    calibration: Calibration = field(default_factory=Calibration)
+    calibration: Calibration = field(default_factory=Calibration)  # greedy requests' nodes
+    # sampled requests' nodes: a token is accepted by rejection sampling there, not by matching the
+    # target's argmax, so the same confidence earns another rate (see ``calibration_for``)
+    sampled_calibration: Calibration = field(default_factory=Calibration)
     cost: CostModel = field(default_factory=CostModel)
     curve: PassCurve = field(default_factory=PassCurve)  # measured pass time by rows (not a line: see pass_plan)
     throughput: float = 0.0  # tokens committed per verifier-busy second (EWMA)
@@ -249,8 +252,15 @@ class SpeculationControl:
             return 1.0
         return max(1.0, self.pass_ratio_beside / self.pass_ratio)
 
-    def node_value(self, parent_value: float, confidence: float) -> float:
-        return parent_value * self.calibration(confidence)
+    def calibration_for(self, greedy: bool) -> Calibration:
+        """P(accept | confidence) of a drafter node, for greedy or for sampled requests. Kept apart
+        because one calibration fed by both prices a sampled request's nodes at greedy rates wherever
+        greedy requests are the majority (a router's history, or a bench's earlier workloads); then
+        its passes keep rows that do not pay."""
+        return self.calibration if greedy else self.sampled_calibration
+
+    def node_value(self, parent_value: float, confidence: float, greedy: bool = True) -> float:
+        return parent_value * self.calibration_for(greedy)(confidence)
 
     def worth_a_step(self, next_values: Sequence[float], pipelined: bool) -> bool:
         """Whether one more fused draft step (for the requests whose next nodes are ``next_values``)
@@ -258,13 +268,13 @@ class SpeculationControl:
         verification and only half of its time is counted (see :meth:`step_pricing`)."""
         return self.step_pricing(pipelined).worth_a_step(next_values)
 
-    def step_pricing(self, pipelined: bool) -> StepPricing:
+    def step_pricing(self, pipelined: bool, greedy: bool = True) -> StepPricing:
         """This round's word on nodes and steps, for token fusion wherever it runs (a snapshot:
-        the node threshold, the calibration, and what one more step must bring, as in
-        :meth:`threshold`, :meth:`node_value` and :meth:`worth_a_step`)."""
+        the node threshold, the calibration of ``greedy`` or sampled requests, and what one more
+        step must bring, as in :meth:`threshold`, :meth:`node_value` and :meth:`worth_a_step`)."""
         if not self.enabled:
             return StepPricing()
-        cal = self.calibration
+        cal = self.calibration_for(greedy)
         rates = tuple(a / n for a, n in zip(cal.accepted, cal.seen))
         step_tokens = row_tokens = 0.0
         if self.throughput > 0 and self.draft_step_s > 0:
@@ -315,14 +325,14 @@ class SpeculationControl:
         self.extras_gain = self._ewma_zero(self.extras_gain, float(gained), self.extras_rounds)
         self.extras_cost = self._ewma_zero(self.extras_cost, self.throughput * share * seconds, self.extras_rounds)
 
-    def prune(self, tree: DraftTree) -> DraftTree:
+    def prune(self, tree: DraftTree, greedy: bool = True) -> DraftTree:
         """The tree without the nodes (and their descendants) whose value is under the threshold."""
         theta = self.threshold()
         values: list[float] = []
         keep: list[bool] = []
         for parent, prob in zip(tree.parents, tree.probs):
             base = 1.0 if parent < 0 else values[parent]
-            v = self.node_value(base, prob)
+            v = self.node_value(base, prob, greedy)
             values.append(v)
             keep.append(v >= theta and (parent < 0 or keep[parent]))
         if all(keep):
@@ -368,16 +378,18 @@ class SpeculationControl:
         self.draft_round_s = self._ewma(self.draft_round_s, draft_s)
         self.verify_round_s = self._ewma(self.verify_round_s, verify_s)
 
-    def observe_verdict(self, tree: DraftTree, accepted_nodes: Sequence[int], skip: Collection[int] = ()) -> None:
-        """Calibration from one verdict: every node whose parent was accepted (or that hangs off the
-        committed sequence) was tried; it either was accepted or not. ``skip``: nodes no drafter
-        model proposed (the lookup drafter's, calibrated on their own)."""
+    def observe_verdict(self, tree: DraftTree, accepted_nodes: Sequence[int], skip: Collection[int] = (),
+                        greedy: bool = True) -> None:
+        """Calibration (of greedy or of sampled requests) from one verdict: every node whose parent
+        was accepted (or that hangs off the committed sequence) was tried; it either was accepted or
+        not. ``skip``: nodes no drafter model proposed (the lookup drafter's, calibrated on their own)."""
+        calibration = self.calibration_for(greedy)
         accepted = set(accepted_nodes)
         for i, parent in enumerate(tree.parents):
             if i in skip:
                 continue
             if parent < 0 or parent in accepted:
-                self.calibration.observe(tree.probs[i], i in accepted)
+                calibration.observe(tree.probs[i], i in accepted)
 
 
 def chain_pays(rate: float, costs: Sequence[float]) -> bool:

@@ -263,7 +263,8 @@ class RouterCore(OffPathDrafting):
         if self.config.cost_control and any(len(t) for t in trees.values()):
             # the whole batch's nodes against the measured pass-time curve (pass_plan.py)
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
-            trees, lookups = plan_pass(trees, lookups, plain_rows, self.control.calibration, self.control.pass_seconds)
+            rates = {r.request_id: self.control.calibration_for(r.sampling.greedy) for r in batch}
+            trees, lookups = plan_pass(trees, lookups, plain_rows, rates, self.control.pass_seconds)
         t1 = self.clock()
         if drafting and not drafted_ahead:
             self.gate.charge_probes(t1 - t0, probes, len(drafting))  # the probes' share of the drafting

@@ -110,7 +110,10 @@ class Drafting:
         width = self.config.tree_width
         selected = {r.request_id: self.select(r, live) if ks[r.request_id] > 0 else [] for r in batch}
         pipelined = self.config.rounds_in_flight > 1 and self.control.pipelining
-        pricing = self.control.step_pricing(pipelined) if self.config.cost_control else StepPricing()
+        # greedy and sampled requests are priced with their own calibration, so fused apart
+        pricing = {greedy: self.control.step_pricing(pipelined, greedy) if self.config.cost_control else StepPricing()
+                   for greedy in (True, False)}
+        greedy_of = {r.request_id: r.sampling.greedy for r in batch}
         requests: list[FusionRequest] = []
         for r in batch:
             weights = r.routing.weights(selected[r.request_id])
@@ -120,14 +123,15 @@ class Drafting:
                 item, after = sync_item(r.drafter_cache.get(d, []), sequence, top_n=width)
                 sources.append(FusionSource(d, weights[d], item, len(after)))
             requests.append(FusionRequest(r.request_id, ks[r.request_id], tuple(sources)))
-        by_host: dict[str | None, list[FusionRequest]] = {}
+        by_host: dict[tuple[str | None, bool], list[FusionRequest]] = {}
         host_of = getattr(self.drafters, "fusion_host", None) if self.config.local_fusion else None
         for fr in requests:
             host = host_of(fr.request_id, [s.drafter_id for s in fr.sources]) if host_of and fr.sources else None
-            by_host.setdefault(host, []).append(fr)
+            by_host.setdefault((host, greedy_of[fr.request_id]), []).append(fr)
         outcomes: dict[str, FusionOutcome] = {}
-        for part in await asyncio.gather(*(self._fuse_here(reqs, pricing) if host is None else self._fuse_at(host, reqs, pricing)
-                                           for host, reqs in by_host.items())):
+        for part in await asyncio.gather(*(self._fuse_here(reqs, pricing[greedy]) if host is None
+                                           else self._fuse_at(host, reqs, pricing[greedy])
+                                           for (host, greedy), reqs in by_host.items())):
             outcomes.update(part)
         trees: dict[str, DraftTree] = {}
         for r in batch:
@@ -235,7 +239,8 @@ class Drafting:
             for r in batch
         }
         if self.config.cost_control:
-            trees = {rid: self.control.prune(tree) for rid, tree in trees.items()}
+            greedy = {r.request_id: r.sampling.greedy for r in batch}
+            trees = {rid: self.control.prune(tree, greedy[rid]) for rid, tree in trees.items()}
         return trees, {rid: sorted(c) for rid, c in chains.items()}
 
     async def call(self, calls: Mapping[str, Sequence[DraftItem]]) -> dict[str, list[DraftResult] | None]:

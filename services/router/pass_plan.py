@@ -185,17 +185,18 @@ def keep_nodes(tree: DraftTree, keep: set[int], lookups: Sequence[LookupNodes]) 
 
 
 def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, Sequence[LookupNodes]], plain_rows: int,
-              rate: Callable[[float], float], seconds: Callable[[int], float | None]) -> tuple[dict[str, DraftTree], dict[str, tuple[LookupNodes, ...]]]:
+              rates: Mapping[str, Callable[[float], float]], seconds: Callable[[int], float | None]) -> tuple[dict[str, DraftTree], dict[str, tuple[LookupNodes, ...]]]:
     """The batch's trees cut to the nodes that pay on the pass-time curve (see the module
     docstring). ``plain_rows``: rows of the pass without any drafted node (a row per request plus
-    the prompts being prefilled). ``lookups``: each request's lookup chains."""
+    the prompts being prefilled). ``lookups``: each request's lookup chains. ``rates``: each
+    request's P(accept | confidence) of its drafter nodes (greedy and sampled requests differ)."""
     values, parents = {}, {}
     for rid, tree in trees.items():
-        rates: dict[int, float] = {}
+        lookup_rates: dict[int, float] = {}
         for lookup in lookups.get(rid, ()):
             for node, r in zip(lookup.nodes, lookup.rates):
-                rates[node] = max(r, rates.get(node, 0.0))  # a node both chains proposed: the surer one
-        values[rid] = node_values(tree, rate, rates)
+                lookup_rates[node] = max(r, lookup_rates.get(node, 0.0))  # a node both chains proposed: the surer one
+        values[rid] = node_values(tree, rates[rid], lookup_rates)
         parents[rid] = tree.parents
     keep = choose_nodes(values, parents, plain_rows, seconds)
     out_trees, out_lookups = {}, {}

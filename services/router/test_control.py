@@ -103,6 +103,25 @@ def test_calibration_is_fed_by_the_nodes_the_verifier_tried():
     assert control.calibration.seen[8] == before + 3  # n0 (accepted), its sibling and n2 (rejected)
 
 
+def test_sampled_requests_have_a_calibration_of_their_own():
+    """Greedy verdicts that accept every node at 0.85 do not make a sampled request's 0.85 node look
+    sure, and sampled verdicts that reject them leave greedy pricing alone."""
+    control = SpeculationControl(min_threshold=0.1)  # no pass measured: the node threshold is this floor
+    for accepted in (True, False):
+        for _ in range(40):
+            tree = DraftTree(drafter_ids=["a"])
+            n0 = tree.add(-1, 1, 0.85, frozenset({"a"}), frozenset({"a"}))
+            control.observe_verdict(tree, [n0] if accepted else [], greedy=accepted)
+    assert control.node_value(1.0, 0.85, greedy=True) > 0.95
+    assert control.node_value(1.0, 0.85, greedy=False) < 0.1
+    assert control.calibration_for(False) is control.sampled_calibration
+    greedy, sampled = control.step_pricing(False, greedy=True), control.step_pricing(False, greedy=False)
+    assert greedy.node_value(1.0, 0.85) > 0.95 and sampled.node_value(1.0, 0.85) < 0.1
+    tree = DraftTree(drafter_ids=["a"])
+    tree.add(-1, 1, 0.85, frozenset({"a"}), frozenset({"a"}))
+    assert len(control.prune(tree, greedy=True)) == 1 and len(control.prune(tree, greedy=False)) == 0
+
+
 def test_the_first_draft_step_is_priced_per_request_so_a_lone_request_stops_paying_for_weak_drafters():
     control = fed(SpeculationControl(), batch=1, accepted_per_request=0.5)
     row = control.first_row_threshold(1)  # a linear pass time here: the first row costs the line's slope

@@ -114,10 +114,22 @@ def test_the_plan_keeps_the_likeliest_nodes_of_the_whole_batch_as_whole_subtrees
         for depth in range(4):
             cal.observe(True, 4, depth, True)
     lookups = {"strong": (), "weak": (add_lookup_chain(trees["weak"], [9, 10], 4, True, cal, 0.0, width=2),)}
-    out, lk = plan_pass(trees, lookups, plain_rows=2, rate=lambda p: p, seconds=seconds)
+    out, lk = plan_pass(trees, lookups, plain_rows=2, rates=dict.fromkeys(trees, lambda p: p), seconds=seconds)
     assert out["strong"].tokens == [1, 2, 3]
     # the weak drafter's chain goes (0.15, then 0.14 below it); the lookup branch beside it stays
     assert out["weak"].tokens == [9, 10] and out["weak"].parents == [-1, 0]
     (kept,) = lk["weak"]
     assert kept.nodes == (0, 1) and out["weak"].top1[0] == {LOOKUP_ID}
     assert kept.rates == lookups["weak"][0].rates and lk["strong"] == ()
+
+
+def test_each_request_is_priced_by_its_own_rates():
+    """Two requests with the same drafted chain: the one whose confidences are accepted at a fifth of
+    their value (a sampled request's calibration, say) is not worth its rows; the other is."""
+    trees = {"greedy": chain([1, 2, 3], [0.9, 0.9, 0.9]), "sampled": chain([1, 2, 3], [0.9, 0.9, 0.9])}
+    rates = {"greedy": lambda p: p, "sampled": lambda p: p / 5}
+    out, _ = plan_pass(trees, {}, plain_rows=2, rates=rates, seconds=seconds)
+    assert out["greedy"].tokens == [1, 2, 3]
+    assert len(out["sampled"]) < len(out["greedy"])
+    same, _ = plan_pass(trees, {}, plain_rows=2, rates=dict.fromkeys(trees, lambda p: p), seconds=seconds)
+    assert same["sampled"].tokens == [1, 2, 3]  # priced alike, kept alike

@@ -69,7 +69,7 @@ class VerdictApplication:
         only = lookup_only(tree, lookups)
         model_accepted = sum(1 for n in verdict.accepted_nodes if n not in only)
         if len(tree) > len(only):
-            self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only)
+            self.control.observe_verdict(tree, verdict.accepted_nodes, skip=only, greedy=r.sampling.greedy)
         first = verdict.accepted_nodes[:1]
         self.gate.observe(r, bool(selected), len(tree) > len(only), bool(first) and first[0] not in only)
         if any(lookup.nodes for lookup in lookups):
