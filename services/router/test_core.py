@@ -470,3 +470,43 @@ def test_verifier_restart_resumes_every_request_with_identical_output(engines, r
     assert backend.n > 6  # both failures happened while requests were running
     assert got == expected
     assert verifier.active_requests == 0 and all(e.active_requests == 0 for e in drafters.values())
+
+
+def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(engines, reference):
+    """Greedy and sampled requests drafted in the same rounds (token fusion groups them by pricing):
+    the greedy outputs still equal the target's own, the sampled ones finish, and each kind's verdicts
+    feed its own calibration of drafter nodes."""
+    from common.spec_types import SamplingParams
+
+    verifier, drafters = engines
+    prompts, expected = reference
+    rids = sorted(prompts)
+    sampled = set(rids[1::2])
+    config = RouterConfig(drafters_per_request=2, fusion="token", tree_width=2, rounds_in_flight=1, draft_ahead=False,
+                          lookup=False, probe_share=1.0, plain_steps=1)
+    core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
+    prior = sum(core.control.sampled_calibration.seen)
+
+    async def run() -> dict[str, list[int]]:
+        core.start()
+        try:
+            reqs = {rid: core.submit(rid, prompts[rid], MAX_NEW,
+                                     SamplingParams(temperature=0.8, seed=7) if rid in sampled else GREEDY) for rid in rids}
+            out: dict[str, list[int]] = {}
+            for rid, req in reqs.items():
+                out[rid] = []
+                while True:
+                    ev = await asyncio.wait_for(req.events.get(), 120)
+                    assert ev.error is None, ev.error
+                    out[rid] += ev.tokens
+                    if ev.finished:
+                        break
+            return out
+        finally:
+            await core.stop()
+
+    got = asyncio.run(run())
+    assert {rid: got[rid] for rid in rids if rid not in sampled} == {rid: expected[rid] for rid in rids if rid not in sampled}
+    assert all(len(got[rid]) == MAX_NEW for rid in sampled)
+    assert sum(core.control.sampled_calibration.seen) > prior
+    assert sum(core.control.calibration.seen) > prior
