@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from common.block_weights import BLOCK, find_block_codes
 from common.logs import get_logger
 from common.streamed_linear import K_MULTIPLE, PANEL_WIDTH, extension, streamed_kernel
 
@@ -61,7 +62,7 @@ log = get_logger("cpu_linear")
 
 PACK_BATCH_HINT = 32  # the batch size oneDNN packs for (measured as good as 2 or 8 at 1..128 rows)
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts the kernels are timed at (larger: as at 64)
-KERNELS = ("linear", "transposed", "packed", "streamed", "panel")  # see the module docstring
+KERNELS = ("linear", "transposed", "packed", "streamed", "panel", "block_panel")  # see the module docstring
 MEASURE_TRIES = 3  # each kernel's time at a row count is the fastest of this many passes
 
 
@@ -114,6 +115,8 @@ class CpuLinear(nn.Linear):
     _packed_of: tuple[int, int] = (0, -1)  # (data_ptr, version) of the weight that was packed
     _panels: torch.Tensor | None = None
     _panels_of: tuple[int, int] = (0, -1)  # likewise for the panel kernel's copy
+    _blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # the block-code kernel's codes and scales
+    _blocks_of: tuple[int, int] = (0, -1)  # likewise (also when the weight turned out to have none)
 
     table: KernelTable = UNMEASURED  # set for the whole model by use_cpu_linears (measure_kernels)
 
@@ -141,6 +144,11 @@ class CpuLinear(nn.Linear):
     def _without_bias(self, flat: torch.Tensor, kernel: str) -> torch.Tensor | None:
         """``flat @ W.T`` by the kernels that take no bias (``transposed``, ``streamed``, ``panel``);
         None for the others, and where ``streamed`` or ``panel`` is unavailable for this weight."""
+        if kernel == "block_panel":
+            blocks = self._block_weight()
+            if blocks is not None:
+                return extension().block_panel_linear(flat, *blocks)
+            kernel = "panel"  # a weight that is not of the block form: the panel kernel on its float32
         if kernel == "panel":
             panels = self._panel_weight()
             return None if panels is None else extension().panel_linear(flat, panels)
@@ -170,12 +178,33 @@ class CpuLinear(nn.Linear):
             self._panels_of = key
         return self._panels
 
+    def _block_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's 8-bit block codes and scales in the block-code kernel's layout, where the
+        weight is exactly of that form (:func:`common.block_weights.find_block_codes`); found once
+        and again when the weight changes. None for any other weight."""
+        if self.out_features % PANEL_WIDTH or self.in_features % BLOCK or extension() is None:
+            return None
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version)
+        if self._blocks_of != key:
+            found = find_block_codes(weight)
+            self._blocks = None if found is None else found.panels()
+            self._blocks_of = key
+        return self._blocks
+
+    def has_blocks(self) -> bool:
+        return self._block_weight() is not None
+
     def drop_unused_copies(self) -> None:
         """Free the packed copies of kernels this module's table never picks (each is as large as
-        the weight); a kernel picked later packs its copy again."""
+        the weight, the block codes a quarter of it); a kernel picked later packs its copy again.
+        The block-code kernel falls back to the panel kernel for a weight without codes."""
         if "packed" not in self.table.kernels:
             self._packed, self._packed_of = None, (0, -1)
-        if "panel" not in self.table.kernels:
+        blocks = "block_panel" in self.table.kernels
+        if not blocks:
+            self._blocks, self._blocks_of = None, (0, -1)
+        if "panel" not in self.table.kernels and not (blocks and self._blocks is None):
             self._panels, self._panels_of = None, (0, -1)
 
 
@@ -209,25 +238,26 @@ def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:
             assert isinstance(module, CpuLinear)
             module._packed_weight()
             module._panel_weight()
+            module._block_weight()
             switched.append(module)
     if switched and measure:
         # the kernels' speed follows the shapes and the threads, not the weights' values: a model of
         # the same shapes (a drafter process's other drafters, a target loaded again) is not measured again
-        key = (tuple((m.out_features, m.in_features) for m in switched), torch.get_num_threads())
+        key = (tuple((m.out_features, m.in_features, m.has_blocks()) for m in switched), torch.get_num_threads())
         table = _measured.get(key)
         if table is None:
             extension()  # built (on a machine's first use) before the timing starts
             t0 = time.perf_counter()
             table = _measured[key] = measure_kernels(switched)
             log.info("cpu projection kernels measured", kernels=table.describe(), projections=len(switched),
-                     threads=key[1], seconds=round(time.perf_counter() - t0, 2))
+                     block_coded=sum(m.has_blocks() for m in switched), threads=key[1], seconds=round(time.perf_counter() - t0, 2))
         for module in switched:
             module.table = table
             module.drop_unused_copies()
     return len(switched)
 
 
-_measured: dict[tuple[tuple[tuple[int, int], ...], int], KernelTable] = {}  # use_cpu_linears' tables by shapes and threads
+_measured: dict[tuple[tuple[tuple[int, int, bool], ...], int], KernelTable] = {}  # use_cpu_linears' tables by shapes and threads
 
 
 def measure_kernels(linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED_ROWS, tries: int = MEASURE_TRIES) -> KernelTable:
@@ -235,7 +265,9 @@ def measure_kernels(linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED
     (a model's projections: each weight read once, as a pass reads them). The kernels take turns
     within each try, and each keeps its fastest of ``tries`` passes."""
     own = extension() is not None
-    kernels = [k for k in KERNELS if (k != "packed" or onednn_ready()) and (k not in ("streamed", "panel") or own)]
+    blocks = own and any(m.has_blocks() for m in linears)  # else the block-code kernel is the panel kernel
+    kernels = [k for k in KERNELS if (k != "packed" or onednn_ready()) and (k not in ("streamed", "panel") or own)
+               and (k != "block_panel" or blocks)]
     gen = torch.Generator().manual_seed(0)
     inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=gen) for m in linears} for n in rows}
     best = {(n, k): float("inf") for n in rows for k in kernels}

@@ -69,15 +69,17 @@ constexpr int PG = 8;                // input rows a micro-tile spans
 constexpr int64_t PK = 128;          // inner steps a chunk spans (24 KiB of panels at PV = 3)
 constexpr int64_t PANEL_AHEAD = 16;  // k steps (one 64-byte line a panel each) prefetched ahead
 
+// p: panel 0's step k0; panels are ``stride`` floats apart (K * 16 in the packed weight, less in a
+// chunk dequantized from 8-bit codes: see block_panel_linear)
 template <int M, int V>
-inline void panel_tile(const float* x, int64_t K, const float* p, int64_t k0, int64_t k1, float* y, int64_t N) {
+inline void panel_tile(const float* x, int64_t K, const float* p, int64_t stride, int64_t k0, int64_t k1, float* y, int64_t N) {
   __m512 acc[M][V];
   for (int m = 0; m < M; m++)
     for (int v = 0; v < V; v++) acc[m][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + v * 16);
   for (int64_t k = k0; k < k1; k++) {
     __m512 wv[V];
     for (int v = 0; v < V; v++) {
-      const float* at = p + (v * K + k) * 16;
+      const float* at = p + v * stride + (k - k0) * 16;
       _mm_prefetch(reinterpret_cast<const char*>(at + PANEL_AHEAD * 16), _MM_HINT_T0);
       wv[v] = _mm512_loadu_ps(at);
     }
@@ -90,15 +92,14 @@ inline void panel_tile(const float* x, int64_t K, const float* p, int64_t k0, in
     for (int v = 0; v < V; v++) _mm512_storeu_ps(y + m * N + v * 16, acc[m][v]);
 }
 
-inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, int64_t panels, float* y, int64_t N) {
-  for (int64_t k0 = 0; k0 < K; k0 += PK) {
-    const int64_t k1 = std::min<int64_t>(K, k0 + PK);
-    for (int64_t m0 = 0; m0 < M; m0 += PG) {
-      const int64_t rows = std::min<int64_t>(PG, M - m0);
-      with_rows<PV>(panels, [&](auto v) {
-        with_rows<PG>(rows, [&](auto m) { panel_tile<decltype(m)::value, decltype(v)::value>(x + m0 * K, K, p, k0, k1, y + m0 * N, N); });
-      });
-    }
+// every row's products with ``panels`` panels (p: panel 0's step k0, ``stride`` floats apart) over steps [k0, k1)
+inline void panel_chunk(const float* x, int64_t M, int64_t K, const float* p, int64_t stride, int64_t panels, int64_t k0, int64_t k1,
+                        float* y, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += PG) {
+    const int64_t rows = std::min<int64_t>(PG, M - m0);
+    with_rows<PV>(panels, [&](auto v) {
+      with_rows<PG>(rows, [&](auto m) { panel_tile<decltype(m)::value, decltype(v)::value>(x + m0 * K, K, p, stride, k0, k1, y + m0 * N, N); });
+    });
   }
 }
 
@@ -112,14 +113,15 @@ constexpr int64_t PK = 128;          // inner steps a chunk spans (8 KiB of one 
 constexpr int64_t PANEL_AHEAD = 16;  // k steps prefetched ahead
 
 template <int M>
-inline void panel_tile(const float* x, int64_t K, const float* p, int64_t k0, int64_t k1, float* y, int64_t N) {
+inline void panel_tile(const float* x, int64_t K, const float* p, int64_t stride, int64_t k0, int64_t k1, float* y, int64_t N) {
+  (void)stride;  // one panel (PV)
   __m256 lo[M], hi[M];
   for (int m = 0; m < M; m++) {
     lo[m] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N);
     hi[m] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + 8);
   }
   for (int64_t k = k0; k < k1; k++) {
-    const float* at = p + k * 16;
+    const float* at = p + (k - k0) * 16;
     _mm_prefetch(reinterpret_cast<const char*>(at + PANEL_AHEAD * 16), _MM_HINT_T0);
     const __m256 wlo = _mm256_loadu_ps(at), whi = _mm256_loadu_ps(at + 8);
     for (int m = 0; m < M; m++) {
@@ -134,17 +136,95 @@ inline void panel_tile(const float* x, int64_t K, const float* p, int64_t k0, in
   }
 }
 
-inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, int64_t panels, float* y, int64_t N) {
+inline void panel_chunk(const float* x, int64_t M, int64_t K, const float* p, int64_t stride, int64_t panels, int64_t k0, int64_t k1,
+                        float* y, int64_t N) {
   (void)panels;  // one (PV)
-  for (int64_t k0 = 0; k0 < K; k0 += PK) {
-    const int64_t k1 = std::min<int64_t>(K, k0 + PK);
-    for (int64_t m0 = 0; m0 < M; m0 += PG) {
-      with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) { panel_tile<decltype(m)::value>(x + m0 * K, K, p, k0, k1, y + m0 * N, N); });
-    }
+  for (int64_t m0 = 0; m0 < M; m0 += PG) {
+    with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) { panel_tile<decltype(m)::value>(x + m0 * K, K, p, stride, k0, k1, y + m0 * N, N); });
   }
 }
 
 #endif
+
+// A thread's panels: every chunk of PK steps in turn (each output summed in the order k = 0 .. K-1)
+inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, int64_t panels, float* y, int64_t N) {
+  for (int64_t k0 = 0; k0 < K; k0 += PK) panel_chunk(x, M, K, p + k0 * 16, K * 16, panels, k0, std::min<int64_t>(K, k0 + PK), y, N);
+}
+
+// The block-code panel kernel: the panel kernel on a weight held as 8-bit codes. Each output's
+// weights come in blocks of BLOCK inner steps with a scale d and an offset m (float16), w = d * q + m
+// (the form of GGUF's Q8_0 and Q4_1 weights, and of any weight found to be exactly that: see
+// common/block_weights.py). A thread dequantizes a chunk of its panels (PV x PK x 16 floats, the
+// panel kernel's chunk) into a buffer that stays in L1 and runs the panel kernel's micro-tiles on it,
+// so the products are the panel kernel's bit for bit (fma(q, d, m) rounds once, like d * q + m:
+// q * d is exact in float32) while a pass reads a quarter of the bytes.
+constexpr int64_t BLOCK = 32;
+constexpr int64_t FUSED_ROWS = 16;  // up to this many rows the codes are dequantized in registers (else into a chunk buffer)
+static_assert(PK % BLOCK == 0, "a chunk spans whole blocks");
+
+// 16 weights of one step of one panel: d * q + m, lane by lane
+inline void dequant16(const int8_t* q, const uint16_t* d, const uint16_t* m, float* out) {
+#if defined(__AVX512F__)
+  const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m)));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(qf, dv, mv));
+#else
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  for (int h = 0; h < 2; h++) {
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(c, 8) : c));
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * h)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 8 * h)));
+    _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(qf, dv, mv));
+  }
+#endif
+}
+
+#if defined(__AVX512F__)
+// A few rows (up to PG): the weights are dequantized in registers as the tile steps through them,
+// the products summed in the panel kernel's order (the same fused multiply-adds on the same weights).
+template <int M, int V>
+inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uint16_t* scales, int64_t k0, int64_t k1, float* y, int64_t N) {
+  const int64_t blocks = K / BLOCK;
+  __m512 acc[M][V];
+  for (int m = 0; m < M; m++)
+    for (int v = 0; v < V; v++) acc[m][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + v * 16);
+  for (int64_t b0 = k0; b0 < k1; b0 += BLOCK) {
+    __m512 dv[V], mv[V];
+    for (int v = 0; v < V; v++) {
+      const uint16_t* sc = scales + (v * blocks + b0 / BLOCK) * 2 * 16;
+      dv[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      mv[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
+    }
+    for (int64_t k = b0; k < b0 + BLOCK; k++) {
+      __m512 wv[V];
+      for (int v = 0; v < V; v++) {
+        const int8_t* at = codes + (v * K + k) * 16;
+        _mm_prefetch(reinterpret_cast<const char*>(at + 4 * 64), _MM_HINT_T0);
+        const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+        wv[v] = _mm512_fmadd_ps(qf, dv[v], mv[v]);
+      }
+      for (int m = 0; m < M; m++) {
+        const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+        for (int v = 0; v < V; v++) acc[m][v] = _mm512_fmadd_ps(wv[v], xv, acc[m][v]);
+      }
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int v = 0; v < V; v++) _mm512_storeu_ps(y + m * N + v * 16, acc[m][v]);
+}
+#endif
+
+// codes [P, K, 16] (int8), scales [P, K / BLOCK, 2, 16] (d then m, float16): panels' steps [k0, k1) into buf [panels][PK][16]
+inline void dequant_chunk(const int8_t* codes, const uint16_t* scales, int64_t K, int64_t panels, int64_t k0, int64_t k1, float* buf) {
+  const int64_t blocks = K / BLOCK;
+  for (int64_t v = 0; v < panels; v++) {
+    for (int64_t k = k0; k < k1; k++) {
+      const uint16_t* s = scales + (v * blocks + k / BLOCK) * 2 * 16;
+      dequant16(codes + (v * K + k) * 16, s, s + 16, buf + (v * PK + (k - k0)) * 16);
+    }
+  }
+}
 
 }  // namespace
 
@@ -194,6 +274,50 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels) 
   return y;
 }
 
+torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && codes.size(2) == 16 && x.size(1) == codes.size(1), "block_panel_linear: x [M, K], codes [N/16, K, 16]");
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = P * 16;
+  TORCH_CHECK(K % BLOCK == 0, "block_panel_linear: K must be a multiple of ", BLOCK);
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == P && scales.size(1) == K / BLOCK && scales.size(2) == 2 && scales.size(3) == 16,
+              "block_panel_linear: scales [N/16, K/", BLOCK, ", 2, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf,
+              "block_panel_linear: float32 rows, int8 codes, float16 scales");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() && codes.is_contiguous() && scales.is_contiguous(),
+              "block_panel_linear: contiguous CPU tensors");
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = (P + PV - 1) / PV;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[PV * PK * 16];
+    for (int64_t g = begin; g < end; g++) {
+      const int64_t first = g * PV, panels = std::min<int64_t>(PV, P - first);
+#if defined(__AVX512F__)
+      if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows
+        for (int64_t m0 = 0; m0 < M; m0 += PG) {
+          with_rows<PV>(panels, [&](auto v) {
+            with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) {
+              block_tile<decltype(m)::value, decltype(v)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, 0, K,
+                                                                 yp + m0 * N + first * 16, N);
+            });
+          });
+        }
+        continue;
+      }
+#endif
+      for (int64_t k0 = 0; k0 < K; k0 += PK) {
+        const int64_t k1 = std::min<int64_t>(K, k0 + PK);
+        dequant_chunk(cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, K, panels, k0, k1, buf);
+        panel_chunk(xp, M, K, buf, PK * 16, panels, k0, k1, yp + first * 16, N);
+      }
+    }
+  });
+  return y;
+}
+
 // cache_attention.cpp
 void cache_attention(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
                      const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
@@ -206,4 +330,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "weight [N, K] as column panels [N/16, K, 16] for panel_linear");
   m.def("cache_attention", &cache_attention, "write every sequence's new keys/values into its cache, attend the short ones into out (float32)");
   m.def("panel_linear", &panel_linear, "x @ weight.T from the weight's column panels (float32)");
+  m.def("block_panel_linear", &block_panel_linear, "x @ weight.T from the weight's 8-bit block codes in column panels (d * q + m)");
 }
