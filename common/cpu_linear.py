@@ -4,7 +4,7 @@ A verify pass multiplies every weight matrix by a handful of rows (one per tree 
 batch), and on a CPU the pass is bound by reading the weights, not by arithmetic: SmolLM2-135M's
 projections and lm_head are 538 MB of float32 read once per pass. Ideally a pass of one row and a
 pass of six rows cost the same. Which kernel comes closest to that depends on the CPU, so there
-are five, and the fastest is measured for each row count when a model is loaded:
+are six, and the fastest is measured for each row count when a model is loaded:
 
 - ``linear``: ``torch.nn.functional.linear``, which hands ``x @ W.T`` to MKL's GEMM;
 - ``transposed``: ``(W @ x.T).T``, the weight on the left and the rows as the narrow operand (a
@@ -18,6 +18,10 @@ are five, and the fastest is measured for each row count when a model is loaded:
 - ``panel``: the project's other kernel (same extension), on a copy of the weight packed
   once into column panels of 16 outputs, whose accumulators need no horizontal sums: the fastest
   from one row to 64 where it was measured.
+- ``block_panel``: the panel kernel on the weight's 8-bit block codes, where the float32 weight is
+  exactly of that form (:mod:`common.block_weights`: a checkpoint converted from GGUF's Q8_0 or
+  Q4_1); a quarter of the bytes a pass, the panel kernel's products bit for bit. Offered only where
+  some projection has codes; a projection without them takes the panel kernel.
 
 How far apart they are, for all of SmolLM2-135M's projections in a pass, two torch threads: on one
 2-core x86 machine MKL's few-row kernels were slow and uneven (53 ms for one row, 94 for two, 112
