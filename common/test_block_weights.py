@@ -11,7 +11,7 @@ from torch import nn
 
 from common.block_weights import BLOCK, find_block_codes
 from common.cpu_linear import CpuLinear, KernelTable, use_cpu_linears
-from common.streamed_linear import AVX2_FLAGS, build, extension, unavailable_reason
+from common.streamed_linear import extension
 
 
 def q8_0(n: int, k: int, seed: int) -> torch.Tensor:
@@ -65,21 +65,6 @@ def test_shapes_the_kernel_cannot_take_are_refused() -> None:
     assert find_block_codes(q8_0(24, 64, seed=5)) is None  # outputs not a multiple of 16
     assert find_block_codes(q8_0(16, 64, seed=5)[:, :48]) is None  # inputs not a multiple of 32
     assert find_block_codes(q8_0(16, 64, seed=5).double()) is None
-
-
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def own(request):
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"own kernels not offered here: {reason}")
-    if request.param == "native":
-        got = extension()
-    elif torch.backends.cpu.get_cpu_capability() == "AVX2":
-        pytest.skip("this CPU's own build is the AVX2 one")
-    else:
-        got = build(AVX2_FLAGS)
-    assert got is not None
-    return got
 
 
 # rows: the register path (up to 16: one and two groups of eight, remainders) and the chunk path beyond;

@@ -8,23 +8,7 @@ import pytest
 import torch
 
 from common import streamed_linear
-from common.streamed_linear import AVX2_FLAGS, build, build_name, extension, streamed_kernel, unavailable_reason
-
-
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def own(request):  # the built extension: for this CPU, or its AVX2 kernels on an AVX-512 CPU
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"own kernels not offered here: {reason}")
-    if request.param == "native":
-        got = extension()
-    elif torch.backends.cpu.get_cpu_capability() == "AVX2":
-        pytest.skip("this CPU's own build is the AVX2 one")
-    else:
-        got = build(AVX2_FLAGS)
-        assert got is not None and got.isa() == "avx2"
-    assert got is not None
-    return got
+from common.streamed_linear import AVX2_FLAGS, build_name, extension, streamed_kernel, unavailable_reason
 
 
 @pytest.fixture
