@@ -6,8 +6,9 @@ integer code ``q`` and a scale ``d`` and offset ``m`` per block of 32 inner elem
 (float16 both): GGUF's Q8_0 (``m`` = 0, ``q`` in -127..127) and Q4_1 (``m`` = the block's least
 weight, ``q`` in 0..15) are that form, and SmolLM2-135M's GGUF holds every projection as Q4_1 and its
 tied embedding as Q8_0. Read as float32, such a pass moves 538 MB of weights; read as codes and
-scales, 151 MB. The kernel dequantizes a chunk into L1 and runs the panel kernel's products on it,
-so its results are the panel kernel's bit for bit.
+scales, 151 MB. The kernel dequantizes the codes in registers (past 16 rows into a chunk that stays
+in L1) and sums with the panel kernel's products in its order, so its results are the panel
+kernel's bit for bit.
 
 :func:`find_block_codes` recovers the codes where they exist and nowhere else: for every block it
 tries the two forms (``d`` = the largest magnitude / 127 with no offset; ``d`` = the range / 15 in
@@ -59,6 +60,22 @@ def _codes(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torc
     return q, exact
 
 
+def _fit(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks ``[n, K / BLOCK, BLOCK]`` under the two forms: each weight's code (int8), each block's
+    scale and offset (float16 ``[..., 2]``) and whether the block comes back exactly under either
+    (the symmetric form where both do)."""
+    zero = torch.zeros_like(blocks[..., :1])
+    d_sym = blocks.abs().amax(-1, keepdim=True) / 127
+    q_sym, ok_sym = _codes(blocks, d_sym, zero)
+    low = blocks.amin(-1, keepdim=True)
+    d_aff = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
+    q_aff, ok_aff = _codes(blocks, d_aff, low)
+    sym = ok_sym.unsqueeze(-1)
+    q = torch.where(sym, q_sym, q_aff).to(torch.int8)
+    scales = torch.cat((torch.where(sym, d_sym, d_aff), torch.where(sym, zero, low)), dim=-1).half()
+    return q, scales, ok_sym | ok_aff
+
+
 def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
     """``weight``'s 8-bit block codes if every block of it is exactly of that form, else None
     (a float32 CPU ``[N, K]`` weight with ``N`` a multiple of 16 and ``K`` of 32; any other: None)."""
@@ -68,30 +85,10 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
     if n % PANEL or k % BLOCK or n == 0:
         return None
     with torch.no_grad():
-        w = weight.detach()
-        if not _probe(w[:1]):  # a trained weight fails on its first row: no pass over the rest
+        blocks = weight.detach().reshape(n, k // BLOCK, BLOCK)
+        if not bool(_fit(blocks[:1])[2].all()):  # a trained weight fails on its first row: no pass over the rest
             return None
-        blocks = w.reshape(n, k // BLOCK, BLOCK)
-        zero = torch.zeros_like(blocks[..., :1])
-        d_sym = blocks.abs().amax(-1, keepdim=True) / 127
-        q_sym, ok_sym = _codes(blocks, d_sym, zero)
-        low = blocks.amin(-1, keepdim=True)
-        d_aff = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
-        q_aff, ok_aff = _codes(blocks, d_aff, low)
-        if not bool((ok_sym | ok_aff).all()):
+        q, scales, exact = _fit(blocks)
+        if not bool(exact.all()):
             return None
-        sym = ok_sym.unsqueeze(-1)
-        q = torch.where(sym, q_sym, q_aff).to(torch.int8).view(n, k)
-        scales = torch.cat((torch.where(sym, d_sym, d_aff), torch.where(sym, zero, low)), dim=-1).half()
-    return BlockCodes(q, scales)
-
-
-def _probe(rows: torch.Tensor) -> bool:
-    """Whether ``rows`` are of the block form (the same test as :func:`find_block_codes`, on a few rows)."""
-    n, k = rows.shape
-    blocks = rows.reshape(n, k // BLOCK, BLOCK)
-    zero = torch.zeros_like(blocks[..., :1])
-    _, ok_sym = _codes(blocks, blocks.abs().amax(-1, keepdim=True) / 127, zero)
-    low = blocks.amin(-1, keepdim=True)
-    _, ok_aff = _codes(blocks, ((blocks.amax(-1, keepdim=True) - low) / 15).half().float(), low)
-    return bool((ok_sym | ok_aff).all())
+    return BlockCodes(q.view(n, k), scales)

@@ -146,8 +146,9 @@ class CpuLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
 
     def _without_bias(self, flat: torch.Tensor, kernel: str) -> torch.Tensor | None:
-        """``flat @ W.T`` by the kernels that take no bias (``transposed``, ``streamed``, ``panel``);
-        None for the others, and where ``streamed`` or ``panel`` is unavailable for this weight."""
+        """``flat @ W.T`` by the kernels that take no bias (``transposed``, ``streamed``, ``panel``,
+        ``block_panel``, which is ``panel`` for a weight without codes); None for the others, and
+        where ``streamed`` or ``panel`` is unavailable for this weight."""
         if kernel == "block_panel":
             blocks = self._block_weight()
             if blocks is not None:

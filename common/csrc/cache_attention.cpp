@@ -92,7 +92,6 @@ constexpr int64_t ROW_BLOCK = 32;
 // j where mask[i * t + j]; each (row, head) sums its scores and values over the keys in order j = 0,
 // 1, ... (a masked key adds nothing), as the same row alone would. Rows go in blocks of ROW_BLOCK (a
 // prompt's rows too), so a block's scores stay small; a row's result does not depend on its block.
-
 void attend_rows(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
                  int64_t past, int64_t t, const bool* mask, int64_t D, float scale, float* out, std::vector<float>& scores) {
   for (int64_t i0 = 0; i0 < t; i0 += ROW_BLOCK)

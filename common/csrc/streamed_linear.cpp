@@ -154,10 +154,12 @@ inline void panel_group(const float* x, int64_t M, int64_t K, const float* p, in
 // The block-code panel kernel: the panel kernel on a weight held as 8-bit codes. Each output's
 // weights come in blocks of BLOCK inner steps with a scale d and an offset m (float16), w = d * q + m
 // (the form of GGUF's Q8_0 and Q4_1 weights, and of any weight found to be exactly that: see
-// common/block_weights.py). A thread dequantizes a chunk of its panels (PV x PK x 16 floats, the
-// panel kernel's chunk) into a buffer that stays in L1 and runs the panel kernel's micro-tiles on it,
-// so the products are the panel kernel's bit for bit (fma(q, d, m) rounds once, like d * q + m:
-// q * d is exact in float32) while a pass reads a quarter of the bytes.
+// common/block_weights.py). Up to FUSED_ROWS rows a thread dequantizes its panels' codes in
+// registers as its micro-tiles step through them (block_tile); past that it dequantizes a chunk of
+// its panels (PV x PK x 16 floats, the panel kernel's chunk) into a buffer that stays in L1 and runs
+// the panel kernel's micro-tiles on it. Either way the products are the panel kernel's bit for bit
+// (the same fused multiply-adds in the same order on the same weights: fma(q, d, m) rounds once, like
+// d * q + m, since q * d is exact in float32) while a pass reads a quarter of the bytes.
 constexpr int64_t BLOCK = 32;
 constexpr int64_t FUSED_ROWS = 16;  // up to this many rows the codes are dequantized in registers (else into a chunk buffer)
 static_assert(PK % BLOCK == 0, "a chunk spans whole blocks");
@@ -181,15 +183,15 @@ inline void dequant16(const int8_t* q, const uint16_t* d, const uint16_t* m, flo
 }
 
 #if defined(__AVX512F__)
-// A few rows (up to PG): the weights are dequantized in registers as the tile steps through them,
-// the products summed in the panel kernel's order (the same fused multiply-adds on the same weights).
+// Up to PG rows times V panels over the whole inner dimension, the weights dequantized in registers
+// as the tile steps through them.
 template <int M, int V>
-inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uint16_t* scales, int64_t k0, int64_t k1, float* y, int64_t N) {
+inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uint16_t* scales, float* y, int64_t N) {
   const int64_t blocks = K / BLOCK;
   __m512 acc[M][V];
   for (int m = 0; m < M; m++)
-    for (int v = 0; v < V; v++) acc[m][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + v * 16);
-  for (int64_t b0 = k0; b0 < k1; b0 += BLOCK) {
+    for (int v = 0; v < V; v++) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < K; b0 += BLOCK) {
     __m512 dv[V], mv[V];
     for (int v = 0; v < V; v++) {
       const uint16_t* sc = scales + (v * blocks + b0 / BLOCK) * 2 * 16;
@@ -300,7 +302,7 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
         for (int64_t m0 = 0; m0 < M; m0 += PG) {
           with_rows<PV>(panels, [&](auto v) {
             with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) {
-              block_tile<decltype(m)::value, decltype(v)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, 0, K,
+              block_tile<decltype(m)::value, decltype(v)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16,
                                                                  yp + m0 * N + first * 16, N);
             });
           });
