@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import pytest
 import structlog
 import structlog.testing
 
-from common.spec_types import GREEDY
+from common.spec_types import GREEDY, SamplingParams
 from services.router.core import RouterConfig, RouterCore, common_prefix, sync_item
 from services.router.domain import detect_domains
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
@@ -22,12 +23,13 @@ from services.verifier.test_greedy_equality import hf_greedy, make_prompts
 
 
 async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new: int,
-                       drain: bool = False) -> dict[str, list[int]]:
+                       drain: bool = False, sampling: Mapping[str, SamplingParams] | None = None) -> dict[str, list[int]]:
     """Every prompt's output; ``drain``: let drafter work still running off the verifier's path
-    (a prompt's scoring) finish before the core stops, instead of cancelling it."""
+    (a prompt's scoring) finish before the core stops, instead of cancelling it; ``sampling``: the
+    requests that sample, and how (the others are greedy)."""
     core.start()
     try:
-        reqs = {rid: core.submit(rid, p, max_new, GREEDY) for rid, p in prompts.items()}
+        reqs = {rid: core.submit(rid, p, max_new, (sampling or {}).get(rid, GREEDY)) for rid, p in prompts.items()}
         out: dict[str, list[int]] = {}
         for rid, req in reqs.items():
             tokens: list[int] = []
@@ -479,8 +481,6 @@ def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(en
     """Greedy and sampled requests drafted in the same rounds (token fusion groups them by pricing):
     the greedy outputs still equal the target's own, the sampled ones finish, and each kind's verdicts
     feed its own calibration of drafter nodes."""
-    from common.spec_types import SamplingParams
-
     verifier, drafters = engines
     prompts, expected = reference
     rids = sorted(prompts)
@@ -490,25 +490,8 @@ def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(en
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     prior = sum(core.control.sampled_calibration.seen)
 
-    async def run() -> dict[str, list[int]]:
-        core.start()
-        try:
-            reqs = {rid: core.submit(rid, prompts[rid], MAX_NEW,
-                                     SamplingParams(temperature=0.8, seed=7) if rid in sampled else GREEDY) for rid in rids}
-            out: dict[str, list[int]] = {}
-            for rid, req in reqs.items():
-                out[rid] = []
-                while True:
-                    ev = await asyncio.wait_for(req.events.get(), 120)
-                    assert ev.error is None, ev.error
-                    out[rid] += ev.tokens
-                    if ev.finished:
-                        break
-            return out
-        finally:
-            await core.stop()
-
-    got = asyncio.run(run())
+    got = asyncio.run(generate_all(core, {rid: prompts[rid] for rid in rids}, MAX_NEW,
+                                   sampling=dict.fromkeys(sampled, SamplingParams(temperature=0.8, seed=7))))
     assert {rid: got[rid] for rid in rids if rid not in sampled} == {rid: expected[rid] for rid in rids if rid not in sampled}
     assert all(len(got[rid]) == MAX_NEW for rid in sampled)
     assert sum(core.control.sampled_calibration.seen) > prior
