@@ -200,7 +200,7 @@ class RouterCore(OffPathDrafting):
             Candidate(
                 r.request_id, now - r.ready_since, self._k(r), width,
                 0 if r.verifier_synced else len(r.sequence),
-                (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1,
+                (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1, r.verifier_synced or bool(r.generated),
             )
             for r in waiting
         ]
@@ -214,6 +214,16 @@ class RouterCore(OffPathDrafting):
         for r in batch:
             r.in_round = True
         return batch
+
+    def _holds_every_slot(self, batch: list[Request]) -> bool:
+        """Whether no request outside ``batch`` could join it before one of its requests finishes:
+        it holds the whole pool, or every slot while only new requests wait (requests under way
+        rank first, ``scheduler.pick_batch``)."""
+        ids = {r.request_id for r in batch}
+        outside = [r for r in self.requests.values() if not r.done and r.request_id not in ids]
+        if not outside:
+            return True
+        return len(batch) >= self.config.max_batch_requests and not any(r.verifier_synced or r.generated for r in outside)
 
     def _k(self, req: Request) -> int:
         k = req.spec.k if self.config.adaptive_k else self.config.initial_k
@@ -272,8 +282,7 @@ class RouterCore(OffPathDrafting):
                       probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
         steps = plain_steps(self.config.plain_steps, [r.max_new_tokens - len(r.generated) for r in batch],
                             [r.plain_streak for r in batch], drafts=any(len(t) for t in trees.values()),
-                            whole_pool=self.rounds_in_flight == 1 and not self._off_path_tasks
-                            and len(batch) == sum(not r.done for r in self.requests.values()))
+                            whole_pool=self.rounds_in_flight == 1 and not self._off_path_tasks and self._holds_every_slot(batch))
         items = [
             VerifyItem(
                 request_id=r.request_id,

@@ -5,6 +5,13 @@ latency urgency and expected accepted tokens, under the verifier's token budget 
 
     priority(r) = w_wait * wait_s(r) / (1 + wait_s(r)) * 2 + w_gain * expected_tokens(r) / k_max
 
+Requests already under way rank before every new one (continuous batching): a new request takes
+a slot of the batch when one is free, the longest waiting first. Under overload the pool holds
+more requests than a round takes; ranking by priority alone would rotate them all through the
+batch (processor sharing), so every request would finish late, near the end of the backlog, and
+the verifier would hold the caches of all of them at once; first come, first served finishes
+the early ones at the target's own pace.
+
 ``expected_tokens`` follows the request's acceptance history. Cost of a request in a verify pass
 is its tree size plus the tokens it appends (the prompt on its first round).
 
@@ -30,6 +37,7 @@ class Candidate:
     width: int
     append_tokens: int
     expected_tokens: float  # expected accepted draft tokens + 1 next token
+    started: bool = False  # has had a round (holds a slot of the running batch)
 
 
 def round_cost(c: Candidate) -> int:
@@ -45,13 +53,13 @@ def pick_batch(
     w_wait: float = 1.0,
     w_gain: float = 1.0,
 ) -> list[Candidate]:
-    """Greedy knapsack by priority. The most urgent request is always taken, even over budget,
-    so nothing starves behind a long prompt."""
+    """Greedy knapsack by priority, requests under way first. The first of the ranking is always
+    taken, even over budget, so nothing starves behind a long prompt."""
 
     def priority(c: Candidate) -> float:
         return w_wait * 2 * c.wait_s / (1.0 + c.wait_s) + w_gain * c.expected_tokens / max(1, k_max)
 
-    ranked = sorted(waiting, key=lambda c: (-priority(c), c.request_id))
+    ranked = sorted(waiting, key=lambda c: (not c.started, -priority(c), c.request_id))
     batch: list[Candidate] = []
     used = 0
     for c in ranked:
@@ -109,7 +117,8 @@ PLAIN_STREAK = 2  # rounds in a row with nothing drafted before a request's roun
 def plain_steps(limit: int, remaining: Sequence[int], streaks: Sequence[int], drafts: bool, whole_pool: bool) -> int:
     """How many tokens the verifier decodes for a round before it answers (``VerifyItem.plain_steps``).
 
-    A round that drafts nothing and holds every request of the pool, whose requests have not drafted
+    A round that drafts nothing and holds every request of the pool (or every slot, with only new
+    requests waiting, which take a slot only once one is free), whose requests have not drafted
     for a while either, has its next rounds known: plain decode steps of the same batch. The verifier
     runs up to ``limit`` of them back to back, and the round trips between them (the reply, the
     router's work on it, the next batch) are saved. Each request's ``streaks`` (its latest rounds
@@ -117,8 +126,8 @@ def plain_steps(limit: int, remaining: Sequence[int], streaks: Sequence[int], dr
     whose lookup chains come and go would lose the chains of the rounds the steps replace, which
     are worth far more than a round trip. Never past the request with the fewest ``remaining``
     tokens, so no slot of the batch idles once its request is done; 1 whenever the round drafts or
-    a request waits outside it (a request that arrives meanwhile waits for the steps, which is why
-    ``limit`` is small).
+    a request that could take a slot waits outside it (a request that arrives meanwhile waits for
+    the steps, which is why ``limit`` is small).
     """
     if limit <= 1 or drafts or not whole_pool or not remaining or min(streaks, default=0) < PLAIN_STREAK:
         return 1

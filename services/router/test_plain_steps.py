@@ -76,3 +76,27 @@ def test_a_stop_token_ends_a_request_inside_its_steps(engines, reference) -> Non
     out = asyncio.run(_run(core, {rid: prompts[rid]}, SamplingParams(), stop))
     assert out[rid] == expected[rid][: expected[rid].index(stop) + 1]
     assert verifier.active_requests == 0
+
+
+def test_an_overloaded_pool_serves_first_come_first_served_in_steps(engines, reference) -> None:
+    """More requests than slots: the requests under way keep their slots until they finish (no
+    rotation through the batch), and since the new ones could not join before then, the verifier
+    decodes the full batch in steps meanwhile; the outputs stay the target's own."""
+    verifier, _ = engines
+    prompts, expected = reference
+    recording = RecordingVerifier(verifier)
+    core = RouterCore(RouterConfig(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
+                      LocalDrafterPool({}), recording)
+    assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, batch in enumerate(recording.items):
+        for item in batch:
+            if not item.release:
+                first.setdefault(item.request_id, i)
+                last[item.request_id] = i
+    assert len(first) == len(prompts)
+    for i in range(len(recording.items)):
+        assert sum(first[r] <= i <= last[r] for r in first) <= 2  # never a third request under way
+    assert max(item.plain_steps for batch in recording.items for item in batch) == 4
+    assert verifier.active_requests == 0
