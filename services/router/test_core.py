@@ -200,8 +200,10 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
     def run(pricing: bool) -> tuple[list[int], int]:
         pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
         # routed inline (not while it decodes plainly: here scoring outlasts the whole request)
+        # a token a round in both runs, so both have the same rounds and probes (plain steps would fold
+        # the rounds of a request that stopped drafting, and its probes with them)
         config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing, draft_ahead=False,
-                              fusion="token")
+                              fusion="token", plain_steps=1)
         core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
         assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
         return sorted(set(pool.rounds_drafted)), core.counters.rounds
