@@ -200,7 +200,7 @@ class RouterCore(OffPathDrafting):
             Candidate(
                 r.request_id, now - r.ready_since, self._k(r), width,
                 0 if r.verifier_synced else len(r.sequence),
-                (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1, r.verifier_synced or bool(r.generated),
+                (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1, r.under_way,
             )
             for r in waiting
         ]
@@ -223,7 +223,7 @@ class RouterCore(OffPathDrafting):
         outside = [r for r in self.requests.values() if not r.done and r.request_id not in ids]
         if not outside:
             return True
-        return len(batch) >= self.config.max_batch_requests and not any(r.verifier_synced or r.generated for r in outside)
+        return len(batch) >= self.config.max_batch_requests and not any(r.under_way for r in outside)
 
     def _k(self, req: Request) -> int:
         k = req.spec.k if self.config.adaptive_k else self.config.initial_k

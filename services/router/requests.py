@@ -171,6 +171,12 @@ class Request:
     def sequence(self) -> list[int]:
         return [*self.prompt, *self.generated]
 
+    @property
+    def under_way(self) -> bool:
+        """It has had a round (a resumed one too), so it holds a slot of the running batch
+        (``scheduler.pick_batch`` ranks it before every new request)."""
+        return self.verifier_synced or bool(self.generated)
+
 
 @dataclass
 class Counters:
