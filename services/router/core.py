@@ -129,6 +129,7 @@ class RouterCore(OffPathDrafting):
         self._off_path_tasks: set[asyncio.Task[None]] = set()
         self._off_path_started = 0  # off-path drafter calls started so far (a pass they overlap runs slower)
         self.rounds_in_flight = 0
+        self._slot_freed = False
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -280,9 +281,15 @@ class RouterCore(OffPathDrafting):
             self.gate.charge_probes(t1 - t0, probes, len(drafting))  # the probes' share of the drafting
             log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
                       probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
+        # a request that left the pool since the latest round began freed a slot that its client (in
+        # a closed loop) refills within a round trip: unless the batch is full again, this round
+        # decodes one step, so that the next request joins after one pass, not after all the steps
+        refilling = self._slot_freed and len(batch) < self.config.max_batch_requests
+        self._slot_freed = False
         steps = plain_steps(self.config.plain_steps, [r.max_new_tokens - len(r.generated) for r in batch],
                             [r.plain_streak for r in batch], drafts=any(len(t) for t in trees.values()),
-                            whole_pool=self.rounds_in_flight == 1 and not self._off_path_tasks and self._holds_every_slot(batch))
+                            whole_pool=(self.rounds_in_flight == 1 and not self._off_path_tasks and not refilling
+                                        and self._holds_every_slot(batch)))
         items = [
             VerifyItem(
                 request_id=r.request_id,

@@ -100,3 +100,56 @@ def test_an_overloaded_pool_serves_first_come_first_served_in_steps(engines, ref
         assert sum(first[r] <= i <= last[r] for r in first) <= 2  # never a third request under way
     assert max(item.plain_steps for batch in recording.items for item in batch) == 4
     assert verifier.active_requests == 0
+
+
+class SlowVerifier(RecordingVerifier):
+    """A verifier a network away: the clients' next requests arrive while a call is under way."""
+
+    async def verify(self, items):
+        await asyncio.sleep(0.02)
+        return await super().verify(items)
+
+
+def test_a_slot_freed_by_a_finished_request_is_refilled_after_one_step(engines, reference) -> None:
+    """Two clients in a closed loop, one with short requests: when its request finishes, the next
+    round decodes a single step for the other, so that the client's next request (sent at once,
+    arriving during that step) joins after one pass rather than after all the plain steps."""
+    verifier, _ = engines
+    prompts, expected = reference
+    (long_id, long_prompt), *shorts = list(prompts.items())[:4]
+    recording = SlowVerifier(verifier)
+    core = RouterCore(RouterConfig(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
+                      LocalDrafterPool({}), recording)
+    short_new = 6
+
+    async def short_client() -> dict[str, list[int]]:
+        out = {}
+        for rid, prompt in shorts:
+            out[rid] = await asyncio.wait_for(output_of(core.submit(rid, prompt, short_new, SamplingParams())), 120)
+        return out
+
+    async def main():
+        core.start()
+        try:
+            long_req = core.submit(long_id, long_prompt, MAX_NEW, SamplingParams())
+            got = await short_client()
+            got[long_id] = await asyncio.wait_for(output_of(long_req), 120)
+            return got
+        finally:
+            await core.stop()
+
+    got = asyncio.run(main())
+    assert got == {long_id: expected[long_id], **{rid: expected[rid][:short_new] for rid, _ in shorts}}
+    calls = [[item for item in batch if not item.release] for batch in recording.items]
+    present = [{item.request_id for item in batch} for batch in calls]
+    checked = 0
+    for (done, _), (nxt, _) in zip(shorts, shorts[1:]):
+        last = max(i for i, ids in enumerate(present) if done in ids)
+        if long_id not in present[last + 1]:
+            continue  # the long request was done first
+        assert all(item.plain_steps == 1 for item in calls[last + 1])  # one step for the request left alone
+        assert nxt in present[last + 2]  # and the next request is in the round after it
+        checked += 1
+    assert checked >= 1
+    assert max(item.plain_steps for batch in calls for item in batch) == 4  # steps otherwise
+    assert verifier.active_requests == 0
