@@ -127,7 +127,10 @@ def plain_steps(limit: int, remaining: Sequence[int], streaks: Sequence[int], dr
     are worth far more than a round trip. Never past the request with the fewest ``remaining``
     tokens, so no slot of the batch idles once its request is done; 1 whenever the round drafts or
     a request that could take a slot waits outside it (a request that arrives meanwhile waits for
-    the steps, which is why ``limit`` is small).
+    the steps, which is why ``limit`` is small). The router also passes ``whole_pool`` false for the
+    round after a request left the pool while the batch has room: a closed-loop client sends its
+    next request as soon as the last one ends, and it should join after one pass, not after all the
+    steps (``RouterCore._round``).
     """
     if limit <= 1 or drafts or not whole_pool or not remaining or min(streaks, default=0) < PLAIN_STREAK:
         return 1
