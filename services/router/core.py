@@ -129,7 +129,7 @@ class RouterCore(OffPathDrafting):
         self._off_path_tasks: set[asyncio.Task[None]] = set()
         self._off_path_started = 0  # off-path drafter calls started so far (a pass they overlap runs slower)
         self.rounds_in_flight = 0
-        self._slot_freed = False
+        self._finished_seen = 0  # requests finished when the latest round began (a slot freed since: _round)
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -284,8 +284,8 @@ class RouterCore(OffPathDrafting):
         # a request that left the pool since the latest round began freed a slot that its client (in
         # a closed loop) refills within a round trip: unless the batch is full again, this round
         # decodes one step, so that the next request joins after one pass, not after all the steps
-        refilling = self._slot_freed and len(batch) < self.config.max_batch_requests
-        self._slot_freed = False
+        refilling = self.counters.requests_finished > self._finished_seen and len(batch) < self.config.max_batch_requests
+        self._finished_seen = self.counters.requests_finished
         steps = plain_steps(self.config.plain_steps, [r.max_new_tokens - len(r.generated) for r in batch],
                             [r.plain_streak for r in batch], drafts=any(len(t) for t in trees.values()),
                             whole_pool=(self.rounds_in_flight == 1 and not self._off_path_tasks and not refilling

@@ -47,7 +47,6 @@ class RequestPool:
     gate: DraftGate
     _wakeup: asyncio.Event
     _closed: bool
-    _slot_freed: bool  # a request left the pool since the latest round began (core.RouterCore._round)
 
     def submit(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                stop_ids: Sequence[int] = (), domain_hint: str = "") -> Request:
@@ -90,7 +89,6 @@ class RequestPool:
             return
         r.done = True
         self.requests.pop(r.request_id, None)
-        self._slot_freed = True
         self.counters.requests_finished += 1
         r.events.put_nowait(Event(finished=True, finish_reason=reason, error=error))
         self._release_drafters(r)
