@@ -9,8 +9,8 @@
 // Two instruction sets, one chosen when the extension is compiled for its machine (-march=native):
 // AVX-512 (16 floats a register, 32 registers) and AVX2 with FMA (8 floats, 16 registers). The
 // AVX2 kernels hold fewer accumulators (4 input rows a streamed block; 6 rows of one panel a panel
-// micro-tile) and keep the same packing and summation order, so a row's result stays independent
-// of the rows beside it on either.
+// micro-tile, 4 a block-code tile) and keep the same packing and summation order, so a row's result
+// stays independent of the rows beside it on either.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -215,6 +215,41 @@ inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uin
   for (int m = 0; m < M; m++)
     for (int v = 0; v < V; v++) _mm512_storeu_ps(y + m * N + v * 16, acc[m][v]);
 }
+#else  // AVX2 with FMA
+
+// Up to BG rows of one panel over the whole inner dimension, the weights dequantized in registers as
+// the tile steps through them: the panel's scales and offsets (4 registers), its 16 weights of a step
+// (2), a broadcast row value (1) and BG x 2 accumulators fit AVX2's 16 registers. The same fused
+// multiply-adds in the same order as dequant16 then panel_tile, so the same bits.
+constexpr int BG = 4;
+template <int M>
+inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uint16_t* scales, float* y, int64_t N) {
+  __m256 lo[M], hi[M];
+  for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < K; b0 += BLOCK) {
+    const uint16_t* sc = scales + (b0 / BLOCK) * 2 * 16;
+    const __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m256 dhi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
+    const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
+    const __m256 mhi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 24)));
+    for (int64_t k = b0; k < b0 + BLOCK; k++) {
+      const int8_t* at = codes + k * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(at + 4 * 64), _MM_HINT_T0);
+      const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+      const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8))));
+      const __m256 wlo = _mm256_fmadd_ps(qlo, dlo, mlo), whi = _mm256_fmadd_ps(qhi, dhi, mhi);
+      for (int m = 0; m < M; m++) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+        lo[m] = _mm256_fmadd_ps(wlo, xv, lo[m]);
+        hi[m] = _mm256_fmadd_ps(whi, xv, hi[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    _mm256_storeu_ps(y + m * N, lo[m]);
+    _mm256_storeu_ps(y + m * N + 8, hi[m]);
+  }
+}
 #endif
 
 // codes [P, K, 16] (int8), scales [P, K / BLOCK, 2, 16] (d then m, float16): panels' steps [k0, k1) into buf [panels][PK][16]
@@ -297,8 +332,8 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
     alignas(64) float buf[PV * PK * 16];
     for (int64_t g = begin; g < end; g++) {
       const int64_t first = g * PV, panels = std::min<int64_t>(PV, P - first);
+      if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG (AVX2: BG) rows
 #if defined(__AVX512F__)
-      if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows
         for (int64_t m0 = 0; m0 < M; m0 += PG) {
           with_rows<PV>(panels, [&](auto v) {
             with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) {
@@ -307,9 +342,15 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
             });
           });
         }
+#else
+        for (int64_t m0 = 0; m0 < M; m0 += BG) {
+          with_rows<BG>(std::min<int64_t>(BG, M - m0), [&](auto m) {
+            block_tile<decltype(m)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + m0 * N + first * 16, N);
+          });
+        }
+#endif
         continue;
       }
-#endif
       for (int64_t k0 = 0; k0 < K; k0 += PK) {
         const int64_t k1 = std::min<int64_t>(K, k0 + PK);
         dequant_chunk(cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, K, panels, k0, k1, buf);
