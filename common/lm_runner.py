@@ -15,7 +15,9 @@ dynamic, yarn, ...) is computed by the same code as in ``generate``.
 
 The runner reuses the checkpoint's modules (embedding, RMSNorm, q/k/v/o projections with or
 without bias, gated MLP, final norm, lm_head, tied or not) and replaces only the attention and
-cache plumbing. Supported families: Llama and Qwen2 (GQA included). Anything else is refused at
+cache plumbing; on a CPU in float32 a layer's q/k/v and its gate/up are each one product over
+their stacked weights (:mod:`common.fused_projections`: the same outputs in fewer calls). Supported
+families: Llama and Qwen2 (GQA included). Anything else is refused at
 load with :class:`UnsupportedArchitecture` before the weights are read.
 """
 
@@ -34,6 +36,7 @@ from common.draft_vocab import DraftVocab, load_draft_vocab
 from common.kv_cache import KVCache, KVPool
 from common.logs import get_logger
 from common.cpu_linear import use_cpu_linears
+from common.fused_projections import LayerProducts, stack_layers
 from common.invariant_bf16 import InvariantAttention, bf16_available, invariant_rows, use_invariant_linears
 from common.spec_types import ModelInfo
 
@@ -113,7 +116,11 @@ class LMRunner:
                  draft_vocab: DraftVocab | None = None) -> None:
         cfg = model.config
         check_architecture(cfg.to_dict(), name or cfg.model_type)
-        use_cpu_linears(model)  # CPU float32 only: few-row projections with the kernels fast at them
+        param = next(model.parameters())
+        # CPU float32: q/k/v and gate/up as one product each (fused_projections.py), and every
+        # projection with the kernel fast at its row count (cpu_linear.py)
+        self.products = stack_layers(list(model.model.layers)) if param.device.type == "cpu" and param.dtype == torch.float32 else None
+        use_cpu_linears(model if self.products is None else _pass_order(model, self.products))
         if isinstance(backend, (InvariantAttention, CpuKernelBackend)):  # CPU bfloat16: every row as if alone
             use_invariant_linears(model)
         self.model = model
@@ -132,7 +139,6 @@ class LMRunner:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.scale = attn.scaling
-        param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # a reduced draft vocabulary: ids in and logits out stay in the target's id space
         self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
@@ -239,9 +245,14 @@ class LMRunner:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = _rope(attn.q_proj(x).view(N, H, D), cos, sin)
-            k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
-            v = attn.v_proj(x).view(N, Hkv, D)
+            if self.products is not None:  # one product and one rotation for q and k together
+                qkv = self.products[li].qkv.linear(x)
+                qk = _rope(qkv[:, : (H + Hkv) * D].view(N, H + Hkv, D), cos, sin)
+                q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(N, Hkv, D)
+            else:
+                q = _rope(attn.q_proj(x).view(N, H, D), cos, sin)
+                k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
+                v = attn.v_proj(x).view(N, Hkv, D)
             if self.backend.writes_new_kv:  # the backend writes the new keys/values itself, all sequences at once
                 o = self.backend.attend_writing(q, k, v, [s.cache.view(li, t) for s, t in zip(seqs, lens)], plan, self.scale)
             else:
@@ -251,7 +262,12 @@ class LMRunner:
                     kvs.append(s.cache.view(li, t))
                 o = self.backend.attend(q, kvs, plan, self.scale)  # [N, H, D]
             h = h + attn.o_proj(o.reshape(N, H * D))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if self.products is not None:
+                gate, up = self.products[li].gate_up(x)
+                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                h = h + layer.mlp(x)
 
         rows, counts = [], []
         for s, off, t in zip(seqs, offsets, lens):
@@ -262,6 +278,15 @@ class LMRunner:
         if self.draft_vocab is not None:
             logits = self.draft_vocab.full_logits(logits)
         return list(torch.split(logits, counts))
+
+
+def _pass_order(model: Any, products: Sequence[LayerProducts]) -> torch.nn.ModuleList:
+    """The projections a pass calls, in its order: each layer's stacked q/k/v, o, stacked gate/up and
+    down (their parts are no longer called), then lm_head."""
+    order: list[torch.nn.Module] = []
+    for layer, prod in zip(model.model.layers, products):
+        order += [prod.qkv.linear, layer.self_attn.o_proj, prod.gate_up.linear, layer.mlp.down_proj]
+    return torch.nn.ModuleList([*order, model.lm_head])
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
