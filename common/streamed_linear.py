@@ -24,7 +24,11 @@ with its CPU attention kernel (``csrc/cache_attention.cpp``: the ``cpu_kernel`` 
   steps through them, past that into a chunk that stays in L1; either way each output is summed with
   the panel kernel's fused multiply-adds in its order on the same weights, so the products are the
   panel kernel's bit for bit. SmolLM2-135M's projections on the AMD EPYC of the float32 figures: 6.4
-  ms for one row against the panel kernel's 13.9, 13.4 for eight against 19.1, the same from 32.
+  ms for one row against the panel kernel's 13.9, 13.4 for eight against 19.1, the same from 32. The
+  AVX2 build's register tile is four rows of one panel (16 registers: 8 accumulators, the block's
+  scales and offsets, a step's weights and a broadcast); on an AVX2-only EPYC it took one row in 8.6
+  ms (that machine's memory bandwidth), four in 11.7, eight in 22.8, sixteen in 45, against 23.3,
+  29.4, 34.2 and 55.9 when it dequantized every step into the chunk buffer.
 
 The extension is built from source the first time a process asks for it on a machine (about 30 s
 with the machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a
