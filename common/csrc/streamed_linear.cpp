@@ -112,6 +112,26 @@ constexpr int PG = 6;                // input rows a micro-tile spans
 constexpr int64_t PK = 128;          // inner steps a chunk spans (8 KiB of one panel)
 constexpr int64_t PANEL_AHEAD = 16;  // k steps prefetched ahead
 
+// One step of a panel (its 16 weights: two registers) times each of M rows' value at step k, added
+// to the rows' accumulators: the one multiply-add order of the AVX2 panel and block-code tiles, so
+// their products are the same bits.
+template <int M>
+inline void add_step(__m256* lo, __m256* hi, __m256 wlo, __m256 whi, const float* x, int64_t K, int64_t k) {
+  for (int m = 0; m < M; m++) {
+    const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+    lo[m] = _mm256_fmadd_ps(wlo, xv, lo[m]);
+    hi[m] = _mm256_fmadd_ps(whi, xv, hi[m]);
+  }
+}
+
+template <int M>
+inline void store_rows(const __m256* lo, const __m256* hi, float* y, int64_t N) {
+  for (int m = 0; m < M; m++) {
+    _mm256_storeu_ps(y + m * N, lo[m]);
+    _mm256_storeu_ps(y + m * N + 8, hi[m]);
+  }
+}
+
 template <int M>
 inline void panel_tile(const float* x, int64_t K, const float* p, int64_t stride, int64_t k0, int64_t k1, float* y, int64_t N) {
   (void)stride;  // one panel (PV)
@@ -123,17 +143,9 @@ inline void panel_tile(const float* x, int64_t K, const float* p, int64_t stride
   for (int64_t k = k0; k < k1; k++) {
     const float* at = p + (k - k0) * 16;
     _mm_prefetch(reinterpret_cast<const char*>(at + PANEL_AHEAD * 16), _MM_HINT_T0);
-    const __m256 wlo = _mm256_loadu_ps(at), whi = _mm256_loadu_ps(at + 8);
-    for (int m = 0; m < M; m++) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
-      lo[m] = _mm256_fmadd_ps(wlo, xv, lo[m]);
-      hi[m] = _mm256_fmadd_ps(whi, xv, hi[m]);
-    }
+    add_step<M>(lo, hi, _mm256_loadu_ps(at), _mm256_loadu_ps(at + 8), x, K, k);
   }
-  for (int m = 0; m < M; m++) {
-    _mm256_storeu_ps(y + m * N, lo[m]);
-    _mm256_storeu_ps(y + m * N + 8, hi[m]);
-  }
+  store_rows<M>(lo, hi, y, N);
 }
 
 inline void panel_chunk(const float* x, int64_t M, int64_t K, const float* p, int64_t stride, int64_t panels, int64_t k0, int64_t k1,
@@ -220,7 +232,7 @@ inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uin
 // Up to BG rows of one panel over the whole inner dimension, the weights dequantized in registers as
 // the tile steps through them: the panel's scales and offsets (4 registers), its 16 weights of a step
 // (2), a broadcast row value (1) and BG x 2 accumulators fit AVX2's 16 registers. The same fused
-// multiply-adds in the same order as dequant16 then panel_tile, so the same bits.
+// multiply-adds in the same order as dequant16 then panel_tile (add_step), so the same bits.
 constexpr int BG = 4;
 template <int M>
 inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uint16_t* scales, float* y, int64_t N) {
@@ -237,18 +249,10 @@ inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uin
       _mm_prefetch(reinterpret_cast<const char*>(at + 4 * 64), _MM_HINT_T0);
       const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
       const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8))));
-      const __m256 wlo = _mm256_fmadd_ps(qlo, dlo, mlo), whi = _mm256_fmadd_ps(qhi, dhi, mhi);
-      for (int m = 0; m < M; m++) {
-        const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
-        lo[m] = _mm256_fmadd_ps(wlo, xv, lo[m]);
-        hi[m] = _mm256_fmadd_ps(whi, xv, hi[m]);
-      }
+      add_step<M>(lo, hi, _mm256_fmadd_ps(qlo, dlo, mlo), _mm256_fmadd_ps(qhi, dhi, mhi), x, K, k);
     }
   }
-  for (int m = 0; m < M; m++) {
-    _mm256_storeu_ps(y + m * N, lo[m]);
-    _mm256_storeu_ps(y + m * N + 8, hi[m]);
-  }
+  store_rows<M>(lo, hi, y, N);
 }
 #endif
 
