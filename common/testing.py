@@ -5,6 +5,9 @@
 - ``tiny_zoo``: the ``tiny`` model zoo (:class:`cosine_zoo.manifest.Zoo`), built once per session.
 - ``dev_certs``, ``other_certs``: two unrelated throwaway CAs, each with a service and a client
   certificate (:class:`common.devcerts.DevCerts`), for TLS and mTLS tests.
+
+Before the first test the project's CPU kernels are built (or found in the cache): on a fresh
+machine that takes 30-60 s on two cores, which no test's start-up deadline should have to hold.
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ from typing import Any
 import pytest
 
 from common.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_cpu_kernels_built() -> None:
+    from common.streamed_linear import extension
+
+    extension()  # None where they cannot be built: the tests that need them skip
 
 
 @pytest.fixture(scope="session")
