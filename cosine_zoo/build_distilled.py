@@ -7,8 +7,8 @@ Stages, each resumable (a ``stage.json`` with a key from the profile and seed; s
    sha256, then linked or copied into ``target/``), or a checkpoint the user names, used in place.
 2. *teacher*: the target's greedy continuations of training prompts per domain (real text cut
    from the corpus; instructions through the chat template for ``chat``), and of the held-out
-   prompts that evaluation uses, decoded by the project's runner (the verifier's argmax, and on a
-   CPU 1.6-1.8x the tokens a second of transformers' ``generate``).
+   prompts that evaluation uses, decoded by the verifier engine (its argmax, and on a CPU 1.4x the
+   tokens a second of transformers' ``generate``).
 3. *drafters*: the generalist on every domain, then one specialist per domain starting from it.
 4. *evaluation*: the drafter x domain acceptance matrix (greedy, k), the target's held-out
    perplexity, and the cost of one drafter step against one target step (batch 1, one thread,
@@ -194,7 +194,7 @@ def teacher_stage(out: Path, opts: BuildOptions, profile: DistillProfile, target
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data: dict[str, dict[str, list[distill.Example]]] = {"train": {}, "heldout": {}}
     corpus = build_corpus(profile.corpus, opts.seed) if spec.text_windows_per_domain else None
-    writer = teacher_runner(target_path, profile.device) or target
+    writer = teacher_engine(target_path, profile.device) or target
     for d in DISTILL_DOMAINS:
         data["train"][d] = distill.teacher_examples(writer, encode(tokenizer, train[d]), spec.new_tokens, eos, pad,
                                                     spec.batch_size, f"teacher {d}", opts.progress)
@@ -211,14 +211,15 @@ def teacher_stage(out: Path, opts: BuildOptions, profile: DistillProfile, target
     return data
 
 
-def teacher_runner(target_path: Path, device: str) -> Any:
-    """The project's runner over the target, to write the teacher's continuations (the argmax the
-    verifier serves, 1.6-1.8x ``generate``'s tokens a second on a CPU); None for an architecture it
-    does not run, whose continuations then come from ``generate``."""
-    from common.lm_runner import LMRunner, UnsupportedArchitecture
+def teacher_engine(target_path: Path, device: str) -> Any:
+    """The verifier engine over the target, to write the teacher's continuations (the argmax it
+    serves, 1.4x ``generate``'s tokens a second on a CPU); None for an architecture it does not
+    run, whose continuations then come from ``generate``."""
+    from common.lm_runner import UnsupportedArchitecture
+    from services.verifier.engine import VerifierEngine
 
     try:
-        return LMRunner.from_checkpoint(target_path, device=device)
+        return VerifierEngine.from_checkpoint(target_path, device=device, seed=0)
     except UnsupportedArchitecture as exc:
         log.warning("teacher continuations from transformers' generate", reason=str(exc))
         return None

@@ -71,18 +71,18 @@ class DistillResult:
 @torch.no_grad()
 def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: int, eos_id: int, pad_id: int,
                      batch_size: int, desc: str, progress: bool, device: str = "cpu") -> list[Example]:
-    """The target's greedy continuation of every prompt: ``target`` is the project's runner
-    (:func:`~cosine_zoo.evaluate.runner_continuations`, what the verifier serves with) or a
-    transformers model (batched ``generate``, left padding)."""
-    from common.lm_runner import LMRunner
-    from cosine_zoo.evaluate import greedy_continuations, runner_continuations
+    """The target's greedy continuation of every prompt: ``target`` is the verifier engine
+    (:func:`~cosine_zoo.evaluate.engine_continuations`) or a transformers model (batched
+    ``generate``, left padding)."""
+    from cosine_zoo.evaluate import engine_continuations, greedy_continuations
+    from services.verifier.engine import VerifierEngine
 
     out: list[Example] = []
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, leave=False)
     for i in range(0, len(prompts), batch_size):
         chunk = [list(p) for p in prompts[i : i + batch_size]]
-        if isinstance(target, LMRunner):
-            conts = runner_continuations(target, chunk, new_tokens, eos_id, batch_size=batch_size)
+        if isinstance(target, VerifierEngine):
+            conts = engine_continuations(target, chunk, new_tokens, eos_id, batch_size=batch_size)
         else:
             conts = greedy_continuations(target, chunk, new_tokens, eos_id, pad_id, batch_size=batch_size, device=device)
         out += [Example(tuple(p), tuple(c)) for p, c in zip(chunk, conts)]

@@ -70,21 +70,22 @@ def test_perplexity_is_finite_and_above_one(tiny_zoo):
     assert 1.0 < ppl < len(tok)
 
 
-def test_runner_continuations_equal_generate_and_stop_at_eos(tiny_zoo):
-    """The teacher's continuations from the project's runner are transformers' greedy ones, batch by
+def test_engine_continuations_equal_generate_and_stop_at_eos(tiny_zoo):
+    """The teacher's continuations from the verifier engine are transformers' greedy ones, batch by
     batch (prompts of different lengths, a batch smaller than the prompts), and each stops at its EOS."""
-    from common.lm_runner import LMRunner
+    from services.verifier.engine import VerifierEngine
 
     tok = load_tokenizer(tiny_zoo.tokenizer_path)
     target = load_causal_lm(tiny_zoo.target.path)
-    runner = LMRunner.from_checkpoint(tiny_zoo.target.path)
+    engine = VerifierEngine.from_checkpoint(tiny_zoo.target.path, seed=0)
     prompts = evaluate.encode_prompts(tok, [p for texts in tiny_zoo.prompts.values() for p in texts[:2]])
     assert len({len(p) for p in prompts}) > 1
     want = evaluate.greedy_continuations(target, prompts, 12, tok.eos_token_id, tok.pad_token_id, batch_size=3)
-    assert evaluate.runner_continuations(runner, prompts, 12, tok.eos_token_id, batch_size=3) == want
+    assert evaluate.engine_continuations(engine, prompts, 12, tok.eos_token_id, batch_size=3) == want
     # an EOS that some rows write at once and others never: those leave their batch after the first
     # pass, and the rest go on to the end unchanged
     eos = want[0][0]
     cut = [c[: c.index(eos) + 1] if eos in c else c for c in want]
     assert {len(c) for c in cut} == {1, 12}
-    assert evaluate.runner_continuations(runner, prompts, 12, eos, batch_size=3) == cut
+    assert evaluate.engine_continuations(engine, prompts, 12, eos, batch_size=3) == cut
+    assert engine.active_requests == 0  # every prompt released
