@@ -74,7 +74,13 @@ def test_router_output_equals_target_greedy(name, engines, reference):
     assert got == expected
     assert core.counters.rounds > 0
     if CONFIGS[name].speculate:
-        assert core.counters.accepted_tokens > 0
+        # trees were verified (the draft gate probes in round 0 whatever its prices say); under cost
+        # control the gate may rightly stop drafting after a few rejected first nodes, as a CI run
+        # of the width-1 case did (9 draft tokens, none accepted), so acceptance is asserted only
+        # where nothing gates the drafters
+        assert core.counters.draft_tokens > 0
+        if not CONFIGS[name].cost_control:
+            assert core.counters.accepted_tokens > 0
     else:  # plain decoding: no drafter was ever asked, and the lookup drafter proposed nothing
         assert core.counters.draft_tokens == 0 and not any(pool.calls.values())
     if not CONFIGS[name].lookup or not CONFIGS[name].speculate:
