@@ -214,7 +214,12 @@ class Drafting:
                 per_drafter.setdefault(d, []).append((r.request_id, replace(item, request_id=r.request_id)))
         t_call = self.clock()
         answers = await self.call({d: [item for _, item in pairs] for d, pairs in per_drafter.items()})
-        if per_drafter:  # the whole chunk is the round's first (and only) draft message
+        # the whole chunk feeds both the round's first step and every later one, so a chain of k is
+        # priced at about k messages, and a probe's catch-up is priced in too. Both overstate what a
+        # round's drafting costs; pricing a step at a time, without catch-ups, was measured: the gate
+        # then let the drafter models draft where the lookup drafter already proposed the same tokens,
+        # and cosine / autoregressive fell (docs/benchmarks.md, *the chunk priced a step at a time*)
+        if per_drafter:
             self.control.observe_draft_step(self.clock() - t_call, first_of=sum(1 for s in selected.values() if s))
         chains: dict[str, dict[str, tuple[list[int], list[float]]]] = {r.request_id: {} for r in batch}
         for d, pairs in per_drafter.items():
