@@ -288,11 +288,14 @@ class LocalCluster:
 
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to a process (``redis`` included); for SIGKILL, wait until it is gone."""
-        p = self.proc(name)
-        if p.popen.poll() is None:
-            p.popen.send_signal(sig)
+        # the process signalled is the one waited for: a supervisor may respawn it meanwhile and put
+        # the new process in its place, which a wait read from ``p`` would wait on instead (a CI run
+        # under load waited 10 s on the healthy replacement of a router it had just killed)
+        popen = self.proc(name).popen
+        if popen.poll() is None:
+            popen.send_signal(sig)
         if sig == signal.SIGKILL:
-            p.popen.wait(10)
+            popen.wait(10)
 
     def respawn(self, name: str) -> Proc:
         """Start a process again with its command line, address and log file (after it died)."""
