@@ -239,13 +239,14 @@ class LocalCluster:
             proc = next((p for p in self.procs if p.name == name), None)
             if proc is None:
                 continue
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
+            popen = proc.popen  # the process stopped is the one waited for (see signal)
+            if popen.poll() is None:
+                popen.send_signal(signal.SIGTERM)
                 try:
-                    proc.popen.wait(10)
+                    popen.wait(10)
                 except subprocess.TimeoutExpired:
-                    proc.popen.kill()
-                    proc.popen.wait(5)
+                    popen.kill()
+                    popen.wait(5)
             self.procs.remove(proc)
         await self._start_control_plane(router_args, len(self.spec.drafters) if drafters is None else drafters)
         return self.gateway_address
