@@ -75,10 +75,9 @@ def test_router_output_equals_target_greedy(name, engines, reference):
     assert core.counters.rounds > 0
     if CONFIGS[name].speculate:
         # trees were verified (a new request's gate record starts optimistic, probes follow on their
-        # interval, and the lookup drafter is never gated); under cost
-        # control the gate may rightly stop drafting after a few rejected first nodes, as a CI run
-        # of the width-1 case did (9 draft tokens, none accepted), so acceptance is asserted only
-        # where nothing gates the drafters
+        # interval, and the lookup drafter is never gated); under cost control the gate may rightly
+        # stop drafting after a few rejected first nodes, as a CI run of the width-1 case did (9 draft
+        # tokens, none accepted), so acceptance is asserted only where nothing gates the drafters
         assert core.counters.draft_tokens > 0
         if not CONFIGS[name].cost_control:
             assert core.counters.accepted_tokens > 0
