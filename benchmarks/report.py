@@ -78,6 +78,17 @@ HEADLINE = (
 BASELINES = ("vanilla_sd", "autoregressive", "hf_assisted", "hf_generate", "specinfer_tree")
 
 
+def read_at(system: str, roles: Mapping[str, str]) -> set[str] | None:
+    """The workloads where an ablation of cosine (a ``cosine_*`` system) is read: those of its
+    headline ratios against cosine. None for any other system, or an ablation with no headline
+    ratio: every workload is read."""
+    if not system.startswith("cosine_"):
+        return None
+    names = {roles.get(role, "") for _, a, b, _, role in HEADLINE if a == "cosine" and b == system}
+    names.discard("")
+    return names or None
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (q in [0, 100]) of ``values``; None when empty."""
     if not values:

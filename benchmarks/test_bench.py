@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -269,3 +270,28 @@ def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(ti
     assert report["scenario"]["target_dtype"] == resolve_dtype("auto", "cpu")
     assert report["scenario"]["greedy_check"]["checked_requests"] > 0 and not report["scenario"]["greedy_check"]["mismatches"]
     assert report["systems"]["cosine"]["closed_c4"]["counters"]["accepted_tokens"] > 0
+
+
+def test_an_ablation_runs_only_where_its_headline_ratios_are_read(tiny_zoo, tmp_path):
+    # named like cosine's ablations: cosine_no_corpus is read at one client and high load
+    # (report.HEADLINE); cosine_one_drafter has no headline ratio, so it runs everything
+    def factory(names, zoo, eos_id, pad_id, cores, log_dir, threads):
+        return [AutoregressiveSystem(str(zoo.target.path), eos_id, 1, name=n) for n in ("cosine", "cosine_no_corpus", "cosine_one_drafter")], None
+
+    every = {"closed_c1", "closed_c4", "open_low", "open_high", "closed_c4_sampling"}
+    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(tmp_path / "report.json"), scenario="quick", cores=1, plots=False, progress=False,
+                        max_new_tokens=2, requests=2)
+    report = run_bench(opts, system_factory=factory)
+    assert set(report["systems"]["cosine"]) == every
+    assert set(report["systems"]["cosine_no_corpus"]) == {"closed_c1", "open_high"}
+    assert set(report["systems"]["cosine_one_drafter"]) == every
+    skipped = report["scenario"]["skipped"]
+    assert set(skipped) == {"cosine_no_corpus"} and set(skipped["cosine_no_corpus"]["workloads"]) == every - {"closed_c1", "open_high"}
+    assert "ablation" in skipped["cosine_no_corpus"]["why"]
+    assert report["ratios"]["cosine_vs_cosine_no_corpus_throughput_c1"] is not None
+    assert report["ratios"]["cosine_vs_cosine_no_corpus_throughput"] is not None
+
+    # workloads named: run as asked
+    opts = replace(opts, out=str(tmp_path / "named.json"), workloads=["closed_c4"])
+    report = run_bench(opts, system_factory=factory)
+    assert set(report["systems"]["cosine_no_corpus"]) == {"closed_c4"} and report["scenario"]["skipped"] == {}
