@@ -30,7 +30,8 @@ with its CPU attention kernel (``csrc/cache_attention.cpp``: the ``cpu_kernel`` 
   ms (that machine's memory bandwidth), four in 11.7, eight in 22.8, sixteen in 45, against 23.3,
   29.4, 34.2 and 55.9 when it dequantized every step into the chunk buffer. From nine rows to 48
   the tile's four rows dequantize each block once and the other rows read its weights from L1, six
-  at a time, instead of a tile per four rows dequantizing again: 0.84-0.92 of the time at 9-32 rows.
+  at a time, instead of a tile per four rows dequantizing again: 0.81-0.92 of the time at 9-32
+  rows, level at 12.
 
 The extension is built from source the first time a process asks for it on a machine (about 30 s
 with the machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a

@@ -267,7 +267,7 @@ inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uin
 // multiply-adds on the same weights, so the same bits as block_tile and the panel kernel. All of
 // SmolLM2-135M's projections on an AVX2-only EPYC, two threads, both builds in one process, the
 // median of seven paired rounds after / before: 0.85-0.88 at 9, 10 and 13 rows, 0.89 at 16, 0.81-0.84
-// at 17-22, 0.87-0.92 at 24-32, level at 12 (1.03-1.05) and 48. Below nine rows it is not used: a
+// at 17-22, 0.87-0.92 at 24-32, level at 12 (0.96-1.05) and 48. Below nine rows it is not used: a
 // group of four rows reading wbuf is no quicker than a block_tile of four, which dequantizes
 // between its multiply-adds (eight chains of them, a few cycles each, either way), so eight rows
 // took 1.13x.
