@@ -407,7 +407,7 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
     alignas(64) float buf[PV * PK * 16];
     for (int64_t g = begin; g < end; g++) {
       const int64_t first = g * PV, panels = std::min<int64_t>(PV, P - first);
-      if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows (AVX2: once, shared through L1)
+      if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows (AVX2: of BG rows; from SHARED_FROM, once)
 #if defined(__AVX512F__)
         for (int64_t m0 = 0; m0 < M; m0 += PG) {
           with_rows<PV>(panels, [&](auto v) {
