@@ -238,22 +238,33 @@ inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uin
 // (2), a broadcast row value (1) and BG x 2 accumulators fit AVX2's 16 registers. The same fused
 // multiply-adds in the same order as dequant16 then panel_tile (add_step), so the same bits.
 constexpr int BG = 4;
+
+// A block's scales (low and high half of the panel), then its offsets, as floats
+inline void block_scales(const uint16_t* sc, __m256 (&dm)[4]) {
+  for (int i = 0; i < 4; i++) dm[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * i)));
+}
+
+// The 16 weights of step k of a panel, d * q + m (the codes prefetched ahead)
+inline void step_weights(const int8_t* codes, int64_t k, const __m256 (&dm)[4], __m256& wlo, __m256& whi) {
+  const int8_t* at = codes + k * 16;
+  _mm_prefetch(reinterpret_cast<const char*>(at + 4 * 64), _MM_HINT_T0);
+  const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+  const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8))));
+  wlo = _mm256_fmadd_ps(qlo, dm[0], dm[2]);
+  whi = _mm256_fmadd_ps(qhi, dm[1], dm[3]);
+}
+
 template <int M>
 inline void block_tile(const float* x, int64_t K, const int8_t* codes, const uint16_t* scales, float* y, int64_t N) {
   __m256 lo[M], hi[M];
   for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm256_setzero_ps();
   for (int64_t b0 = 0; b0 < K; b0 += BLOCK) {
-    const uint16_t* sc = scales + (b0 / BLOCK) * 2 * 16;
-    const __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-    const __m256 dhi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
-    const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
-    const __m256 mhi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 24)));
+    __m256 dm[4];
+    block_scales(scales + (b0 / BLOCK) * 2 * 16, dm);
     for (int64_t k = b0; k < b0 + BLOCK; k++) {
-      const int8_t* at = codes + k * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(at + 4 * 64), _MM_HINT_T0);
-      const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
-      const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8))));
-      add_step<M>(lo, hi, _mm256_fmadd_ps(qlo, dlo, mlo), _mm256_fmadd_ps(qhi, dhi, mhi), x, K, k);
+      __m256 wlo, whi;
+      step_weights(codes, k, dm, wlo, whi);
+      add_step<M>(lo, hi, wlo, whi, x, K, k);
     }
   }
   store_rows<M>(lo, hi, y, N);
@@ -287,11 +298,8 @@ inline void first_rows(const float* x, int64_t K, const int8_t* codes, int64_t b
   __m256 lo[M], hi[M];
   load_acc<M>(acc, lo, hi);
   for (int64_t k = b0; k < b0 + BLOCK; k++) {
-    const int8_t* at = codes + k * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(at + 4 * 64), _MM_HINT_T0);
-    const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
-    const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8))));
-    const __m256 wlo = _mm256_fmadd_ps(qlo, dm[0], dm[2]), whi = _mm256_fmadd_ps(qhi, dm[1], dm[3]);
+    __m256 wlo, whi;
+    step_weights(codes, k, dm, wlo, whi);
     _mm256_store_ps(wbuf + (k - b0) * 16, wlo);
     _mm256_store_ps(wbuf + (k - b0) * 16 + 8, whi);
     add_step<M>(lo, hi, wlo, whi, x, K, k);
@@ -313,9 +321,8 @@ inline void block_rows(const float* x, int64_t M, int64_t K, const int8_t* codes
   alignas(32) float wbuf[BLOCK * 16];
   std::fill(acc, acc + M * 16, 0.0f);
   for (int64_t b0 = 0; b0 < K; b0 += BLOCK) {
-    const uint16_t* sc = scales + (b0 / BLOCK) * 2 * 16;
-    __m256 dm[4];  // the block's scales (low, high half of the panel), then its offsets
-    for (int i = 0; i < 4; i++) dm[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * i)));
+    __m256 dm[4];
+    block_scales(scales + (b0 / BLOCK) * 2 * 16, dm);
     first_rows<BG>(x, K, codes, b0, dm, acc, wbuf);
     for (int64_t m0 = BG; m0 < M; m0 += BW)
       with_rows<BW>(std::min<int64_t>(BW, M - m0), [&](auto m) { more_rows<decltype(m)::value>(x + m0 * K, K, b0, wbuf, acc + m0 * 16); });
