@@ -147,12 +147,14 @@ def loaded(spec: WorkloadSpec, roles: dict[str, str]) -> bool:
     return spec.name != roles.get("low")
 
 
-def skipped_workloads(systems: Sequence[Any], specs: Sequence[WorkloadSpec], roles: dict[str, str], capacity_wl: str,
-                      read_at: Any) -> dict[str, tuple[list[str], str]]:
-    """system -> (the workloads it does not run, why), for a run whose workloads were not named (see
-    the module docstring). The first system always runs the workload that measures the capacity the
-    open-loop rates are set from."""
-    out: dict[str, tuple[list[str], str]] = {}
+def skipped_workloads(systems: Sequence[Any], specs: Sequence[WorkloadSpec], roles: dict[str, str],
+                      capacity_wl: str) -> dict[str, dict[str, Any]]:
+    """system -> {"workloads": those it does not run, "why"} (the report's ``scenario.skipped``), for a
+    run whose workloads were not named (see the module docstring). The first system always runs the
+    workload that measures the capacity the open-loop rates are set from."""
+    from benchmarks.report import read_at
+
+    out: dict[str, dict[str, Any]] = {}
     for i, s in enumerate(systems):
         keep = {capacity_wl} if i == 0 else set()
         if getattr(s, "one_at_a_time", False):
@@ -162,7 +164,7 @@ def skipped_workloads(systems: Sequence[Any], specs: Sequence[WorkloadSpec], rol
         else:
             continue
         if ws:
-            out[s.name] = (ws, why)
+            out[s.name] = {"workloads": ws, "why": why}
     return out
 
 
@@ -173,7 +175,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     :func:`benchmarks.systems.make_systems` (tests inject fake systems through it)."""
     import torch
 
-    from benchmarks.report import SCHEMA, compute_ratios, machine_info, metrics, read_at
+    from benchmarks.report import SCHEMA, compute_ratios, machine_info, metrics
     from benchmarks.systems import ALL_SYSTEMS, DEFAULT_SYSTEMS, AutoregressiveSystem, make_systems
     from benchmarks.workloads import build_workload, prompt_list
     from common.checkpoints import load_tokenizer
@@ -251,12 +253,12 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     failures: list[str] = []
     checked = 0
     # (the first system measures the capacity the open-loop rates are set from, whatever it is)
-    skipped = skipped_workloads(systems, specs, scenario.roles, capacity_wl, read_at) if not opts.workloads else {}
+    skipped = skipped_workloads(systems, specs, scenario.roles, capacity_wl) if not opts.workloads else {}
     bar = None
     if opts.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(systems) * len(specs) - sum(len(ws) for ws, _ in skipped.values()), desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=len(systems) * len(specs) - sum(len(s["workloads"]) for s in skipped.values()), desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
 
     def report_now(done: bool) -> dict[str, Any]:
         return {
@@ -272,7 +274,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
                 "workloads": {w.name: {**w.spec.describe(), "offered_rps": w.offered_rps or None,
                                        "phase_rates_rps": list(w.rates_rps) or None} for w in workloads.values()},
                 "systems": described, "order": [s.name for s in systems],
-                "skipped": {name: {"workloads": ws, "why": why} for name, (ws, why) in skipped.items()},
+                "skipped": skipped,
                 "wall_s": time.perf_counter() - t_start,
                 "greedy_check": {"checked_requests": checked, "mismatches": mismatches},
                 "failed_requests": failures,
@@ -293,7 +295,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
         # minutes, and the systems a ratio compares are measured within a minute or two of each other
         for spec in specs:
             for system in systems:
-                if spec.name in skipped.get(system.name, ((), ""))[0]:
+                if spec.name in skipped.get(system.name, {}).get("workloads", ()):
                     continue
                 wl = workloads.get(spec.name)
                 if wl is None:  # open loop before any capacity was measured: the first system sets it
