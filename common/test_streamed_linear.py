@@ -141,3 +141,37 @@ def test_ninja_is_found_beside_the_interpreter_when_not_on_path(monkeypatch: pyt
         assert "ninja" in (streamed_linear.unavailable_reason() or "")
     (tmp_path / "ninja").write_text("")
     assert streamed_linear.ninja_dir() == tmp_path
+
+
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test and puts the old one back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# items (outputs of three, panels and groups of 16, from fewer than the threads to hundreds) are claimed by
+# whichever thread is free, so which thread computes an output changes from pass to pass: never its bits. Seven
+# threads on a small machine keep some preempted, so their items are taken by the others.
+@pytest.mark.parametrize("out_features", [16, 48, 1536])
+@pytest.mark.parametrize("rows", [1, 5, 14, 40])
+def test_every_kernel_gives_the_same_bits_on_any_number_of_threads(own, torch_threads, out_features: int, rows: int) -> None:
+    from common.block_weights import find_block_codes
+    from common.test_block_weights import q8_0
+
+    weight = q8_0(out_features, 576, seed=out_features + rows)
+    found = find_block_codes(weight)
+    assert found is not None
+    codes, panels = found.panels(), own.pack_panels(weight)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    kernels = {"streamed": lambda: own.streamed_linear(x, weight), "panel": lambda: own.panel_linear(x, panels),
+               "block": lambda: own.block_panel_linear(x, *codes)}
+    torch_threads(1)
+    alone = {name: kernel() for name, kernel in kernels.items()}
+    for threads in (2, 3, 7):
+        torch_threads(threads)
+        for _ in range(3):
+            for name, kernel in kernels.items():
+                assert torch.equal(kernel(), alone[name]), (name, threads)
+    torch.testing.assert_close(alone["block"], (x.double() @ weight.double().T).float(), rtol=1e-4, atol=1e-4)

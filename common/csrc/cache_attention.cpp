@@ -4,10 +4,11 @@
 // scaled_dot_product_attention call per sequence and layer, about 60 us each, which is two
 // milliseconds per request in a pass of SmolLM2-135M (30 layers), a third of a 16-request pass.
 // Here one call per layer does every sequence it is given to attend (in float32 those with a few new
-// tokens: a decode step, a draft tree; in bfloat16 prompts too): threads take (sequence, key/value
-// head) items; each key and value row is read once for the query heads that share it (GQA), scores
-// go through a softmax in float32, and each query row is computed alone in a fixed order, so its
-// result does not depend on the rows or sequences beside it.
+// tokens: a decode step, a draft tree; in bfloat16 prompts too): threads claim (sequence, key/value
+// head) items (claim_for in vec.h; an item's cost follows its sequence's length, so claiming also
+// evens the threads out); each key and value row is read once for the query heads that share it
+// (GQA), scores go through a softmax in float32, and each query row is computed alone in a fixed
+// order, so its result does not depend on the rows or sequences beside it.
 // The queries of sequence b (rows offsets[b] .. offsets[b] + t_b of q) attend to the first
 // S_b - t_b keys (its cache) and to its new keys j where mask[i, j] (ancestors-or-self).
 #include <torch/extension.h>
@@ -23,6 +24,7 @@
 namespace {
 
 using cosine_kernels::Vec;
+using cosine_kernels::claim_for;
 
 constexpr int LANES = 16;  // head_dim steps by 16 floats
 
@@ -142,21 +144,19 @@ void cache_attention(const torch::Tensor& q, const torch::Tensor& k_new, const t
   const float sc = static_cast<float>(scale);
   // one item per (sequence, key/value head): it writes that head's new keys and values, then (for a
   // sequence the kernel attends) attends that head's query rows
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t it = begin; it < end; it++) {
-      const int64_t b = it / Hkv, g = it % Hkv;
-      const int64_t t = lens[b], S = ks[b].size(1), past = S - t;
-      float* k = ks[b].data_ptr<float>() + g * ks[b].stride(0);
-      float* v = vs[b].data_ptr<float>() + g * vs[b].stride(0);
-      for (int64_t i = 0; i < t; i++) {
-        const int64_t from = ((offsets[b] + i) * Hkv + g) * D, to = (past + i) * ks[b].stride(1);
-        std::copy(kn + from, kn + from + D, k + to);
-        std::copy(vn + from, vn + from + D, v + to);
-      }
-      if (!attend[b]) continue;
-      const int64_t first = (offsets[b] * H + g * rep) * D;  // row offsets[b], head g * rep; rows H * D apart
-      attend_rows(qp + first, H * D, rep, k, v, ks[b].stride(1), past, t, mp + mask_offsets[b], D, sc, op + first, scores);
+  claim_for(B * Hkv, [&](int64_t it) {
+    thread_local std::vector<float> scores;
+    const int64_t b = it / Hkv, g = it % Hkv;
+    const int64_t t = lens[b], S = ks[b].size(1), past = S - t;
+    float* k = ks[b].data_ptr<float>() + g * ks[b].stride(0);
+    float* v = vs[b].data_ptr<float>() + g * vs[b].stride(0);
+    for (int64_t i = 0; i < t; i++) {
+      const int64_t from = ((offsets[b] + i) * Hkv + g) * D, to = (past + i) * ks[b].stride(1);
+      std::copy(kn + from, kn + from + D, k + to);
+      std::copy(vn + from, vn + from + D, v + to);
     }
+    if (!attend[b]) return;
+    const int64_t first = (offsets[b] * H + g * rep) * D;  // row offsets[b], head g * rep; rows H * D apart
+    attend_rows(qp + first, H * D, rep, k, v, ks[b].stride(1), past, t, mp + mask_offsets[b], D, sc, op + first, scores);
   });
 }

@@ -21,6 +21,7 @@
 
 namespace {
 
+using cosine_kernels::claim_for;
 using cosine_kernels::ISA;
 using cosine_kernels::Vec;
 using cosine_kernels::with_rows;
@@ -359,9 +360,7 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& weigh
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = N / R;
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; b++) block<R>(xp, M, K, wp, yp, N, b * R);
-  });
+  claim_for(blocks, [&](int64_t b) { block<R>(xp, M, K, wp, yp, N, b * R); });
   for (int64_t n = blocks * R; n < N; n++) block<1>(xp, M, K, wp, yp, N, n);
   return y;
 }
@@ -384,11 +383,9 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels) 
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t groups = (P + PV - 1) / PV;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) {
-      const int64_t first = g * PV;
-      panel_group(xp, M, K, pp + first * K * 16, std::min<int64_t>(PV, P - first), yp + first * 16, N);
-    }
+  claim_for(groups, [&](int64_t g) {
+    const int64_t first = g * PV;
+    panel_group(xp, M, K, pp + first * K * 16, std::min<int64_t>(PV, P - first), yp + first * 16, N);
   });
   return y;
 }
@@ -410,38 +407,36 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t groups = (P + PV - 1) / PV;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  claim_for(groups, [&](int64_t g) {
     alignas(64) float buf[PV * PK * 16];
-    for (int64_t g = begin; g < end; g++) {
-      const int64_t first = g * PV, panels = std::min<int64_t>(PV, P - first);
-      if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows (AVX2: of BG rows; from SHARED_FROM, once)
+    const int64_t first = g * PV, panels = std::min<int64_t>(PV, P - first);
+    if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows (AVX2: of BG rows; from SHARED_FROM, once)
 #if defined(__AVX512F__)
-        for (int64_t m0 = 0; m0 < M; m0 += PG) {
-          with_rows<PV>(panels, [&](auto v) {
-            with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) {
-              block_tile<decltype(m)::value, decltype(v)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16,
-                                                                 yp + m0 * N + first * 16, N);
-            });
+      for (int64_t m0 = 0; m0 < M; m0 += PG) {
+        with_rows<PV>(panels, [&](auto v) {
+          with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) {
+            block_tile<decltype(m)::value, decltype(v)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16,
+                                                               yp + m0 * N + first * 16, N);
           });
-        }
+        });
+      }
 #else
-        if (M >= SHARED_FROM) {
-          block_rows(xp, M, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + first * 16, N);
-          continue;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += BG) {
-          with_rows<BG>(std::min<int64_t>(BG, M - m0), [&](auto m) {
-            block_tile<decltype(m)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + m0 * N + first * 16, N);
-          });
-        }
+      if (M >= SHARED_FROM) {
+        block_rows(xp, M, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + first * 16, N);
+        return;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += BG) {
+        with_rows<BG>(std::min<int64_t>(BG, M - m0), [&](auto m) {
+          block_tile<decltype(m)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + m0 * N + first * 16, N);
+        });
+      }
 #endif
-        continue;
-      }
-      for (int64_t k0 = 0; k0 < K; k0 += PK) {
-        const int64_t k1 = std::min<int64_t>(K, k0 + PK);
-        dequant_chunk(cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, K, panels, k0, k1, buf);
-        panel_chunk(xp, M, K, buf, PK * 16, panels, k0, k1, yp + first * 16, N);
-      }
+      return;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += PK) {
+      const int64_t k1 = std::min<int64_t>(K, k0 + PK);
+      dequant_chunk(cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, K, panels, k0, k1, buf);
+      panel_chunk(xp, M, K, buf, PK * 16, panels, k0, k1, yp + first * 16, N);
     }
   });
   return y;

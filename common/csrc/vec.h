@@ -1,12 +1,18 @@
 // One vector register of floats for the project's CPU kernels, and the instruction set it is
 // compiled for (-march=native picks AVX-512 where the CPU has it, else AVX2 with FMA), plus the
-// dispatch from a run-time row count to a kernel compiled for exactly that many rows.
+// dispatch from a run-time row count to a kernel compiled for exactly that many rows, and the way
+// every kernel hands its items to its threads (claim_for).
 #pragma once
 
 #include <immintrin.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace cosine_kernels {
 
@@ -89,6 +95,57 @@ inline void with_rows(int64_t rows, F&& f) {
     if (rows < M) return with_rows<M - 1>(rows, f);
   }
   f(std::integral_constant<int, M>{});
+}
+
+// f(i) for every i in [0, n), each thread first taking its own contiguous share from the front (as
+// a fixed split would: memory read in long streams, claims on a cache line of its own) and, once
+// its share is done, taking items from the back of the share with the most left. A serving process
+// shares its cores with others (the router, the gateway, the drafters): with a fixed split a pass
+// waits for the thread another process preempted, so a few percent of someone else's CPU can cost
+// it twice as much; here the running thread takes over the preempted one's items. Which thread
+// computes an item never changes its bits.
+struct alignas(64) Share {
+  std::atomic<uint64_t> span;  // the items not yet taken, [lo, hi), as lo | hi << 32 (a kernel has far fewer than 2^32)
+};
+
+inline uint64_t span_of(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32); }
+inline int64_t span_lo(uint64_t s) { return static_cast<int64_t>(s & 0xffffffffu); }
+inline int64_t span_hi(uint64_t s) { return static_cast<int64_t>(s >> 32); }
+
+template <class F>
+inline void claim_for(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; i++) f(i);
+    return;
+  }
+  std::vector<Share> shares(threads);
+  for (int64_t t = 0; t < threads; t++) shares[t].span.store(span_of(t * n / threads, (t + 1) * n / threads), std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {  // own shares, from the front, in runs of a quarter of what is left
+      uint64_t s = shares[t].span.load(std::memory_order_relaxed);
+      while (span_lo(s) < span_hi(s)) {
+        const int64_t lo = span_lo(s), hi = span_hi(s), run = std::max<int64_t>(1, (hi - lo) / 4);
+        if (!shares[t].span.compare_exchange_weak(s, span_of(lo + run, hi), std::memory_order_relaxed)) continue;
+        for (int64_t i = lo; i < lo + run; i++) f(i);
+        s = shares[t].span.load(std::memory_order_relaxed);
+      }
+    }
+    for (;;) {  // then the back half of the share with the most left
+      int64_t victim = -1, most = 0;
+      for (int64_t t = 0; t < threads; t++) {
+        const uint64_t s = shares[t].span.load(std::memory_order_relaxed);
+        if (span_hi(s) - span_lo(s) > most) victim = t, most = span_hi(s) - span_lo(s);
+      }
+      if (victim < 0) return;
+      uint64_t s = shares[victim].span.load(std::memory_order_relaxed);
+      const int64_t lo = span_lo(s), hi = span_hi(s);
+      if (lo >= hi) continue;
+      const int64_t run = std::max<int64_t>(1, (hi - lo) / 2);
+      if (!shares[victim].span.compare_exchange_weak(s, span_of(lo, hi - run), std::memory_order_relaxed)) continue;
+      for (int64_t i = hi - run; i < hi; i++) f(i);
+    }
+  });
 }
 
 }  // namespace cosine_kernels
