@@ -175,3 +175,54 @@ def test_every_kernel_gives_the_same_bits_on_any_number_of_threads(own, torch_th
             for name, kernel in kernels.items():
                 assert torch.equal(kernel(), alone[name]), (name, threads)
     torch.testing.assert_close(alone["block"], (x.double() @ weight.double().T).float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["panel", "block", "attention"])
+def test_a_kernel_lets_other_python_threads_run(own, torch_threads, which: str) -> None:
+    # a service's event loop keeps serving while its model thread is in a kernel: with the GIL held, this thread
+    # could not take a single Python step in the middle of a kernel call
+    import threading
+    import time
+
+    from common.block_weights import find_block_codes
+    from common.test_block_weights import q8_0
+
+    torch_threads(1)  # a core left for this thread
+    gen = torch.Generator().manual_seed(3)
+    if which == "attention":
+        H, Hkv, D, past, B = 9, 3, 64, 16000, 4
+        q, k_new, v_new = torch.randn(B, H, D, generator=gen), torch.randn(B, Hkv, D, generator=gen), torch.randn(B, Hkv, D, generator=gen)
+        ks = [torch.randn(Hkv, past + 1, D, generator=gen) for _ in range(B)]
+        vs = [torch.randn(Hkv, past + 1, D, generator=gen) for _ in range(B)]
+        out = torch.empty_like(q)
+        call = lambda: own.cache_attention(q, k_new, v_new, ks, vs, list(range(B)), [1] * B, [True] * B,  # noqa: E731
+                                           torch.ones(B, dtype=torch.bool), list(range(B)), 0.125, out)
+    else:
+        weight = q8_0(49152, 576, seed=5)  # a vocabulary's output projection
+        x = torch.randn(48, 576, generator=gen)
+        if which == "block":
+            found = find_block_codes(weight)
+            assert found is not None
+            codes = found.panels()
+            call = lambda: own.block_panel_linear(x, *codes)  # noqa: E731
+        else:
+            panels = own.pack_panels(weight)
+            call = lambda: own.panel_linear(x, panels)  # noqa: E731
+    calls: list[tuple[float, float]] = []
+
+    def kernel() -> None:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            call()
+            calls.append((t0, time.perf_counter()))
+
+    steps: list[float] = []
+    worker = threading.Thread(target=kernel)
+    worker.start()
+    while worker.is_alive():
+        steps.append(time.perf_counter())
+    worker.join()
+    # the middle half of each call: its first quarter may still be the wait for the GIL before the kernel starts
+    middles = [(s + (e - s) / 4, e - (e - s) / 4) for s, e in calls]
+    inside = sum(1 for t in steps for lo, hi in middles if lo < t < hi)
+    assert inside > 10, f"{inside} Python steps of another thread amid kernel calls of {[round(e - s, 3) for s, e in calls]} s"

@@ -449,10 +449,15 @@ void cache_attention(const torch::Tensor& q, const torch::Tensor& k_new, const t
                      const torch::Tensor& mask, const std::vector<int64_t>& mask_offsets, double scale, torch::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The products and the attention run without the GIL: a service's event loop (its gRPC stream,
+  // the next batch's arrival, health checks) goes on while its model thread is in a kernel, instead
+  // of waiting for the GIL until the kernel returns.
+  using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("isa", []() { return std::string(ISA); }, "the instruction set the kernels were compiled for: avx512 or avx2");
-  m.def("streamed_linear", &streamed_linear, "x @ weight.T, the weight read once (float32)");
+  m.def("streamed_linear", &streamed_linear, no_gil(), "x @ weight.T, the weight read once (float32)");
   m.def("pack_panels", &pack_panels, "weight [N, K] as column panels [N/16, K, 16] for panel_linear");
-  m.def("cache_attention", &cache_attention, "write every sequence's new keys/values into its cache, attend the short ones into out (float32)");
-  m.def("panel_linear", &panel_linear, "x @ weight.T from the weight's column panels (float32)");
-  m.def("block_panel_linear", &block_panel_linear, "x @ weight.T from the weight's 8-bit block codes in column panels (d * q + m)");
+  m.def("cache_attention", &cache_attention, no_gil(),
+        "write every sequence's new keys/values into its cache, attend the short ones into out (float32)");
+  m.def("panel_linear", &panel_linear, no_gil(), "x @ weight.T from the weight's column panels (float32)");
+  m.def("block_panel_linear", &block_panel_linear, no_gil(), "x @ weight.T from the weight's 8-bit block codes in column panels (d * q + m)");
 }
