@@ -23,3 +23,11 @@ def own(request):
         assert got is not None and got.isa() == "avx2"
     assert got is not None
     return got
+
+
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test and puts the old one back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

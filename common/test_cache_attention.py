@@ -70,21 +70,17 @@ def test_a_sequence_gets_the_same_bits_alone_or_in_any_batch(backend: CpuKernelB
         assert torch.equal(got, together[off : off + t])
 
 
-def test_a_pass_gets_the_same_bits_on_any_number_of_threads(backend: CpuKernelBackend) -> None:
+def test_a_pass_gets_the_same_bits_on_any_number_of_threads(backend: CpuKernelBackend, torch_threads) -> None:
     # (sequence, head) items are claimed by whichever thread is free; seven threads on a small machine keep some
     # preempted, so their items are taken by the others
-    before = torch.get_num_threads()
     q, kvs = batch(PASS, 9, 3, 64, seed=5)
     plan = backend.plan(PASS, torch.device("cpu"))
-    try:
-        torch.set_num_threads(1)
-        alone = backend.attend(q, kvs, plan, 0.125)
-        for threads in (2, 3, 7):
-            torch.set_num_threads(threads)
-            for _ in range(3):
-                assert torch.equal(backend.attend(q, kvs, plan, 0.125), alone), threads
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(1)
+    alone = backend.attend(q, kvs, plan, 0.125)
+    for threads in (2, 3, 7):
+        torch_threads(threads)
+        for _ in range(3):
+            assert torch.equal(backend.attend(q, kvs, plan, 0.125), alone), threads
 
 
 def test_it_agrees_with_sdpa_on_a_decode_pass(backend: CpuKernelBackend) -> None:

@@ -143,14 +143,6 @@ def test_ninja_is_found_beside_the_interpreter_when_not_on_path(monkeypatch: pyt
     assert streamed_linear.ninja_dir() == tmp_path
 
 
-@pytest.fixture
-def torch_threads():
-    """Sets torch's thread count for one test and puts the old one back."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 # items (outputs of three, panels and groups of 16, from fewer than the threads to hundreds) are claimed by
 # whichever thread is free, so which thread computes an output changes from pass to pass: never its bits. Seven
 # threads on a small machine keep some preempted, so their items are taken by the others.
