@@ -74,13 +74,13 @@ def test_router_output_equals_target_greedy(name, engines, reference):
     assert got == expected
     assert core.counters.rounds > 0
     if CONFIGS[name].speculate:
-        # trees were verified (a new request's gate record starts optimistic, probes follow on their
-        # interval, and the lookup drafter is never gated); under cost control the gate may rightly
-        # stop drafting after a few rejected first nodes, as a CI run of the width-1 case did (9 draft
-        # tokens, none accepted), so acceptance is asserted only where nothing gates the drafters
-        assert core.counters.draft_tokens > 0
+        # the drafters were asked (a new request's gate record starts optimistic). What they proposed
+        # is asserted only where nothing prices it: under cost control the machine's own timings decide,
+        # and on a loaded machine they may rightly drop every node (a CI run of the width-1 case drafted
+        # twice and pruned both trees whole, another verified 9 nodes and accepted none)
+        assert any(pool.calls.values())
         if not CONFIGS[name].cost_control:
-            assert core.counters.accepted_tokens > 0
+            assert core.counters.draft_tokens > 0 and core.counters.accepted_tokens > 0
     else:  # plain decoding: no drafter was ever asked, and the lookup drafter proposed nothing
         assert core.counters.draft_tokens == 0 and not any(pool.calls.values())
     if not CONFIGS[name].lookup or not CONFIGS[name].speculate:

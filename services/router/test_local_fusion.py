@@ -42,8 +42,9 @@ def test_local_fusion_answers_each_round_in_one_call_and_stays_lossless(engines,
     core = RouterCore(config, pool, LocalVerifier(verifier))
     got = asyncio.run(generate_all(core, prompts, MAX_NEW))
     assert got == expected
-    assert core.counters.accepted_tokens > 0 and core.counters.draft_tokens > 0
     assert pool.fused_rounds > 0
+    if not config.cost_control:  # priced, the machine's timings may rightly prune every node (as in test_core)
+        assert core.counters.accepted_tokens > 0 and core.counters.draft_tokens > 0
     assert pool.draft_steps == 0  # every draft step ran inside the pool: no message per step
     assert verifier.active_requests == 0
     assert all(e.active_requests == 0 for e in drafters.values())
