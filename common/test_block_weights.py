@@ -68,9 +68,10 @@ def test_shapes_the_kernel_cannot_take_are_refused() -> None:
 
 
 # rows: the register path (AVX-512 up to 16: one and two groups of eight rows, and remainders; AVX2 up to
-# 48: four-row tiles up to 8, then four rows dequantizing for groups of six and a remainder) and the chunk
-# path beyond; outputs: whole groups of three panels and one or two left over; inputs: one block, the target's widths
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 11, 16, 17, 40, 48, 49])
+# 48: a four-row tile up to 4, one tile of five or six, two tiles to 8, then four rows dequantizing for
+# groups of six and a remainder) and the chunk path beyond; outputs: whole groups of three panels and one
+# or two left over; inputs: one block, the target's widths
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 6, 7, 8, 9, 11, 16, 17, 40, 48, 49])
 @pytest.mark.parametrize("out_in", [(16, 32), (32, 160), (48, 576), (80, 576), (64, 1536)])
 def test_the_block_kernel_is_the_panel_kernel_bit_for_bit(own, rows: int, out_in: tuple[int, int]) -> None:
     n, k = out_in
