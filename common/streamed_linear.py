@@ -28,7 +28,11 @@ with its CPU attention kernel (``csrc/cache_attention.cpp``: the ``cpu_kernel`` 
   AVX2 build's register tile is four rows of one panel (16 registers: 8 accumulators, the block's
   scales and offsets, a step's weights and a broadcast); on an AVX2-only EPYC it took one row in 8.6
   ms (that machine's memory bandwidth), four in 11.7, eight in 22.8, sixteen in 45, against 23.3,
-  29.4, 34.2 and 55.9 when it dequantized every step into the chunk buffer. From nine rows to 48
+  29.4, 34.2 and 55.9 when it dequantized every step into the chunk buffer. Five or six rows take
+  one tile of ten or twelve accumulators, the block's scales and offsets read from L1 by the
+  instructions that dequantize (its steps in assembly: in intrinsics the compiler stored the
+  accumulators at every step): 0.80-0.83 of the time of a tile of four and one of one or two, whose
+  short chains of multiply-adds waited on their latency. From nine rows to 48
   the tile's four rows dequantize each block once and the other rows read its weights from L1, six
   at a time, instead of a tile per four rows dequantizing again: 0.81-0.92 of the time at 9-32
   rows, level at 12.
