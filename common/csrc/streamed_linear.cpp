@@ -496,32 +496,34 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
   claim_for(groups, [&](int64_t g) {
     alignas(64) float buf[PV * PK * 16];
     const int64_t first = g * PV, panels = std::min<int64_t>(PV, P - first);
-    if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows (AVX2: of BG rows; from SHARED_FROM, once)
+    const int8_t* gc = cp + first * K * 16;                    // the group's codes
+    const uint16_t* gs = sp + first * (K / BLOCK) * 2 * 16;    // and its scales and offsets
+    if (M <= FUSED_ROWS) {  // the codes dequantized in registers, once per group of PG rows (AVX2: of BG rows, or five or six in a wide tile; from SHARED_FROM, once)
 #if defined(__AVX512F__)
       for (int64_t m0 = 0; m0 < M; m0 += PG) {
         with_rows<PV>(panels, [&](auto v) {
           with_rows<PG>(std::min<int64_t>(PG, M - m0), [&](auto m) {
-            block_tile<decltype(m)::value, decltype(v)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16,
+            block_tile<decltype(m)::value, decltype(v)::value>(xp + m0 * K, K, gc, gs,
                                                                yp + m0 * N + first * 16, N);
           });
         });
       }
 #else
       if (M >= SHARED_FROM) {
-        block_rows(xp, M, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + first * 16, N);
+        block_rows(xp, M, K, gc, gs, yp + first * 16, N);
         return;
       }
       if (M == WIDE_FROM) {
-        wide_tile<WIDE_FROM>(xp, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + first * 16, N);
+        wide_tile<WIDE_FROM>(xp, K, gc, gs, yp + first * 16, N);
         return;
       }
       if (M == WIDE_TO) {
-        wide_tile<WIDE_TO>(xp, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + first * 16, N);
+        wide_tile<WIDE_TO>(xp, K, gc, gs, yp + first * 16, N);
         return;
       }
       for (int64_t m0 = 0; m0 < M; m0 += BG) {
         with_rows<BG>(std::min<int64_t>(BG, M - m0), [&](auto m) {
-          block_tile<decltype(m)::value>(xp + m0 * K, K, cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, yp + m0 * N + first * 16, N);
+          block_tile<decltype(m)::value>(xp + m0 * K, K, gc, gs, yp + m0 * N + first * 16, N);
         });
       }
 #endif
@@ -529,7 +531,7 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
     }
     for (int64_t k0 = 0; k0 < K; k0 += PK) {
       const int64_t k1 = std::min<int64_t>(K, k0 + PK);
-      dequant_chunk(cp + first * K * 16, sp + first * (K / BLOCK) * 2 * 16, K, panels, k0, k1, buf);
+      dequant_chunk(gc, gs, K, panels, k0, k1, buf);
       panel_chunk(xp, M, K, buf, PK * 16, panels, k0, k1, yp + first * 16, N);
     }
   });
