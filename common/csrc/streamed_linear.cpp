@@ -315,6 +315,17 @@ constexpr int64_t WIDE_FROM = 5, WIDE_TO = 6;
   "jnz 1b\n\t"
 static_assert(BLOCK == 32, "the wide tile's assembly steps through 32 steps a block");
 
+// Rows 0-4 (every wide tile's), and their accumulators as operands
+#define COSINE_WIDE_FIVE_ROWS                                                                                  \
+  COSINE_WIDE_ROW("(%%r9)", "l0", "h0") COSINE_WIDE_ROW("(%%r9,%%r11)", "l1", "h1")                             \
+  COSINE_WIDE_ROW("(%%r9,%%r11,2)", "l2", "h2") COSINE_WIDE_ROW("(%%r10)", "l3", "h3")                           \
+  COSINE_WIDE_ROW("(%%r10,%%r11)", "l4", "h4")
+#define COSINE_WIDE_FIVE_ACCS                                                                                  \
+  [l0] "+x"(l0), [l1] "+x"(l1), [l2] "+x"(l2), [l3] "+x"(l3), [l4] "+x"(l4),                                   \
+  [h0] "+x"(h0), [h1] "+x"(h1), [h2] "+x"(h2), [h3] "+x"(h3), [h4] "+x"(h4)
+#define COSINE_WIDE_INPUTS_CLOBBERS                                                                            \
+  : [dm] "r"(&dm[0][0]), [a] "r"(a) : "xmm0", "xmm1", "xmm2", "r8", "r9", "r10", "r11", "rax", "memory", "cc"
+
 template <int M>
 inline void wide_tile(const float* x, int64_t K, const int8_t* codes, const uint16_t* scales, float* y, int64_t N) {
   static_assert(M == 5 || M == 6, "wide_tile: five or six rows");
@@ -322,6 +333,7 @@ inline void wide_tile(const float* x, int64_t K, const int8_t* codes, const uint
   __m256 h0 = l0, h1 = l0, h2 = l0, h3 = l0, h4 = l0, h5 = l0;
   alignas(32) float dm[4][8];
   alignas(32) int64_t a[4];
+  a[3] = K * 4;  // bytes between rows
   for (int64_t b0 = 0; b0 < K; b0 += BLOCK) {
     __m256 r[4];
     block_scales(scales + (b0 / BLOCK) * 2 * 16, r);
@@ -329,25 +341,11 @@ inline void wide_tile(const float* x, int64_t K, const int8_t* codes, const uint
     a[0] = reinterpret_cast<int64_t>(codes + b0 * 16);
     a[1] = reinterpret_cast<int64_t>(x + b0);
     a[2] = reinterpret_cast<int64_t>(x + 3 * K + b0);
-    a[3] = K * 4;  // bytes between rows
     if constexpr (M == 6) {
-      asm volatile(COSINE_WIDE_START
-                   COSINE_WIDE_ROW("(%%r9)", "l0", "h0") COSINE_WIDE_ROW("(%%r9,%%r11)", "l1", "h1") COSINE_WIDE_ROW("(%%r9,%%r11,2)", "l2", "h2")
-                   COSINE_WIDE_ROW("(%%r10)", "l3", "h3") COSINE_WIDE_ROW("(%%r10,%%r11)", "l4", "h4") COSINE_WIDE_ROW("(%%r10,%%r11,2)", "l5", "h5")
-                   COSINE_WIDE_NEXT
-                   : [l0] "+x"(l0), [l1] "+x"(l1), [l2] "+x"(l2), [l3] "+x"(l3), [l4] "+x"(l4), [l5] "+x"(l5),
-                     [h0] "+x"(h0), [h1] "+x"(h1), [h2] "+x"(h2), [h3] "+x"(h3), [h4] "+x"(h4), [h5] "+x"(h5)
-                   : [dm] "r"(&dm[0][0]), [a] "r"(a)
-                   : "xmm0", "xmm1", "xmm2", "r8", "r9", "r10", "r11", "rax", "memory", "cc");
+      asm volatile(COSINE_WIDE_START COSINE_WIDE_FIVE_ROWS COSINE_WIDE_ROW("(%%r10,%%r11,2)", "l5", "h5") COSINE_WIDE_NEXT
+                   : COSINE_WIDE_FIVE_ACCS, [l5] "+x"(l5), [h5] "+x"(h5) COSINE_WIDE_INPUTS_CLOBBERS);
     } else {
-      asm volatile(COSINE_WIDE_START
-                   COSINE_WIDE_ROW("(%%r9)", "l0", "h0") COSINE_WIDE_ROW("(%%r9,%%r11)", "l1", "h1") COSINE_WIDE_ROW("(%%r9,%%r11,2)", "l2", "h2")
-                   COSINE_WIDE_ROW("(%%r10)", "l3", "h3") COSINE_WIDE_ROW("(%%r10,%%r11)", "l4", "h4")
-                   COSINE_WIDE_NEXT
-                   : [l0] "+x"(l0), [l1] "+x"(l1), [l2] "+x"(l2), [l3] "+x"(l3), [l4] "+x"(l4),
-                     [h0] "+x"(h0), [h1] "+x"(h1), [h2] "+x"(h2), [h3] "+x"(h3), [h4] "+x"(h4)
-                   : [dm] "r"(&dm[0][0]), [a] "r"(a)
-                   : "xmm0", "xmm1", "xmm2", "r8", "r9", "r10", "r11", "rax", "memory", "cc");
+      asm volatile(COSINE_WIDE_START COSINE_WIDE_FIVE_ROWS COSINE_WIDE_NEXT : COSINE_WIDE_FIVE_ACCS COSINE_WIDE_INPUTS_CLOBBERS);
     }
   }
   const __m256 lo[6] = {l0, l1, l2, l3, l4, l5}, hi[6] = {h0, h1, h2, h3, h4, h5};
@@ -356,6 +354,9 @@ inline void wide_tile(const float* x, int64_t K, const int8_t* codes, const uint
 #undef COSINE_WIDE_START
 #undef COSINE_WIDE_ROW
 #undef COSINE_WIDE_NEXT
+#undef COSINE_WIDE_FIVE_ROWS
+#undef COSINE_WIDE_FIVE_ACCS
+#undef COSINE_WIDE_INPUTS_CLOBBERS
 
 // SHARED_FROM to FUSED_ROWS rows of one panel, block by block: the first BG rows dequantize the
 // block's steps in registers as block_tile does and leave them in wbuf (BLOCK x 16 floats, in L1),
@@ -513,12 +514,8 @@ torch::Tensor block_panel_linear(const torch::Tensor& x, const torch::Tensor& co
         block_rows(xp, M, K, gc, gs, yp + first * 16, N);
         return;
       }
-      if (M == WIDE_FROM) {
-        wide_tile<WIDE_FROM>(xp, K, gc, gs, yp + first * 16, N);
-        return;
-      }
-      if (M == WIDE_TO) {
-        wide_tile<WIDE_TO>(xp, K, gc, gs, yp + first * 16, N);
+      if (M == WIDE_FROM || M == WIDE_TO) {
+        (M == WIDE_TO ? wide_tile<WIDE_TO> : wide_tile<WIDE_FROM>)(xp, K, gc, gs, yp + first * 16, N);
         return;
       }
       for (int64_t m0 = 0; m0 < M; m0 += BG) {
