@@ -100,6 +100,7 @@ class Setup:
         if unknown:
             raise SystemExit(f"unknown drafter(s) {', '.join(unknown)}: the zoo has {', '.join(zoo.drafters)}")
         verifier = VerifierEngine.from_checkpoint(zoo.target.path, device=device, dtype=dtype, seed=0)
+        verifier.time_passes()  # as the verifier service does: the router core prices rows by this curve
         drafter_dtype = "float32" if dtype == "auto" else dtype
         engines = {n: DrafterEngine.from_checkpoint(zoo.drafters[n].path, device=device, dtype=drafter_dtype, domains=zoo.drafters[n].domains)
                    for n in names}

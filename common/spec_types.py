@@ -269,6 +269,7 @@ class ModelInfo:
     device: str
     attention_backend: str
     max_context: int
+    pass_times: tuple[tuple[int, float], ...] = ()  # verifier only: (rows, seconds) of a pass, timed at load
 
 
 # ---- batch outcomes ------------------------------------------------------------------------------

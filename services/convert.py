@@ -40,6 +40,7 @@ def model_info_to_pb(info: ModelInfo, model_id: str, domains: Sequence[str] = ()
         model_id=model_id, model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
         tokenizer_fingerprint=info.tokenizer_fingerprint, num_parameters=info.num_parameters, dtype=info.dtype,
         device=info.device, attention_backend=info.attention_backend, domains=list(domains), max_context=info.max_context,
+        pass_rows=[r for r, _ in info.pass_times], pass_seconds=[s for _, s in info.pass_times],
     )
 
 

@@ -324,6 +324,23 @@ def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
         server.stop()
 
 
+def test_the_verifier_reports_its_pass_time_by_rows_timed_at_load(cluster):
+    from services.router.clients import GrpcVerifier
+    from services.verifier.pass_times import PASS_ROWS
+
+    async def body():
+        verifier = GrpcVerifier(cluster.verifier_address)
+        try:
+            await verifier.fetch_info()
+        finally:
+            await verifier.close()
+        return verifier.pass_times
+
+    times = asyncio.run(body())
+    assert [r for r, _ in times] == list(PASS_ROWS)  # every row count, in the router's own terms
+    assert all(0 < s < 5 for _, s in times)
+
+
 def test_sampling_request_completes(cluster, workload):
     _, prompt = workload[1]
     with Client(cluster.gateway_address, timeout=60) as client:

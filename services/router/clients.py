@@ -291,6 +291,13 @@ class GrpcVerifier:
         self.info = reply.models[0]
         return self.info
 
+    @property
+    def pass_times(self) -> tuple[tuple[int, float], ...]:
+        """The verifier's pass seconds by rows, timed when it loaded the target (empty if it did not)."""
+        if self.info is None:
+            return ()
+        return tuple(zip(self.info.pass_rows, self.info.pass_seconds))
+
     async def verify(self, items: Sequence[VerifyItem]) -> tuple[list[Verdict], int]:
         if self.stream.broken:
             self.stream.reset()  # one reconnect attempt per batch

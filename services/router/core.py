@@ -115,6 +115,7 @@ class RouterCore(OffPathDrafting):
         self.counters = Counters()
         self.load = LoadControl()
         self.control = SpeculationControl(enabled=config.cost_control)
+        self.control.curve.set_prior(getattr(verifier, "pass_times", ()))  # the pass's shape by rows (pass_plan.py)
         self.lookups = LookupDrafting(config, self.control, self.counters, load_corpus)
         self.drafting = Drafting(config, drafters, self.control, clock)
         self.gate = DraftGate(config, self.control, clock)

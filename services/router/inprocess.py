@@ -89,6 +89,10 @@ class LocalVerifier:
         for rid in request_ids:
             self.engine.release(rid)
 
+    @property
+    def pass_times(self) -> tuple[tuple[int, float], ...]:
+        return self.engine.pass_times
+
 
 async def output_of(request: Request) -> list[int]:
     """Every token streamed to a submitted request (``RouterCore.submit``) until it finishes;

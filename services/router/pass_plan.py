@@ -10,7 +10,12 @@ up to a few hundred rows. A line through such passes (``CostModel``) misprices b
 
 :class:`PassCurve` keeps the measured pass time by rows instead (one running mean per bin of rows,
 interpolated between bins, extrapolated with the fitted line beyond the largest measured pass, so
-a larger tree is tried and then measured; passes that prefill a prompt stay out of it).
+a larger tree is tried and then measured; passes that prefill a prompt stay out of it). A line
+between two bins misses a step between them, though (the CPU kernels take rows a tile at a time),
+and the bins measured are those the plan keeps. So where the verifier timed its pass by rows when
+it loaded the target (``services/verifier/pass_times.py``), that curve gives the shape between and
+beyond the bins, and the bins its level (:meth:`PassCurve.predict`); the plan then prices rows from
+the first round on.
 :func:`choose_nodes` then keeps the drafted nodes of the whole batch that maximise
 
     sum over the batch's requests of log(1 + expected accepted tokens of the request)
@@ -75,6 +80,17 @@ class PassCurve:
     stale_after: int = STALE_AFTER
     _points: dict[int, list[float]] = field(default_factory=dict)  # bin -> [mean rows, mean seconds, its latest pass]
     _passes: int = 0  # passes observed
+    _prior: tuple[tuple[float, float], ...] = ()  # (rows, seconds) timed by the verifier at load, never falling
+
+    def set_prior(self, points: Sequence[tuple[int, float]]) -> None:
+        """The verifier's own pass times by rows (``services/verifier/pass_times.py``): the curve's
+        shape between and beyond the bins measured here, scaled to their level (see :meth:`predict`)."""
+        prior: list[tuple[float, float]] = []
+        for rows, seconds in sorted((float(r), float(s)) for r, s in points if r > 0 and s > 0):
+            if prior and rows == prior[-1][0]:
+                continue
+            prior.append((rows, max(seconds, prior[-1][1]) if prior else seconds))
+        self._prior = tuple(prior)
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
@@ -94,22 +110,46 @@ class PassCurve:
 
     def predict(self, rows: int, slope: float) -> float | None:
         """Seconds of a pass of ``rows`` rows; ``slope``: seconds per row beyond the measured
-        passes (the fitted line's). None before any pass was measured."""
+        passes (the fitted line's). None before any pass was measured and without a prior.
+
+        With a prior (:meth:`set_prior`), its time at ``rows`` scaled by the measured over prior
+        time of the bins here (interpolated between the bins around ``rows``, the nearest one's
+        beyond them; 1 before any): a step of the prior between two measured bins, or beyond
+        them, stays a step."""
         points = sorted((x, y) for x, y, _ in (p for p in self._points.values() if not self._stale(p)))
         if not points:
-            return None
+            return self._prior_at(rows) if self._prior else None
         # the mean seconds never fall as rows grow (noise aside, a larger pass is not quicker)
         xs, ys = [points[0][0]], [points[0][1]]
         for x, y in points[1:]:
             xs.append(x)
             ys.append(max(y, ys[-1]))
+        if self._prior:
+            return self._prior_at(rows) * _interpolate(xs, [y / self._prior_at(x) for x, y in zip(xs, ys)], rows)
         if rows <= xs[0]:
             return max(0.0, ys[0] - slope * (xs[0] - rows))
-        for i in range(1, len(xs)):
-            if rows <= xs[i]:
-                t = (rows - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
-                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        if rows <= xs[-1]:
+            return _interpolate(xs, ys, rows)
         return ys[-1] + slope * (rows - xs[-1])
+
+    def _prior_at(self, rows: float) -> float:
+        """The prior's seconds at ``rows``: linear between its points, its last segment's slope
+        beyond the last one (its first point's time below the first)."""
+        xs, ys = [x for x, _ in self._prior], [y for _, y in self._prior]
+        if rows > xs[-1] and len(xs) > 1:
+            return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
+        return _interpolate(xs, ys, rows)
+
+
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear through (xs, ys), xs ascending; the end values beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    return ys[-1]
 
 
 def node_values(tree: DraftTree, rate: Callable[[float], float], lookup_rates: Mapping[int, float]) -> list[float]:

@@ -52,6 +52,10 @@ class VerifierBackend(Protocol):
 
     def release(self, request_ids: Sequence[str]) -> None: ...
 
+    # A verifier that timed its pass by rows when it loaded the target also has (the router prices
+    # rows by the passes it runs alone where it is missing):
+    #   pass_times -> Sequence[(rows, seconds)]: services/verifier/pass_times.py
+
 
 ProfileSource = Callable[[Sequence[str], str], Awaitable[dict[str, float]]]
 ProfileSink = Callable[[list[tuple[str, str, float, float]]], Awaitable[None]]

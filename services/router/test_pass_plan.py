@@ -6,6 +6,8 @@ import pytest
 
 from common.fusion import DraftTree
 from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
+from services.router.core import RouterConfig, RouterCore
+from services.router.inprocess import LocalDrafterPool
 from services.router.pass_plan import PassCurve, choose_nodes, plan_pass
 
 
@@ -133,3 +135,75 @@ def test_each_request_is_priced_by_its_own_rates():
     assert len(out["sampled"]) < len(out["greedy"])
     same, _ = plan_pass(trees, {}, plain_rows=2, rates=dict.fromkeys(trees, lambda p: p), seconds=seconds)
     assert same["sampled"].tokens == [1, 2, 3]  # priced alike, kept alike
+
+
+def tiled_prior() -> list[tuple[int, float]]:
+    """A CPU's pass by rows, timed at load: 16 ms for one row, 1 ms more a row up to eight, a tile
+    of eight more rows costs 6 ms at once and 1 ms a row (2 more past sixteen): sixteen rows 37 ms, seventeen 48."""
+    def t(rows: int) -> float:
+        tiles = (rows - 1) // 8
+        return 0.016 + 0.001 * (rows - 1) + 0.006 * tiles + (0.002 if rows > 16 else 0.0) * tiles
+    return [(r, t(r)) for r in (*range(1, 21), 24, 32)]
+
+
+def test_the_prior_prices_a_step_that_no_pass_here_has_measured():
+    prior = dict(tiled_prior())
+    curve = PassCurve()
+    curve.set_prior(list(prior.items()))
+    assert curve.predict(17, 0.001) == pytest.approx(prior[17])  # nothing measured yet: the prior itself
+    # a loaded machine: sixteen plain rows and a 24-row pass measured at 1.5 times the prior
+    for _ in range(3):
+        curve.observe(16, 1.5 * prior[16])
+        curve.observe(24, 1.5 * prior[24])
+    assert curve.predict(16, 0.001) == pytest.approx(1.5 * prior[16])
+    assert curve.predict(17, 0.001) == pytest.approx(1.5 * prior[17])  # the step, at the measured level
+    assert curve.predict(40, 0.001) > curve.predict(32, 0.001) > curve.predict(24, 0.001)  # beyond: the prior's slope
+    plain = PassCurve()  # the same passes without the prior: a line between 16 and 24 rows misses the step
+    for _ in range(3):
+        plain.observe(16, 1.5 * prior[16])
+        plain.observe(24, 1.5 * prior[24])
+    assert plain.predict(17, 0.001) < 1.5 * prior[17] - 0.004
+    # four requests with two nodes each: the first four fill the tile of eight rows; with the step
+    # at nine priced, the second nodes (54% each) do not repay it; on a line from 4 to 16 rows they do
+    four = chains([0.9, 0.6], [0.9, 0.6], [0.9, 0.6], [0.9, 0.6])
+    level = PassCurve()
+    level.set_prior(list(prior.items()))
+    line = PassCurve()
+    for rows in (4, 16):
+        level.observe(rows, prior[rows])
+        line.observe(rows, prior[rows])
+    assert all(k == {0} for k in choose_nodes(*four, 4, lambda n: level.predict(n, 0.001)).values())
+    assert all(k == {0, 1} for k in choose_nodes(*four, 4, lambda n: line.predict(n, 0.001)).values())
+
+
+def test_the_prior_takes_the_level_of_the_bins_around_each_size():
+    curve = PassCurve()
+    curve.set_prior([(1, 0.010), (4, 0.012), (8, 0.016), (2, 0.005)])  # a noisy quick point never lowers the curve
+    assert curve.predict(2, 0.0) == pytest.approx(0.010)
+    curve.observe(1, 0.020)  # one row at twice the prior, eight at 1.5 times: four between the two
+    curve.observe(8, 0.024)
+    ratio_at_4 = 2.0 + (4 - 1) / (8 - 1) * (1.5 - 2.0)
+    assert curve.predict(4, 0.0) == pytest.approx(0.012 * ratio_at_4)
+    assert curve.predict(12, 0.0) == pytest.approx(1.5 * (0.016 + 0.001 * 4))  # the last segment's slope, the last bin's level
+
+
+class UntimedVerifier:
+    """A verifier backend without ``pass_times`` (one that did not time its pass at load)."""
+
+    async def verify(self, items):
+        raise AssertionError("not called")
+
+    def release(self, request_ids):
+        pass
+
+
+class TimedVerifier(UntimedVerifier):
+    pass_times = ((1, 0.020), (8, 0.024), (9, 0.031), (16, 0.040))
+
+
+def test_the_router_prices_rows_by_the_verifier_s_timing_before_any_pass_of_its_own():
+    core = RouterCore(RouterConfig(), LocalDrafterPool({}), TimedVerifier())
+    assert core.control.pass_seconds(8) == pytest.approx(0.024)
+    assert core.control.pass_seconds(9) == pytest.approx(0.031)  # the step, not a line from 8 to 16
+    untimed = RouterCore(RouterConfig(), LocalDrafterPool({}), UntimedVerifier())
+    assert untimed.control.pass_seconds(8) is None  # every node verified until passes are measured

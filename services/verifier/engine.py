@@ -40,6 +40,7 @@ from common.kv_cache import KVCache
 from common.spec_types import (
     ContextTooLong,
     InvalidInput,
+    ModelInfo,
     SpecError,
     StageTimings,
     TokenTree,
@@ -51,6 +52,7 @@ from common.spec_types import (
 )
 from services.verifier.acceptance import RuleFactory, default_rule_factory
 from services.verifier.batching import repeated_items
+from services.verifier.pass_times import measure_pass_times
 
 log = get_logger(__name__)
 
@@ -92,6 +94,7 @@ class VerifierEngine(RequestEngine[RequestState]):
         super().__init__(runner, kv_token_budget, "verifier")
         self.rule_factory = rule_factory
         self.max_tree_nodes = max_tree_nodes  # a larger tree is refused (its attention mask grows with nodes^2)
+        self.pass_times: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of a pass, when timed (pass_times.py)
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -115,6 +118,13 @@ class VerifierEngine(RequestEngine[RequestState]):
         return cls(runner, kv_token_budget=kv_token_budget, rule_factory=rule_factory, seed=seed, max_tree_nodes=max_tree_nodes)
 
     # ---- introspection -----------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        return replace(self.runner.model_info(), pass_times=self.pass_times)
+
+    def time_passes(self) -> None:
+        """Time the verify pass by rows (:func:`~services.verifier.pass_times.measure_pass_times`)."""
+        self.pass_times = measure_pass_times(self.runner)
 
     def committed(self, request_id: str) -> tuple[int, ...]:
         """The request's committed sequence (prompt + generated)."""

@@ -144,6 +144,8 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
             )
         except (CheckpointError, ValueError) as exc:
             raise StartupError(f"target: {exc}") from None
+        if settings.time_passes:
+            await model_thread.run(engine.time_passes)
         m = engine.model_info()
         log.info("target loaded", path=settings.target, architecture=m.architecture, params=m.num_parameters,
                  attention_backend=m.attention_backend, threads=threads, fingerprint=m.tokenizer_fingerprint)

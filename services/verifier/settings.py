@@ -32,3 +32,5 @@ class VerifierSettings(ServiceSettings):
     kv_budget_tokens: int = setting(262144, help="most tokens kept in KV caches across all requests; a request that would exceed it is refused", check=positive)
     max_tree_nodes: int = setting(1024, help="most nodes one request's token tree may have (a larger tree is refused as invalid)", check=positive)
     max_batch_tokens: int = setting(4096, help="most tokens (tree nodes + appended tokens) one verify forward pass takes", check=positive)
+    time_passes: bool = setting(True, help="time a verify pass of 1-96 rows when the target is loaded (a few seconds on a CPU) and "
+                                           "report the curve to the router, which prices drafted rows by its shape from the first round")

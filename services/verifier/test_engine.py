@@ -152,6 +152,19 @@ def test_model_info(engine: VerifierEngine, llama_target: Path) -> None:
     assert len(info.tokenizer_fingerprint) == 16 and info.num_parameters > 0
 
 
+def test_the_pass_is_timed_by_rows_and_reported_with_the_model(engine: VerifierEngine) -> None:
+    from services.verifier.pass_times import measure_pass_times
+
+    assert engine.model_info().pass_times == ()  # not timed unless asked (the service asks at start)
+    times = measure_pass_times(engine.runner, rows=(1, 3, 2, 40), context=8, tries=1)
+    assert [r for r, _ in times] == [1, 2, 3, 40] and all(s > 0 for _, s in times)
+    engine.time_passes()
+    assert [r for r, _ in engine.model_info().pass_times][:3] == [1, 2, 3]
+    # the timing left no trace: a request's first verdict is as on a fresh engine
+    out = engine.verify([VerifyItem("a", append_ids=PROMPT, tree=TokenTree())])
+    assert out.verdicts[0].ok and engine.committed("a") == (*PROMPT, out.verdicts[0].next_token)
+
+
 def test_timings_are_reported(engine: VerifierEngine) -> None:
     out = engine.verify([VerifyItem("a", append_ids=PROMPT, tree=TokenTree.chain([1, 2]))])
     t = out.timings
