@@ -80,17 +80,20 @@ class PassCurve:
     stale_after: int = STALE_AFTER
     _points: dict[int, list[float]] = field(default_factory=dict)  # bin -> [mean rows, mean seconds, its latest pass]
     _passes: int = 0  # passes observed
-    _prior: tuple[tuple[float, float], ...] = ()  # (rows, seconds) timed by the verifier at load, never falling
+    _prior_rows: tuple[float, ...] = ()  # the verifier's pass times by rows, timed at load: rows ascending
+    _prior_seconds: tuple[float, ...] = ()  # and their seconds, never falling
 
     def set_prior(self, points: Sequence[tuple[int, float]]) -> None:
         """The verifier's own pass times by rows (``services/verifier/pass_times.py``): the curve's
         shape between and beyond the bins measured here, scaled to their level (see :meth:`predict`)."""
-        prior: list[tuple[float, float]] = []
+        xs: list[float] = []
+        ys: list[float] = []
         for rows, seconds in sorted((float(r), float(s)) for r, s in points if r > 0 and s > 0):
-            if prior and rows == prior[-1][0]:
+            if xs and rows == xs[-1]:
                 continue
-            prior.append((rows, max(seconds, prior[-1][1]) if prior else seconds))
-        self._prior = tuple(prior)
+            xs.append(rows)
+            ys.append(max(seconds, ys[-1]) if ys else seconds)
+        self._prior_rows, self._prior_seconds = tuple(xs), tuple(ys)
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
@@ -118,13 +121,13 @@ class PassCurve:
         them, stays a step."""
         points = sorted((x, y) for x, y, _ in (p for p in self._points.values() if not self._stale(p)))
         if not points:
-            return self._prior_at(rows) if self._prior else None
+            return self._prior_at(rows) if self._prior_rows else None
         # the mean seconds never fall as rows grow (noise aside, a larger pass is not quicker)
         xs, ys = [points[0][0]], [points[0][1]]
         for x, y in points[1:]:
             xs.append(x)
             ys.append(max(y, ys[-1]))
-        if self._prior:
+        if self._prior_rows:
             return self._prior_at(rows) * _interpolate(xs, [y / self._prior_at(x) for x, y in zip(xs, ys)], rows)
         if rows <= xs[0]:
             return max(0.0, ys[0] - slope * (xs[0] - rows))
@@ -135,7 +138,7 @@ class PassCurve:
     def _prior_at(self, rows: float) -> float:
         """The prior's seconds at ``rows``: linear between its points, its last segment's slope
         beyond the last one (its first point's time below the first)."""
-        xs, ys = [x for x, _ in self._prior], [y for _, y in self._prior]
+        xs, ys = self._prior_rows, self._prior_seconds
         if rows > xs[-1] and len(xs) > 1:
             return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
         return _interpolate(xs, ys, rows)
