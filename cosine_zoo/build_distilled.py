@@ -8,7 +8,8 @@ Stages, each resumable (a ``stage.json`` with a key from the profile and seed; s
 2. *teacher*: the target's greedy continuations of training prompts per domain (real text cut
    from the corpus; instructions through the chat template for ``chat``), and of the held-out
    prompts that evaluation uses, decoded by the verifier engine (its argmax, and on a CPU 1.4x the
-   tokens a second of transformers' ``generate``).
+   tokens a second of transformers' ``generate``); with ``soft_top_k``, the target's top-k next
+   tokens at every training position too, recorded from the logits the engine decodes with.
 3. *drafters*: the generalist on every domain, then one specialist per domain starting from it.
 4. *evaluation*: the drafter x domain acceptance matrix (greedy, k), the target's held-out
    perplexity, and the cost of one drafter step against one target step (batch 1, one thread,
@@ -112,6 +113,7 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
                    if target.config.architectures else "LlamaForCausalLM", "source": target_source},
         "teacher": {d: {"generated": sum(ex.targets is None for ex in teacher["train"][d]),
                         "teacher_forced": sum(ex.targets is not None for ex in teacher["train"][d]),
+                        "soft_labelled": sum(ex.soft is not None for ex in teacher["train"][d]),
                         "labelled_tokens": sum(len(ex.labels) for ex in teacher["train"][d])} for d in DISTILL_DOMAINS},
         "draft_vocab": {"size": vocab.size, "target_vocab_size": vocab.target_vocab_size},
         "drafters": {name: drafter_entry(name, info[name], profile) for name in drafters},
@@ -197,11 +199,11 @@ def teacher_stage(out: Path, opts: BuildOptions, profile: DistillProfile, target
     writer = teacher_engine(target_path, profile.device) or target
     for d in DISTILL_DOMAINS:
         data["train"][d] = distill.teacher_examples(writer, encode(tokenizer, train[d]), spec.new_tokens, eos, pad,
-                                                    spec.batch_size, f"teacher {d}", opts.progress)
+                                                    spec.batch_size, f"teacher {d}", opts.progress, top_k=spec.soft_top_k)
         if corpus is not None and d in corpus.domains:
             windows = distill.text_windows(tokenizer, corpus.domains[d].train, spec.text_windows_per_domain, spec.window)
             data["train"][d] += distill.teacher_forced_examples(target, windows, spec.window_context, 8,
-                                                                f"teacher-forced {d}", opts.progress)
+                                                                f"teacher-forced {d}", opts.progress, top_k=spec.soft_top_k)
         data["heldout"][d] = distill.teacher_examples(writer, encode(tokenizer, heldout[d]), profile.evaluation.new_tokens,
                                                       eos, pad, spec.batch_size, f"held-out {d}", opts.progress)
     shutil.rmtree(path, ignore_errors=True)

@@ -7,6 +7,13 @@ continuation, and a drafter learns to predict exactly those tokens given the rea
 cross-entropy against the teacher's top-1). That is precisely what greedy speculative decoding
 rewards: a drafted token is accepted when it equals the target's argmax.
 
+With ``soft_top_k`` the teacher also records, at every continuation position, its ``k`` most likely
+next tokens and their log-probabilities (recorded from the logits the verifier engine decodes the
+continuation with, so at no extra pass), and training mixes cross-entropy against that
+distribution into the loss (``soft_weight``): how near the runners-up were is what a few thousand
+examples cannot otherwise teach, and a drafter that learns it generalises to held-out prompts
+instead of memorising its training continuations.
+
 A drafter is a 2-layer Llama of the target's width, initialised from the target: its embedding
 (tied with its output layer) is the target's embedding rows of the draft vocabulary (the ``N``
 most frequent tokens of the teacher data), its layers are copies of chosen target layers (the
@@ -20,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,6 +46,16 @@ class DistillTrain:
     batch_size: int = 16
     lr: float = 1e-3
     warmup_steps: int = 10
+    soft_weight: float = 0.0  # share of the loss against the teacher's top-k distribution (examples with soft labels)
+
+
+@dataclass(frozen=True)
+class SoftLabels:
+    """The target's ``k`` most likely next tokens at each labelled position: target ids ``[n, k]``
+    (int32) and their log-probabilities over the whole vocabulary ``[n, k]`` (float16)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,7 @@ class Example:
     prompt: tuple[int, ...]
     continuation: tuple[int, ...]
     targets: tuple[int, ...] | None = None
+    soft: SoftLabels | None = field(default=None, compare=False)
 
     @property
     def labels(self) -> tuple[int, ...]:
@@ -68,12 +86,20 @@ class DistillResult:
     seconds: float
 
 
+def soft_labels(logits: torch.Tensor, top_k: int) -> SoftLabels:
+    """The ``top_k`` most likely next tokens of each row of ``logits [n, vocab]`` and their log-probabilities."""
+    top = torch.log_softmax(logits.float(), -1).topk(min(top_k, logits.shape[-1]), -1)
+    return SoftLabels(top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu())
+
+
 @torch.no_grad()
 def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: int, eos_id: int, pad_id: int,
-                     batch_size: int, desc: str, progress: bool, device: str = "cpu") -> list[Example]:
+                     batch_size: int, desc: str, progress: bool, device: str = "cpu", top_k: int = 0) -> list[Example]:
     """The target's greedy continuation of every prompt: ``target`` is the verifier engine
     (:func:`~cosine_zoo.evaluate.engine_continuations`) or a transformers model (batched
-    ``generate``, left padding)."""
+    ``generate``, left padding). With ``top_k``, each example carries the target's top-k at every
+    continuation token: recorded from the logits the engine decodes with (no pass of its own), or
+    from one teacher-forced pass of the transformers model (:func:`with_soft_labels`)."""
     from cosine_zoo.evaluate import engine_continuations, greedy_continuations
     from services.verifier.engine import VerifierEngine
 
@@ -82,10 +108,20 @@ def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: 
     for i in range(0, len(prompts), batch_size):
         chunk = [list(p) for p in prompts[i : i + batch_size]]
         if isinstance(target, VerifierEngine):
-            conts = engine_continuations(target, chunk, new_tokens, eos_id, batch_size=batch_size)
+            rows: list[list[SoftLabels]] = [[] for _ in chunk]  # each token's top-k as it is decoded
+            observe = (lambda j, logits: rows[j].append(soft_labels(logits[-1:], top_k))) if top_k > 0 else None
+            conts = engine_continuations(target, chunk, new_tokens, eos_id, batch_size=batch_size, observe=observe)
+            for p, c, r in zip(chunk, conts, rows):
+                soft = None
+                if top_k > 0:
+                    if len(r) != len(c):
+                        raise RuntimeError(f"teacher: {len(r)} logits rows for a continuation of {len(c)} tokens")
+                    soft = SoftLabels(torch.cat([x.ids for x in r]), torch.cat([x.logprobs for x in r]))
+                out.append(Example(tuple(p), tuple(c), soft=soft))
         else:
             conts = greedy_continuations(target, chunk, new_tokens, eos_id, pad_id, batch_size=batch_size, device=device)
-        out += [Example(tuple(p), tuple(c)) for p, c in zip(chunk, conts)]
+            got = [Example(tuple(p), tuple(c)) for p, c in zip(chunk, conts)]
+            out += with_soft_labels(target, got, top_k, batch_size, device) if top_k > 0 else got
         bar.update(len(chunk))
     bar.close()
     return out
@@ -93,20 +129,44 @@ def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: 
 
 @torch.no_grad()
 def teacher_forced_examples(target: Any, windows: Sequence[Sequence[int]], context: int, batch_size: int,
-                            desc: str, progress: bool, device: str = "cpu") -> list[Example]:
+                            desc: str, progress: bool, device: str = "cpu", top_k: int = 0) -> list[Example]:
     """Real-text windows labelled with the target's argmax at every position after the first ``context``
-    tokens: five times cheaper per labelled token than generation, and the labels are still the target's."""
+    tokens: five times cheaper per labelled token than generation, and the labels are still the target's
+    (with ``top_k``, its top-k there too)."""
     out: list[Example] = []
     bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress, leave=False)
     for i in range(0, len(windows), batch_size):
         chunk = [list(w) for w in windows[i : i + batch_size]]
         width = min(len(w) for w in chunk)
         ids = torch.tensor([w[:width] for w in chunk], dtype=torch.long, device=device)
-        pred = target(input_ids=ids).logits[:, context - 1 : width - 1].argmax(-1).cpu().tolist()
-        for w, labels in zip(chunk, pred):
-            out.append(Example(tuple(w[:context]), tuple(w[context:width]), tuple(labels)))
+        logits = target(input_ids=ids).logits[:, context - 1 : width - 1]
+        pred = logits.argmax(-1).cpu().tolist()
+        for r, (w, labels) in enumerate(zip(chunk, pred)):
+            soft = soft_labels(logits[r], top_k) if top_k > 0 else None
+            out.append(Example(tuple(w[:context]), tuple(w[context:width]), tuple(labels), soft=soft))
         bar.update(len(chunk))
     bar.close()
+    return out
+
+
+@torch.no_grad()
+def with_soft_labels(model: Any, examples: Sequence[Example], top_k: int, batch_size: int,
+                     device: str = "cpu") -> list[Example]:
+    """Every example with a transformers model's top-``top_k`` at each continuation token, from one
+    teacher-forced pass a batch (right padding)."""
+    out: list[Example] = []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        seqs = [ex.prompt + ex.continuation for ex in chunk]
+        ids = torch.zeros((len(chunk), max(len(seq) for seq in seqs)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, seq in enumerate(seqs):
+            ids[r, : len(seq)] = torch.tensor(seq)
+            mask[r, : len(seq)] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        for r, ex in enumerate(chunk):
+            start = len(ex.prompt) - 1
+            out.append(replace(ex, soft=soft_labels(logits[r, start : start + len(ex.continuation)], top_k)))
     return out
 
 
@@ -199,9 +259,44 @@ def make_batch(batch: Sequence[Example], vocab: DraftVocab) -> tuple[torch.Tenso
     return ids, labels
 
 
+def soft_batch(batch: Sequence[Example], vocab: DraftVocab, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k distributions at :func:`make_batch`'s positions, in draft space: draft
+    ids ``[B, W, k]`` and probabilities ``[B, W, k]``, renormalised over the tokens the draft
+    vocabulary holds (zero elsewhere, and wherever an example has no soft labels)."""
+    k = max((ex.soft.ids.shape[1] for ex in batch if ex.soft is not None), default=1)
+    idx = torch.zeros((len(batch), width, k), dtype=torch.long)
+    probs = torch.zeros((len(batch), width, k))
+    for r, ex in enumerate(batch):
+        if ex.soft is None:
+            continue
+        ids = ex.soft.ids.long()
+        draft = vocab.to_draft[ids]
+        p = ex.soft.logprobs.float().exp() * (vocab.to_target[draft] == ids)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+        start = len(ex.prompt) - 1
+        n, kk = ids.shape
+        idx[r, start : start + n, :kk] = draft
+        probs[r, start : start + n, :kk] = p
+    return idx, probs
+
+
+def distill_loss(logits: torch.Tensor, labels: torch.Tensor, soft: tuple[torch.Tensor, torch.Tensor] | None,
+                 soft_weight: float) -> torch.Tensor:
+    """Cross-entropy on the teacher's tokens, mixed with cross-entropy against its top-k
+    distribution (``soft_weight`` of the loss) where the batch carries one."""
+    hard = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    if soft is None or soft_weight <= 0:
+        return hard
+    idx, probs = soft
+    logq = torch.log_softmax(logits.float(), -1).gather(-1, idx)
+    positions = (probs.sum(-1) > 0).sum().clamp_min(1)
+    return (1 - soft_weight) * hard + soft_weight * -(probs * logq).sum() / positions
+
+
 def train_drafter(drafter: Any, examples: Sequence[Example], vocab: DraftVocab, spec: DistillTrain, seed: int,
                   desc: str, progress: bool, device: str = "cpu") -> DistillResult:
-    """Cross-entropy on the teacher's continuations; frozen embedding; cosine-decayed AdamW."""
+    """Cross-entropy on the teacher's continuations (mixed with its top-k distribution where the
+    examples carry one, ``spec.soft_weight``); frozen embedding; cosine-decayed AdamW."""
     if not examples:
         raise ValueError(f"{desc}: no teacher examples to train on")
     drafter.to(device).train()
@@ -217,9 +312,13 @@ def train_drafter(drafter: Any, examples: Sequence[Example], vocab: DraftVocab, 
         for group in opt.param_groups:
             group["lr"] = lr_at(step, spec)
         pick = torch.randint(len(examples), (spec.batch_size,), generator=gen).tolist()
-        ids, labels = make_batch([examples[i] for i in pick], vocab)
+        batch = [examples[i] for i in pick]
+        ids, labels = make_batch(batch, vocab)
+        soft = None
+        if spec.soft_weight > 0 and any(ex.soft is not None for ex in batch):
+            soft = tuple(t.to(device) for t in soft_batch(batch, vocab, ids.shape[1]))
         logits = drafter(input_ids=ids.to(device)).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(), ignore_index=-100)
+        loss = distill_loss(logits, labels.to(device), soft, spec.soft_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

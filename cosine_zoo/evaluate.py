@@ -17,7 +17,7 @@ the drafter over ``prefix + c``. Works for any causal LM pair sharing a tokenize
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,18 +58,24 @@ def greedy_continuations(model: Any, prompts: list[list[int]], new_tokens: int, 
 
 
 def engine_continuations(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int, eos_id: int,
-                         batch_size: int = 32) -> list[list[int]]:
+                         batch_size: int = 32, observe: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
     """The continuations of :func:`greedy_continuations`, decoded by the verifier engine itself
     (:class:`services.verifier.engine.VerifierEngine`): one ``verify`` call a batch, the prompts'
     prefill and then ``new_tokens`` plain steps that stop at ``eos_id``, so the argmax is the one the
     verifier serves. On the default zoo's target on two cores, 200 prompts of 64 tokens in batches
-    of 40: 140 tokens/s against transformers' ``generate`` at 99, the same tokens."""
+    of 40: 140 tokens/s against transformers' ``generate`` at 99, the same tokens.
+
+    ``observe(prompt index, logits [1, vocab])`` sees the logits that chose each continuation
+    token, in order (``VerifierEngine.observe_logits``)."""
     from common.spec_types import VerifyItem
 
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         ids = [f"teacher-{i + j}" for j in range(len(chunk))]
+        index = {rid: i + j for j, rid in enumerate(ids)}
+        if observe is not None:
+            engine.observe_logits = lambda rid, logits: observe(index[rid], logits)
         try:
             outcome = engine.verify([VerifyItem(rid, append_ids=tuple(p), plain_steps=new_tokens, stop_ids=(eos_id,))
                                      for rid, p in zip(ids, chunk)])
@@ -78,6 +84,7 @@ def engine_continuations(engine: Any, prompts: Sequence[Sequence[int]], new_toke
                     raise RuntimeError(f"teacher prompt {verdict.request_id}: {verdict.error}")
                 out.append(list(verdict.new_tokens))
         finally:
+            engine.observe_logits = None
             for rid in ids:
                 engine.release(rid)
     return out

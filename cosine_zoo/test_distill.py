@@ -93,6 +93,60 @@ def test_batches_supervise_only_the_continuation_inside_the_vocabulary():
     assert labels[0].tolist() == [-100, int(vocab.to_draft[6]), -100]
 
 
+def test_soft_labels_are_the_target_s_top_k_while_it_writes(tiny_zoo):
+    import torch
+
+    from common.checkpoints import load_causal_lm
+    from cosine_zoo.distill import teacher_examples, teacher_forced_examples
+    from services.verifier.engine import VerifierEngine
+
+    target = load_causal_lm(tiny_zoo.target.path)
+    engine = VerifierEngine.from_checkpoint(tiny_zoo.target.path, attention_backend="sdpa")
+    prompts = [[3, 4, 5, 6], [10, 11], [20, 21, 22]]
+    by_engine = teacher_examples(engine, prompts, 6, eos_id=-1, pad_id=0, batch_size=2, desc="t", progress=False, top_k=5)
+    by_model = teacher_examples(target, prompts, 6, eos_id=-1, pad_id=0, batch_size=3, desc="t", progress=False, top_k=5)
+    assert [ex.continuation for ex in by_engine] == [ex.continuation for ex in by_model]
+    for ex, other in zip(by_engine, by_model):
+        with torch.no_grad():  # the teacher-forced distribution at each continuation token
+            full = torch.log_softmax(target(input_ids=torch.tensor([ex.prompt + ex.continuation])).logits[0], -1)
+        want = full[len(ex.prompt) - 1 : -1].topk(5, -1)
+        for got in (ex.soft, other.soft):
+            assert got.ids.shape == got.logprobs.shape == (6, 5)
+            assert got.ids.tolist() == want.indices.tolist()
+            assert torch.allclose(got.logprobs.float(), want.values, atol=2e-2)
+        assert ex.soft.ids[:, 0].tolist() == list(ex.continuation)  # greedy: its top-1 is what it wrote
+    assert engine.observe_logits is None and engine.active_requests == 0
+    assert teacher_examples(engine, prompts[:1], 3, -1, 0, 1, "t", False)[0].soft is None  # asked for none
+    forced = teacher_forced_examples(target, [list(range(3, 15))], context=4, batch_size=1, desc="t", progress=False, top_k=3)
+    assert forced[0].soft.ids[:, 0].tolist() == list(forced[0].targets) and forced[0].soft.ids.shape == (8, 3)
+
+
+def test_soft_batches_hold_the_teacher_s_distribution_inside_the_vocabulary():
+    import math
+
+    import torch
+
+    from cosine_zoo.distill import SoftLabels, distill_loss, soft_batch
+
+    vocab = choose_draft_vocab([Example((4, 5), (6, 7))], size=4, target_vocab_size=10)
+    soft = SoftLabels(torch.tensor([[6, 9], [7, 6]], dtype=torch.int32),  # 9 is off the map
+                      torch.tensor([[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.25)]], dtype=torch.float16))
+    batch = [Example((4, 5), (6, 7), soft=soft), Example((5,), (6,))]
+    ids, labels = make_batch(batch, vocab)
+    idx, probs = soft_batch(batch, vocab, ids.shape[1])
+    assert idx.shape == probs.shape == (2, 3, 2)
+    # position 1 predicts the first continuation token: 9 is dropped, 6 keeps all the mass
+    assert probs[0, 1].tolist() == pytest.approx([1.0, 0.0]) and int(idx[0, 1, 0]) == int(vocab.to_draft[6])
+    assert probs[0, 2].tolist() == pytest.approx([2 / 3, 1 / 3], abs=1e-3)
+    assert probs[0, 0].sum() == 0 and probs[1].sum() == 0  # off the continuation; no soft labels
+    logits = torch.randn(2, 3, 4)
+    hard = distill_loss(logits, labels, None, 0.5)
+    assert hard == pytest.approx(float(distill_loss(logits, labels, (idx, probs), 0.0)))
+    logq = torch.log_softmax(logits, -1)
+    want = -(probs * logq.gather(-1, idx)).sum() / 2  # two positions carry a distribution
+    assert float(distill_loss(logits, labels, (idx, probs), 1.0)) == pytest.approx(float(want), rel=1e-5)
+
+
 def test_layers_and_chat_prompts():
     assert resolve_layers((0, -1), 30) == [0, 29]
     with pytest.raises(ValueError):
@@ -140,6 +194,8 @@ def test_manifest_records_teacher_and_vocab(tiny_distilled_zoo):
     assert set(m["teacher"]) == set(DISTILL_DOMAINS)
     assert all(v["generated"] == tiny_distill().teacher.prompts_per_domain for v in m["teacher"].values())
     assert m["teacher"]["code"]["teacher_forced"] > 0 and m["teacher"]["chat"]["teacher_forced"] == 0
+    # the profile asks for the teacher's top-k: every training example carries it
+    assert all(v["soft_labelled"] == v["generated"] + v["teacher_forced"] for v in m["teacher"].values())
     assert m["drafters"]["chat"]["domains"] == ["chat"]
     assert set(m["timings"]) >= {"target", "teacher", "drafters", "evaluation", "total"}
 

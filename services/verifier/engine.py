@@ -27,7 +27,7 @@ early-layer evidence cannot be guaranteed never to change the output without a r
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -95,6 +95,9 @@ class VerifierEngine(RequestEngine[RequestState]):
         self.rule_factory = rule_factory
         self.max_tree_nodes = max_tree_nodes  # a larger tree is refused (its attention mask grows with nodes^2)
         self.pass_times: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of a pass, when timed (pass_times.py)
+        # sees (request id, logits [1, vocab]) of every plain position it decodes: the zoo's teacher
+        # records the target's top-k next tokens while it writes its continuations (none in serving)
+        self.observe_logits: Callable[[str, torch.Tensor], None] | None = None
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -178,6 +181,9 @@ class VerifierEngine(RequestEngine[RequestState]):
                 if p.new:
                     self._drop(p.state)
                 verdicts[p.index] = Verdict(p.item.request_id, error=f"verify decision failed: {exc}", error_kind="internal")
+                continue
+            if self.observe_logits is not None and not len(p.item.tree):
+                self.observe_logits(p.item.request_id, lg)
         t3 = time.perf_counter_ns()
         step_ns, step_rows = self._plain_steps(planned, verdicts)
         t4 = time.perf_counter_ns()
@@ -222,6 +228,8 @@ class VerifierEngine(RequestEngine[RequestState]):
             for p, lg in zip(going, logits):
                 state = p.state
                 decision = self.rule_factory(p.item.sampling).decide(EMPTY_TREE, lg, state.generator or self._generator)
+                if self.observe_logits is not None:
+                    self.observe_logits(p.item.request_id, lg)
                 state.cache.commit(1)
                 state.tokens.append(decision.next_token)
                 verdict = verdicts[p.index]
