@@ -8,7 +8,9 @@ Both are parts of :class:`services.router.core.RouterCore`'s rounds (see its mod
   pass does not wait for the drafters of a few of its requests;
 - *routing ahead*: a new request whose domain takes the drafters' scores is scored, and its prompt
   read by its drafters, while its first passes (the target's prefill among them) decode plainly
-  (unless it is alone in its round: then nothing else would be verified, and it is scored inline).
+  (unless it is alone in its round: then nothing else would be verified, and it is scored inline);
+  so are the tokens a request committed while it decoded plainly, once more of them than its
+  drafters catch up inline (``core.CATCH_UP_TOKENS``) wait for its drafters.
 
 Such work runs as tasks beside the rounds (:meth:`OffPathDrafting._off_path`), cancelled at stop.
 """

@@ -87,6 +87,10 @@ __all__ = [
 
 log = get_logger("router")
 
+# committed tokens a request's drafters may have left unread and still catch up inline, in the round
+# that drafts for it; more are read off the verifier's path first (see ``_round``)
+CATCH_UP_TOKENS = 16
+
 
 class RouterCore(OffPathDrafting):
     def __init__(
@@ -244,10 +248,14 @@ class RouterCore(OffPathDrafting):
                 ks[r.request_id] = 0
         # a new prompt (unscored, or its first pass: the target's prefill) is routed and read by its
         # drafters while the request's first passes run, the target's prefill among them: it drafts
-        # once its drafters hold its prompt, and no pass waits for the drafters' prefill of it.
+        # once its drafters hold its prompt, and no pass waits for the drafters' prefill of it. So is
+        # a request whose drafters have not read more than CATCH_UP_TOKENS of its tokens (it decoded
+        # plainly since they last drafted for it, or they never read its prompt): the round would
+        # otherwise hold every request's pass while they read them.
         # A round of one request has no other pass to hide that behind: it happens inline, since
         # drafter work beside a round's own passes only slows them on shared cores
-        fresh = [r for r in batch if ks[r.request_id] > 0 and (self.routing.needs_scores(r) or not r.verifier_synced)]
+        fresh = [r for r in batch if ks[r.request_id] > 0 and (self.routing.needs_scores(r) or not r.verifier_synced
+                                                               or _unread(r) > CATCH_UP_TOKENS)]
         routed_ahead = 0
         if fresh and len(batch) > 1 and self.config.draft_ahead and self.config.cost_control:
             for r in fresh:
@@ -399,6 +407,12 @@ class RouterCore(OffPathDrafting):
 
         task.add_done_callback(done)
 
+
+
+def _unread(r: Request) -> int:
+    """Committed tokens of ``r`` that none of its drafters holds (all of them before any has read its prompt)."""
+    sequence = r.sequence
+    return len(sequence) - max((common_prefix(cache, sequence) for cache in r.drafter_cache.values()), default=0)
 
 
 def _to_token_tree(tree: DraftTree) -> TokenTree:

@@ -384,6 +384,46 @@ def test_new_requests_first_pass_does_not_wait_for_their_drafters_to_read_their_
     assert any(accepted for _, accepted in core.counters.by_drafter.values())  # they drafted afterwards
 
 
+def test_drafters_left_behind_by_plain_rounds_catch_up_beside_a_pass(engines, reference, monkeypatch):
+    """A request that decoded plainly for more tokens than its drafters catch up inline (the gate
+    turns it down from its second token to its twelfth here) has them read what it committed
+    meanwhile off the verifier's path, as its prompt was read: a call that only reads, and the
+    drafting calls after it bring them no more than the catch-up bound. Output is the target's own."""
+    import services.router.core as core_module
+
+    monkeypatch.setattr(core_module, "CATCH_UP_TOKENS", 4)
+    verifier, drafters = engines
+    prompts, expected = reference
+
+    class RecordingPool(SlowDrafterPool):
+        def __init__(self, engines, delay_s):
+            super().__init__(engines, delay_s)
+            self.items: list[tuple[str, int, int]] = []  # (request, top_n, tokens appended)
+
+        async def draft_many(self, calls):
+            self.items += [(item.request_id, item.top_n, len(item.append_ids)) for items in calls.values() for item in items]
+            return await super().draft_many(calls)
+
+    pool = RecordingPool(drafters, delay_s=0.05)
+    backend = SlowVerifier(verifier, delay_s=0.02)
+    config = RouterConfig(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False,
+                          fusion="token")
+    core = pool.core = backend.core = RouterCore(config, pool, backend)
+    gate = core.gate.drafts
+    core.gate.drafts = lambda r, *args, **kw: not 2 <= len(r.generated) < 12 and gate(r, *args, **kw)
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW, drain=True)) == expected
+    assert core.counters.routed_ahead == 2 * len(prompts)  # their prompts, then what they decoded plainly
+    seen: set[str] = set()
+    catch_ups = []
+    for rid, top_n, appended in pool.items:
+        if rid in seen and top_n == 0:
+            catch_ups.append(appended)
+        seen.add(rid)  # a request's first item reads its prompt
+    assert len(catch_ups) == len(prompts) and min(catch_ups) > 4
+    drafting = [(rid, appended) for rid, top_n, appended in pool.items if top_n > 0]
+    assert drafting and all(appended <= 4 + 1 for _, appended in drafting)  # at most the bound, and a fused token
+
+
 def test_a_lone_new_request_is_scored_before_its_first_pass(engines, reference):
     """Alone in its round, a new request has no other pass to hide its scoring behind: the drafters
     score its prompt before its first pass (no verify call overlaps the scoring), and it drafts from
