@@ -249,7 +249,7 @@ class RouterCore(OffPathDrafting):
         # a new prompt (unscored, or its first pass: the target's prefill) is routed and read by its
         # drafters while the request's first passes run, the target's prefill among them: it drafts
         # once its drafters hold its prompt, and no pass waits for the drafters' prefill of it. So is
-        # a request whose drafters have not read more than CATCH_UP_TOKENS of its tokens (it decoded
+        # a request whose drafters have more than CATCH_UP_TOKENS of its tokens left to read (it decoded
         # plainly since they last drafted for it, or they never read its prompt): the round would
         # otherwise hold every request's pass while they read them.
         # A round of one request has no other pass to hide that behind: it happens inline, since
