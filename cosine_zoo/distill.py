@@ -154,15 +154,12 @@ def with_soft_labels(model: Any, examples: Sequence[Example], top_k: int, batch_
                      device: str = "cpu") -> list[Example]:
     """Every example with a transformers model's top-``top_k`` at each continuation token, from one
     teacher-forced pass a batch (right padding)."""
+    from cosine_zoo.evaluate import right_pad
+
     out: list[Example] = []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
-        seqs = [ex.prompt + ex.continuation for ex in chunk]
-        ids = torch.zeros((len(chunk), max(len(seq) for seq in seqs)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, seq in enumerate(seqs):
-            ids[r, : len(seq)] = torch.tensor(seq)
-            mask[r, : len(seq)] = 1
+        ids, mask = right_pad([ex.prompt + ex.continuation for ex in chunk], 0)
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
         for r, ex in enumerate(chunk):
             start = len(ex.prompt) - 1
@@ -284,13 +281,16 @@ def distill_loss(logits: torch.Tensor, labels: torch.Tensor, soft: tuple[torch.T
                  soft_weight: float) -> torch.Tensor:
     """Cross-entropy on the teacher's tokens, mixed with cross-entropy against its top-k
     distribution (``soft_weight`` of the loss) where the batch carries one."""
-    hard = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    def hard() -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
     if soft is None or soft_weight <= 0:
-        return hard
+        return hard()
     idx, probs = soft
     logq = torch.log_softmax(logits.float(), -1).gather(-1, idx)
     positions = (probs.sum(-1) > 0).sum().clamp_min(1)
-    return (1 - soft_weight) * hard + soft_weight * -(probs * logq).sum() / positions
+    against_top_k = -(probs * logq).sum() / positions
+    return against_top_k if soft_weight >= 1 else (1 - soft_weight) * hard() + soft_weight * against_top_k
 
 
 def train_drafter(drafter: Any, examples: Sequence[Example], vocab: DraftVocab, spec: DistillTrain, seed: int,

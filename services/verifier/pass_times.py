@@ -13,7 +13,7 @@ looked a third as dear as they are. On a GPU the curve is flat for hundreds of r
 cache, for every row count up to 20 and a few beyond, the counts interleaved over two tries and
 the faster kept (a neighbour that is busy for a moment slows one try, not the curve's shape). The
 verifier reports the curve in its ``Info`` (``ModelInfo.pass_rows`` / ``pass_seconds``); the router
-takes its shape and the level of its own recent passes (``PassCurve.prior``).
+takes its shape and the level of its own recent passes (``PassCurve.set_prior``).
 """
 
 from __future__ import annotations
