@@ -139,6 +139,29 @@ def extension() -> ModuleType | None:
     return build()
 
 
+STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that was killed (one takes about 30 s)
+
+
+def clear_stale_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build's ``lock`` file when it is older than ``older_than_s``; whether it did.
+
+    torch's extension builder takes that file while it compiles and removes it when done; a build
+    killed meanwhile (Ctrl-C on a first start, a pod evicted) leaves it behind, and every later start
+    would wait for it forever, silently. A younger one belongs to a build still running (the
+    verifier and a drafter starting together on a fresh machine), which the caller waits for."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < older_than_s:
+        return False
+    lock.unlink(missing_ok=True)
+    log.warning("removed a stale kernel build lock (a build was killed while compiling)", lock=str(lock),
+                age_s=round(age))
+    return True
+
+
 def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
     """Build (or load from the cache) and check the extension with ``extra_flags`` after
     :data:`FLAGS` (:data:`AVX2_FLAGS`: the AVX2 kernels on an AVX-512 CPU); None where it cannot be had."""
@@ -156,6 +179,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
     t0 = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir)
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             log.info("building the own cpu kernels (once per machine, about 30 s)", build_dir=str(build_dir))

@@ -4,6 +4,8 @@ kernel test runs on the build for this CPU and, where it has AVX-512, on the AVX
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,6 +122,39 @@ def test_a_failed_build_leaves_the_kernel_out_and_says_why(monkeypatch: pytest.M
         extension.cache_clear()
     assert any("unavailable" in event and "internal compiler error" in str(kw["error"]) for event, kw in said.lines)
     assert str(tmp_path) in str(said.lines[-1][1]["build_dir"])
+
+
+@pytest.mark.parametrize("age_s", [3600.0, 5.0])
+def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waited_for(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                                       age_s: float) -> None:
+    import os
+    import time
+
+    import torch.utils.cpp_extension as ext
+
+    lock_at_load: list[bool] = []
+
+    def load(**kw: object) -> None:
+        lock_at_load.append((Path(str(kw["build_directory"])) / "lock").exists())
+        raise RuntimeError("not built here")
+
+    said = Said()
+    monkeypatch.setattr(streamed_linear, "log", said)
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(ext, "load", load)
+    monkeypatch.setenv("COSINE_CACHE_DIR", str(tmp_path))
+    lock = tmp_path / "kernels" / build_name() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    extension.cache_clear()
+    try:
+        assert extension() is None
+    finally:
+        extension.cache_clear()
+    stale = age_s > streamed_linear.STALE_LOCK_S
+    assert lock_at_load == [not stale]  # torch's builder would wait on it: forever, for a killed build's
+    assert any("stale kernel build lock" in event for event, _ in said.lines) == stale
 
 
 def test_the_build_name_follows_the_source_and_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
