@@ -44,11 +44,27 @@ class Run:
         return sum(len(t) for t in self.outputs.values())
 
 
-def target_alone(verifier: Any, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None, concurrency: int) -> Run:
+class _Far:
+    """The verifier engine behind a round trip of ``seconds`` a call (the target alone's steps)."""
+
+    def __init__(self, engine: Any, seconds: float):
+        self.engine, self.seconds = engine, seconds
+
+    def verify(self, items: Any) -> Any:
+        time.sleep(self.seconds)
+        return self.engine.verify(items)
+
+    def release(self, request_id: str) -> None:
+        self.engine.release(request_id)
+
+
+def target_alone(verifier: Any, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None, concurrency: int,
+                 round_trip_s: float = 0.0) -> Run:
     """Plain decode steps through ``verifier`` (empty trees), ``concurrency`` requests in flight
-    (:func:`services.verifier.sim.plain_generate`)."""
+    (:func:`services.verifier.sim.plain_generate`), each step behind ``round_trip_s``."""
     t0 = time.perf_counter()
-    outputs, passes = plain_generate(verifier, prompts, max_new, eos, concurrency)
+    outputs, passes = plain_generate(_Far(verifier, round_trip_s) if round_trip_s > 0 else verifier, prompts, max_new, eos,
+                                     concurrency)
     return Run(outputs, time.perf_counter() - t0, passes)
 
 
@@ -106,7 +122,7 @@ class Setup:
                    for n in names}
         return cls(verifier, engines, zoo.acceptance, zoo.lexicon, zoo.lookup_corpus)
 
-    def core(self, fuse_locally: bool = True) -> Any:
+    def core(self, fuse_locally: bool = True, round_trip_s: float = 0.0) -> Any:
         from services.router.core import RouterConfig, RouterCore
         from services.router.inprocess import LocalDrafterPool, LocalVerifier
         from services.router.lexicon import DomainLexicon
@@ -133,15 +149,17 @@ class Setup:
         async def load_corpus(version: int) -> tuple[int, Any] | None:
             return None if version else (1, corpora)
 
-        return RouterCore(RouterConfig(), LocalDrafterPool(self.drafters, fuse_locally=fuse_locally), LocalVerifier(self.verifier),
+        return RouterCore(RouterConfig(), LocalDrafterPool(self.drafters, fuse_locally=fuse_locally),
+                          LocalVerifier(self.verifier, round_trip_s=round_trip_s),
                           profiles=profiles, load_lexicon=load_lexicon if self.lexicon else None,
                           record_lexicon=record_lexicon if self.lexicon else None,
                           load_corpus=load_corpus if corpora is not None else None)
 
 
-def compare(prompts: Mapping[str, Sequence[int]], setup: Setup, max_new: int, eos: int | None, concurrency: int) -> dict[str, Any]:
-    alone = target_alone(setup.verifier, prompts, max_new, eos, concurrency)
-    cosine = asyncio.run(_cosine(setup.core(), prompts, max_new, eos, concurrency))
+def compare(prompts: Mapping[str, Sequence[int]], setup: Setup, max_new: int, eos: int | None, concurrency: int,
+            round_trip_s: float = 0.0) -> dict[str, Any]:
+    alone = target_alone(setup.verifier, prompts, max_new, eos, concurrency, round_trip_s)
+    cosine = asyncio.run(_cosine(setup.core(round_trip_s=round_trip_s), prompts, max_new, eos, concurrency))
     equal = sum(cosine.outputs.get(r) == alone.outputs[r] for r in prompts)
     return {
         "concurrency": concurrency,
@@ -170,6 +188,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=24, help="requests per comparison, round-robin over the zoo's domains (default 24)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per request (default 64)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default 0: torch's choice)")
+    ap.add_argument("--round-trip-ms", type=float, default=0.0,
+                    help="a verifier across a network: every call to it (a step of the target alone, a round of "
+                         "cosine) first waits this long, none of it busy time (default 0: in process)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     return ap.parse_args(argv)
 
@@ -212,12 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'in flight':>9} {'target alone tok/s':>19} {'cosine tok/s':>13} {'speed-up':>9} {'tokens/pass':>12} "
           f"{'greedy equal':>13}")
     for c in levels:
-        r = compare(prompts, setup, args.max_new_tokens, eos, c)
+        r = compare(prompts, setup, args.max_new_tokens, eos, c, args.round_trip_ms / 1e3)
         results.append(r)
         a, s = r["target_alone"], r["cosine"]
         print(f"{c:>9} {a['tokens_per_s']:>19.1f} {s['tokens_per_s']:>13.1f} {r['speedup']:>8.2f}x "
               f"{s['tokens'] / max(1, s['passes']):>12.2f} {r['greedy_equal']:>6}/{r['requests']:<6}", flush=True)
-    report = {"device": device, "gpu": gpu, "dtype": str(setup.verifier.runner.dtype).removeprefix("torch."), "torch": torch.__version__, "zoo": str(args.zoo),
+    report = {"device": device, "gpu": gpu, "round_trip_ms": args.round_trip_ms, "dtype": str(setup.verifier.runner.dtype).removeprefix("torch."), "torch": torch.__version__, "zoo": str(args.zoo),
               "drafters": sorted(setup.drafters), "max_new_tokens": args.max_new_tokens, "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

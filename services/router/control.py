@@ -145,6 +145,7 @@ class SpeculationControl:
     draft_round_s: float = 0.0
     verify_round_s: float = 0.0
     verify_pass_s: float = 0.0  # verifier busy time of one round's pass (EWMA): no queueing in it
+    round_overhead_s: float = 0.0  # a round's time beside its passes, with no drafter model to wait for (EWMA)
     pipelining: bool = True  # whether a second round in flight currently pays (see pipeline_pays)
     pass_ratio: float = 0.0  # measured over predicted pass time, passes with no drafter work beside them (EWMA)
     pass_ratio_beside: float = 0.0  # the same, passes that ran beside drafting ahead or a prompt's scoring (EWMA)
@@ -373,6 +374,19 @@ class SpeculationControl:
         self.draft_step_s = self._ewma(self.draft_step_s, seconds)
         if first_of:
             self.first_step.observe(first_of, seconds)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """One round's time beside its verifier passes (its lookup chains and plan, the round trip,
+        the verdicts' application) while it was the only round in flight and waited for no drafter
+        model: what a plain round's steps pay once and a drafted round pays every pass (see
+        ``pass_plan``). One round counts for at most three times the estimate so far, so that a lone
+        stall (a collection, the event loop busy elsewhere) barely moves it while a verifier that
+        moved far away is learned within a few dozen rounds."""
+        if seconds < 0:
+            return
+        if self.round_overhead_s > 0:
+            seconds = min(seconds, 3 * self.round_overhead_s)
+        self.round_overhead_s = self._ewma(self.round_overhead_s, seconds)
 
     def observe_round(self, draft_s: float, verify_s: float) -> None:
         self.draft_round_s = self._ewma(self.draft_round_s, draft_s)

@@ -76,7 +76,7 @@ from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
 from services.router.resume import backoff_s, mark_for_resume
 from services.router.verdicts import ProfileUpdate, VerdictApplication
-from services.router.scheduler import Candidate, LoadControl, pick_batch, plain_steps
+from services.router.scheduler import PLAIN_STREAK, Candidate, LoadControl, pick_batch, plain_steps
 
 # the names the servicer, the benchmarks and the tests import from here
 __all__ = [
@@ -277,28 +277,35 @@ class RouterCore(OffPathDrafting):
             batch = [r for r in batch if not r.drafting_ahead]
             ks = {r.request_id: 0 for r in batch}
         trees, selected = await self._draft(batch, ks)
+        waited = any(selected.values())  # a drafter model was asked, and this round waited for it
         for rid, got in ahead.items():
             trees[rid], selected[rid] = got.tree, list(got.selected)
         lookups = {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
-        if self.config.cost_control and any(len(t) for t in trees.values()):
-            # the whole batch's nodes against the measured pass-time curve (pass_plan.py)
-            plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
-            rates = {r.request_id: self.control.calibration_for(r.sampling.greedy) for r in batch}
-            trees, lookups = plan_pass(trees, lookups, plain_rows, rates, self.control.pass_seconds)
-        t1 = self.clock()
-        if drafting and not drafted_ahead:
-            self.gate.charge_probes(t1 - t0, probes, len(drafting))  # the probes' share of the drafting
-            log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
-                      probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
         # a request that left the pool since the latest round began freed a slot that its client (in
         # a closed loop) refills within a round trip: unless the batch is full again, this round
         # decodes one step, so that the next request joins after one pass, not after all the steps
         refilling = self.counters.requests_finished > self._finished_seen and len(batch) < self.config.max_batch_requests
         self._finished_seen = self.counters.requests_finished
-        steps = plain_steps(self.config.plain_steps, [r.max_new_tokens - len(r.generated) for r in batch],
-                            [r.plain_streak for r in batch], drafts=any(len(t) for t in trees.values()),
-                            whole_pool=(self.rounds_in_flight == 1 and not self._off_path_tasks and not refilling
-                                        and self._holds_every_slot(batch)))
+        whole_pool = (self.rounds_in_flight == 1 and not self._off_path_tasks and not refilling
+                      and self._holds_every_slot(batch))
+        remaining = [r.max_new_tokens - len(r.generated) for r in batch]
+        if self.config.cost_control and any(len(t) for t in trees.values()):
+            # the whole batch's nodes against the measured pass-time curve, and against the plain
+            # steps the round would decode without them, were its requests' streaks long enough
+            # (pass_plan.py)
+            plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
+            rates = {r.request_id: self.control.calibration_for(r.sampling.greedy) for r in batch}
+            forgone = plain_steps(self.config.plain_steps, remaining, [PLAIN_STREAK] * len(batch), drafts=False,
+                                  whole_pool=whole_pool)
+            trees, lookups = plan_pass(trees, lookups, plain_rows, rates, self.control.pass_seconds,
+                                       self.control.round_overhead_s, forgone)
+        t1 = self.clock()
+        if drafting and not drafted_ahead:
+            self.gate.charge_probes(t1 - t0, probes, len(drafting))  # the probes' share of the drafting
+            log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
+                      probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
+        steps = plain_steps(self.config.plain_steps, remaining, [r.plain_streak for r in batch],
+                            drafts=any(len(t) for t in trees.values()), whole_pool=whole_pool)
         items = [
             VerifyItem(
                 request_id=r.request_id,
@@ -366,6 +373,8 @@ class RouterCore(OffPathDrafting):
             self.load.observe(min(1.0, busy_ns / 1e9 / max(t2 - t0, 1e-9)))
         if updates and self.record is not None:
             self._background(self.record(updates))
+        if self.rounds_in_flight == 1 and not waited:  # alone, and no drafter model waited for
+            self.control.observe_overhead(self.clock() - t0 - busy_ns / 1e9)
         self.counters.apply_s += self.clock() - t2
 
     async def _draft(self, batch: list[Request], ks: dict[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:

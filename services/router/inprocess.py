@@ -76,11 +76,17 @@ class LocalDrafterPool:
 
 
 class LocalVerifier:
-    def __init__(self, engine: VerifierEngine):
+    """The verifier engine called in process. ``round_trip_s``: each call first waits that long,
+    none of it busy time, as across a network (``benchmarks.inprocess --round-trip-ms``)."""
+
+    def __init__(self, engine: VerifierEngine, round_trip_s: float = 0.0):
         self.engine = engine
+        self.round_trip_s = round_trip_s
         self.batches: list[int] = []
 
     async def verify(self, items: Sequence[VerifyItem]) -> tuple[list[Verdict], int]:
+        if self.round_trip_s > 0:
+            await asyncio.sleep(self.round_trip_s)
         outcome = self.engine.verify(items)
         self.batches.append(len(items))
         return list(outcome.verdicts), outcome.timings.total_ns

@@ -25,6 +25,18 @@ that is, the geometric mean of the requests' progress per second (proportional f
 request this is its tokens per second; in a batch, a node's row delays every request of the pass,
 so it is kept only when its tokens repay that delay for all of them, not only for its own request
 (the throughput of the pass alone would let a few repetitive requests slow down everyone else).
+A round costs more than its pass, though: the round trip around it (the reply, the router's work
+on it, the next request) leaves the verifier idle, and a round that drafts nothing may have the
+verifier decode a few plain steps back to back before it answers (``scheduler.plain_steps``),
+paying that round trip once for all of them. A drafted node forfeits those steps. So, given the
+round's measured overhead ``o`` and the ``s`` plain steps the round would take without drafts, the
+rounds compared are: drafted, progress ``1 + expected tokens`` for each request in ``pass time + o``;
+plain, ``s`` tokens for each request in ``s * plain pass time + o``. With ``s`` = 1 and ``o`` = 0 this
+is the objective above. On the 2-core AVX-512 Xeon through the services a round trip costs about
+2.5 ms beside passes of 20-60 ms: at four sampled clients (T=0.8) rounds now go plain where their
+lookup rows were near break-even (plain steps in 134-156 passes of a 64-request run against 19-90),
+for the same tokens/s; the larger the round trip (a verifier across a network), the more a round
+of plain steps is worth.
 Nodes are taken greedily, the one adding the most to its request's log progress first, and the
 count with the best objective is kept. A node's expected tokens are the product of its calibrated
 acceptance rates along its path, and a node is only taken after its parent, so the kept nodes are
@@ -170,16 +182,18 @@ def node_values(tree: DraftTree, rate: Callable[[float], float], lookup_rates: M
 
 
 def choose_nodes(values: Mapping[str, Sequence[float]], parents: Mapping[str, Sequence[int]], plain_rows: int,
-                 seconds: Callable[[int], float | None]) -> dict[str, set[int]]:
+                 seconds: Callable[[int], float | None], overhead_s: float = 0.0, plain_steps: int = 1) -> dict[str, set[int]]:
     """The nodes of each request to verify (see the module docstring): taken one at a time, the one
     that raises its request's expected progress the most (in log terms) first, while their parents
-    are in; the count kept is the one with the best objective. All of them while the pass time
-    cannot be predicted yet."""
+    are in; the count kept is the one with the best objective, against a plain round of
+    ``plain_steps`` steps, each round paying ``overhead_s`` beside its passes. All of them while the
+    pass time cannot be predicted yet."""
     every = {rid: set(range(len(vals))) for rid, vals in values.items()}
     batch = len(values)
     base = seconds(plain_rows)
     if base is None or base <= 0 or batch == 0:
         return every
+    overhead_s, plain_steps = max(0.0, overhead_s), max(1, plain_steps)
     children: dict[tuple[str, int], list[int]] = {}
     heap: list[tuple[float, str, int]] = []
     for rid, ps in parents.items():
@@ -190,7 +204,7 @@ def choose_nodes(values: Mapping[str, Sequence[float]], parents: Mapping[str, Se
                 children.setdefault((rid, p), []).append(i)
     progress = {rid: 0.0 for rid in values}  # expected accepted tokens of each request so far
     log_gain, taken = 0.0, []
-    best_n, best = 0, -batch * math.log(base)
+    best_n, best = 0, batch * (math.log(plain_steps) - math.log(plain_steps * base + overhead_s))
     while heap:
         neg, rid, i = heapq.heappop(heap)
         gain = math.log1p(progress[rid] + values[rid][i]) - math.log1p(progress[rid])
@@ -203,8 +217,8 @@ def choose_nodes(values: Mapping[str, Sequence[float]], parents: Mapping[str, Se
         for c in children.get((rid, i), ()):
             heapq.heappush(heap, (-(math.log1p(progress[rid] + values[rid][c]) - math.log1p(progress[rid])), rid, c))
         t = seconds(plain_rows + len(taken))
-        if t is not None and t > 0 and log_gain - batch * math.log(t) > best:
-            best_n, best = len(taken), log_gain - batch * math.log(t)
+        if t is not None and t > 0 and log_gain - batch * math.log(t + overhead_s) > best:
+            best_n, best = len(taken), log_gain - batch * math.log(t + overhead_s)
     keep: dict[str, set[int]] = {rid: set() for rid in values}
     for rid, i in taken[:best_n]:
         keep[rid].add(i)
@@ -228,11 +242,14 @@ def keep_nodes(tree: DraftTree, keep: set[int], lookups: Sequence[LookupNodes]) 
 
 
 def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, Sequence[LookupNodes]], plain_rows: int,
-              rates: Mapping[str, Callable[[float], float]], seconds: Callable[[int], float | None]) -> tuple[dict[str, DraftTree], dict[str, tuple[LookupNodes, ...]]]:
+              rates: Mapping[str, Callable[[float], float]], seconds: Callable[[int], float | None],
+              overhead_s: float = 0.0, plain_steps: int = 1) -> tuple[dict[str, DraftTree], dict[str, tuple[LookupNodes, ...]]]:
     """The batch's trees cut to the nodes that pay on the pass-time curve (see the module
     docstring). ``plain_rows``: rows of the pass without any drafted node (a row per request plus
     the prompts being prefilled). ``lookups``: each request's lookup chains. ``rates``: each
-    request's P(accept | confidence) of its drafter nodes (greedy and sampled requests differ)."""
+    request's P(accept | confidence) of its drafter nodes (greedy and sampled requests differ).
+    ``overhead_s``: a round's time beside its passes; ``plain_steps``: the steps the round would
+    decode if it drafted nothing (see the module docstring)."""
     values, parents = {}, {}
     for rid, tree in trees.items():
         lookup_rates: dict[int, float] = {}
@@ -241,7 +258,7 @@ def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, Sequence[Lookup
                 lookup_rates[node] = max(r, lookup_rates.get(node, 0.0))  # a node both chains proposed: the surer one
         values[rid] = node_values(tree, rates[rid], lookup_rates)
         parents[rid] = tree.parents
-    keep = choose_nodes(values, parents, plain_rows, seconds)
+    keep = choose_nodes(values, parents, plain_rows, seconds, overhead_s, plain_steps)
     out_trees, out_lookups = {}, {}
     for rid, tree in trees.items():
         out_trees[rid], out_lookups[rid] = keep_nodes(tree, keep[rid], lookups.get(rid, ()))

@@ -250,3 +250,21 @@ def test_drafting_ahead_pays_for_the_slowdown_of_the_pass_beside_it():
     for n in (1, 2, 3):
         control.observe_draft_step(0.5, first_of=n)
     assert control.drafting_ahead_pays(4, 3, chain=2)
+
+
+def test_a_round_s_time_beside_its_passes_is_learned_but_a_lone_stall_barely_moves_it():
+    control = SpeculationControl()
+    assert control.round_overhead_s == 0.0  # unmeasured: the plan prices passes alone
+    for _ in range(30):  # a far verifier: 30 ms on the way, every round
+        control.observe_overhead(0.030)
+    assert control.round_overhead_s == pytest.approx(0.030)
+    control.observe_overhead(1.0)  # a one-off stall of a second (a collection, a swapped page)
+    assert control.round_overhead_s < 0.050
+    control.observe_overhead(-0.001)  # a clock that stepped back: ignored
+    assert control.round_overhead_s < 0.050
+    near = SpeculationControl()
+    near.observe_overhead(0.0005)
+    for _ in range(40):  # the verifier moved far away: learned within a few dozen rounds
+        near.observe_overhead(0.030)
+    assert near.round_overhead_s == pytest.approx(0.030, rel=0.05)
+

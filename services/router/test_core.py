@@ -171,6 +171,37 @@ def test_the_lookup_drafter_alone_speeds_up_repetitive_text_losslessly(engines, 
     assert verifier.active_requests == 0
 
 
+def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_forfeit(engines, llama_target, monkeypatch):
+    """Each round's plan is told the round's measured time beside its passes and the plain steps the
+    round would decode without drafts (``pass_plan.choose_nodes`` weighs them): a verifier 30 ms
+    away is measured as such, one in process as far less, and while the batch holds the pool the
+    steps are the configured four. Either way the output is the target's own."""
+    import services.router.core as core_module
+
+    told: list[tuple[float, int]] = []
+    plan_pass = core_module.plan_pass
+
+    def recording_plan_pass(*args, **kwargs):
+        told.append((args[5], args[6]))  # overhead_s, plain_steps
+        return plan_pass(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "plan_pass", recording_plan_pass)
+    verifier, _ = engines
+    phrases = make_prompts(4, verifier.runner.vocab_size, seed=5)
+    prompts = {rid: (p[:5] * 4) for rid, p in phrases.items()}
+    expected = hf_greedy(llama_target, prompts, MAX_NEW)
+    overhead = {}
+    for name, delay_s in (("near", 0.0), ("far", 0.03)):
+        told.clear()
+        # no drafter models, so nothing is routed ahead (that would keep the batch from holding the pool)
+        config = RouterConfig(rounds_in_flight=1, plain_steps=4, draft_ahead=False)
+        core = RouterCore(config, LocalDrafterPool({}), LocalVerifier(verifier, round_trip_s=delay_s))
+        assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+        assert len(told) > 1 and max(steps for _, steps in told) == 4
+        overhead[name] = told[-1][0]
+    assert overhead["far"] >= 0.025 and 0 < overhead["near"] < overhead["far"]
+
+
 class SlowDrafterPool(LocalDrafterPool):
     """Drafters whose every step takes ``delay_s`` (a drafter far slower than the verifier); it
     records the round count when each step was sent and when each call ran."""

@@ -101,6 +101,27 @@ def test_a_row_slows_every_request_of_the_pass_so_a_full_batch_takes_only_near_c
     assert kept["r0"] == set() and kept["r1"] == {0}  # with 15 others waiting on the row, only the sure one
 
 
+def test_a_drafted_round_is_priced_against_the_plain_steps_it_forfeits_round_trip_included():
+    """Four sampled requests on the AVX-512 Xeon's pass curve (four rows 22 ms, then about 1.5 ms a
+    row), each with one lookup node worth 0.3 tokens."""
+    def xeon(rows: int) -> float:
+        return {4: 0.0220, 5: 0.0238, 6: 0.0251, 7: 0.0270, 8: 0.0279}[rows]
+
+    four = chains([0.3], [0.3], [0.3], [0.3])
+    # against one plain pass, with the round trip left out: every node repays its row
+    assert all(k == {0} for k in choose_nodes(*four, 4, xeon).values())
+    # with the round's 2.5 ms beside its pass on both sides, one plain pass is dearer than it looked,
+    # and the rows still pay
+    assert all(k == {0} for k in choose_nodes(*four, 4, xeon, overhead_s=0.0025).values())
+    # against four plain steps for one round trip (4 tokens in 90.5 ms): 1.2 tokens in 30.4 ms do not
+    assert all(k == set() for k in choose_nodes(*four, 4, xeon, overhead_s=0.0025, plain_steps=4).values())
+    # nodes that are right four times in five still beat the steps
+    sure = chains([0.8], [0.8], [0.8], [0.8])
+    assert all(k == {0} for k in choose_nodes(*sure, 4, xeon, overhead_s=0.0025, plain_steps=4).values())
+    # steps with no round trip to save are plain passes: nothing changes
+    assert choose_nodes(*four, 4, xeon, plain_steps=4) == choose_nodes(*four, 4, xeon)
+
+
 def chain(tokens: list[int], probs: list[float]) -> DraftTree:
     tree = DraftTree(drafter_ids=["a"])
     parent = -1
