@@ -4,6 +4,7 @@ kernel test runs on the build for this CPU and, where it has AVX-512, on the AVX
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,22 +105,34 @@ class Said:
     warning = info
 
 
-def test_a_failed_build_leaves_the_kernel_out_and_says_why(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def building_with(monkeypatch: pytest.MonkeyPatch, tmp_path, load: Callable[..., None]) -> Said:
+    """The extension built by ``load`` in place of torch's builder, cached under ``tmp_path``; what
+    the build logs goes to the returned ``Said``."""
     import torch.utils.cpp_extension as ext
-
-    def broken(**_: object) -> None:
-        raise RuntimeError("g++: internal compiler error")
 
     said = Said()
     monkeypatch.setattr(streamed_linear, "log", said)
     monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(ext, "load", broken)
+    monkeypatch.setattr(ext, "load", load)
     monkeypatch.setenv("COSINE_CACHE_DIR", str(tmp_path))
+    return said
+
+
+def fresh_extension() -> object:
+    """``extension()`` built anew (not the process's cached one), and the cache left clear."""
     extension.cache_clear()
     try:
-        assert streamed_kernel() is None and extension() is None
+        return extension()
     finally:
         extension.cache_clear()
+
+
+def test_a_failed_build_leaves_the_kernel_out_and_says_why(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    def broken(**_: object) -> None:
+        raise RuntimeError("g++: internal compiler error")
+
+    said = building_with(monkeypatch, tmp_path, broken)
+    assert fresh_extension() is None
     assert any("unavailable" in event and "internal compiler error" in str(kw["error"]) for event, kw in said.lines)
     assert str(tmp_path) in str(said.lines[-1][1]["build_dir"])
 
@@ -130,28 +143,18 @@ def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waite
     import os
     import time
 
-    import torch.utils.cpp_extension as ext
-
     lock_at_load: list[bool] = []
 
     def load(**kw: object) -> None:
         lock_at_load.append((Path(str(kw["build_directory"])) / "lock").exists())
         raise RuntimeError("not built here")
 
-    said = Said()
-    monkeypatch.setattr(streamed_linear, "log", said)
-    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(ext, "load", load)
-    monkeypatch.setenv("COSINE_CACHE_DIR", str(tmp_path))
+    said = building_with(monkeypatch, tmp_path, load)
     lock = tmp_path / "kernels" / build_name() / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
     os.utime(lock, (time.time() - age_s, time.time() - age_s))
-    extension.cache_clear()
-    try:
-        assert extension() is None
-    finally:
-        extension.cache_clear()
+    assert fresh_extension() is None
     stale = age_s > streamed_linear.STALE_LOCK_S
     assert lock_at_load == [not stale]  # torch's builder would wait on it: forever, for a killed build's
     assert any("stale kernel build lock" in event for event, _ in said.lines) == stale
