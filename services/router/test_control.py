@@ -267,4 +267,3 @@ def test_a_round_s_time_beside_its_passes_is_learned_but_a_lone_stall_barely_mov
     for _ in range(40):  # the verifier moved far away: learned within a few dozen rounds
         near.observe_overhead(0.030)
     assert near.round_overhead_s == pytest.approx(0.030, rel=0.05)
-
