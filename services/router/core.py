@@ -242,8 +242,11 @@ class RouterCore(OffPathDrafting):
             r.ahead = None
         # another round in flight overlaps this one's drafting (this round counts itself)
         ks = {r.request_id: min(self._k(r), r.max_new_tokens - len(r.generated)) for r in batch}
+        # with no drafter model live (all down, or none started) nothing is drafted or routed by
+        # them: the lookup drafter alone, and plain steps where its chains do not pay
+        models = bool(self.drafters.live())
         for r in probe_order(batch):  # a domain's probe goes to its least recently probed request
-            if r.request_id in ahead or r.routing_ahead or not self.gate.drafts(
+            if not models or r.request_id in ahead or r.routing_ahead or not self.gate.drafts(
                     r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
                 ks[r.request_id] = 0
         # a new prompt (unscored, or its first pass: the target's prefill) is routed and read by its

@@ -171,6 +171,18 @@ def test_the_lookup_drafter_alone_speeds_up_repetitive_text_losslessly(engines, 
     assert verifier.active_requests == 0
 
 
+def test_with_no_drafter_model_live_nothing_is_routed_ahead_and_plain_steps_still_come(engines, reference):
+    """Every drafter down (or none started): the rounds do not route their requests ahead to
+    drafters that are not there, round after round, which kept every batch from holding the pool
+    (no plain steps) and marked every pass as run beside drafter work. Output is the target's own."""
+    verifier, _ = engines
+    prompts, expected = reference
+    core = RouterCore(RouterConfig(rounds_in_flight=1, plain_steps=4), LocalDrafterPool({}), LocalVerifier(verifier))
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    assert core.counters.routed_ahead == 0
+    assert core.counters.plain_step_passes > 0
+
+
 def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_forfeit(engines, llama_target, monkeypatch):
     """Each round's plan is told the round's measured time beside its passes and the plain steps the
     round would decode without drafts (``pass_plan.choose_nodes`` weighs them): a verifier 30 ms
@@ -193,8 +205,7 @@ def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_f
     overhead = {}
     for name, delay_s in (("near", 0.0), ("far", 0.03)):
         told.clear()
-        # no drafter models, so nothing is routed ahead (that would keep the batch from holding the pool)
-        config = RouterConfig(rounds_in_flight=1, plain_steps=4, draft_ahead=False)
+        config = RouterConfig(rounds_in_flight=1, plain_steps=4)
         core = RouterCore(config, LocalDrafterPool({}), LocalVerifier(verifier, round_trip_s=delay_s))
         assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
         assert len(told) > 1 and max(steps for _, steps in told) == 4
