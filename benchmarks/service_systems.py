@@ -162,6 +162,7 @@ class ServiceSystem:
             "corpus_tokens": diff.get("corpus_tokens", 0.0), "corpus_accepted": diff.get("corpus_accepted", 0.0),
             "domains_by_lexicon": diff.get("domains_by_lexicon", 0.0), "domains_by_drafters": diff.get("domains_by_drafters", 0.0),
             "plain_step_passes": diff.get("plain_step_passes", 0.0),
+            "step_lookup_tokens": diff.get("step_lookup_tokens", 0.0), "step_lookup_accepted": diff.get("step_lookup_accepted", 0.0),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
         return RunResult(records, wall, counters, {d: n for d, n in rounds.items() if n})

@@ -170,6 +170,13 @@ class VerifyItem:
     verdict's next token, then plain decode steps of the target (one pass each, the batch's other
     stepping requests beside it), stopping early at one of ``stop_ids`` or at the model's context.
     The plain steps of a round that drafts nothing save the round trips between their passes.
+
+    ``step_lookup``: at each plain step the verifier drafts from the request's own text, as the
+    router's lookup drafter would (``common.lookup_index``): after a match of ``n`` tokens, up to
+    ``step_lookup[n - 1]`` of the tokens that followed it, verified as a chain in the step's pass
+    (a deterministic proposal: the tokens stay the target's own). Empty: plain steps, one token
+    each. ``max_tokens`` (0: no cap) caps the tokens the item commits in all, the steps' proposals
+    trimmed to fit, so a step that accepts a chain never overshoots the request's length.
     """
 
     request_id: str
@@ -179,6 +186,8 @@ class VerifyItem:
     release: bool = False
     plain_steps: int = 1
     stop_ids: tuple[int, ...] = ()
+    step_lookup: tuple[int, ...] = ()
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,7 +195,9 @@ class Verdict:
     """The verifier's decision for one request; the committed sequence grows by
     ``accepted_tokens + (next_token,) + plain_tokens`` (``new_tokens``; ``plain_tokens``: the plain
     steps after it, see ``VerifyItem.plain_steps``). ``committed_len`` is its length afterwards.
-    On failure only ``request_id`` and ``error`` are meaningful (``next_token == -1``).
+    ``step_passes``: the plain steps' passes the request was in (fewer than ``plain_tokens`` when
+    steps accepted the verifier's own lookup drafts, ``step_drafted`` tokens proposed and
+    ``step_accepted`` accepted, see ``VerifyItem.step_lookup``). On failure only ``request_id`` and ``error`` are meaningful (``next_token == -1``).
     """
 
     request_id: str
@@ -198,6 +209,9 @@ class Verdict:
     error: str = ""
     error_kind: str = ""  # kv_budget | context | invalid | unknown_request | internal
     plain_tokens: tuple[int, ...] = ()
+    step_passes: int = 0
+    step_drafted: int = 0
+    step_accepted: int = 0
 
     @property
     def ok(self) -> bool:

@@ -113,7 +113,8 @@ def verify_batch_to_pb(batch_id: int, items: Sequence[VerifyItem]) -> verifier_p
         items=[
             verifier_pb2.VerifyItem(request_id=i.request_id, append_ids=i.append_ids, tree=tree_to_pb(i.tree),
                                     sampling=sampling_to_pb(i.sampling), release=i.release,
-                                    plain_steps=i.plain_steps, stop_ids=i.stop_ids)
+                                    plain_steps=i.plain_steps, stop_ids=i.stop_ids, step_lookup=i.step_lookup,
+                                    max_tokens=i.max_tokens)
             for i in items
         ],
     )
@@ -123,7 +124,7 @@ def verify_items_from_pb(batch: verifier_pb2.VerifyBatch) -> list[VerifyItem]:
     return [
         VerifyItem(request_id=i.request_id, append_ids=tuple(i.append_ids), tree=tree_from_pb(i.tree),
                    sampling=sampling_from_pb(i.sampling), release=i.release, plain_steps=max(1, i.plain_steps),
-                   stop_ids=tuple(i.stop_ids))
+                   stop_ids=tuple(i.stop_ids), step_lookup=tuple(i.step_lookup), max_tokens=i.max_tokens)
         for i in batch.items
     ]
 
@@ -132,7 +133,8 @@ def verdict_to_pb(v: Verdict) -> verifier_pb2.Verdict:
     return verifier_pb2.Verdict(
         request_id=v.request_id, accepted_nodes=v.accepted_nodes, accepted_tokens=v.accepted_tokens,
         next_token=v.next_token, node_accepted=v.node_accepted, committed_len=v.committed_len, error=v.error,
-        error_kind=v.error_kind, plain_tokens=v.plain_tokens,
+        error_kind=v.error_kind, plain_tokens=v.plain_tokens, step_passes=v.step_passes, step_drafted=v.step_drafted,
+        step_accepted=v.step_accepted,
     )
 
 
@@ -140,7 +142,8 @@ def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
     return Verdict(
         request_id=pb.request_id, accepted_nodes=tuple(pb.accepted_nodes), accepted_tokens=tuple(pb.accepted_tokens),
         next_token=pb.next_token, node_accepted=tuple(pb.node_accepted), committed_len=pb.committed_len,
-        error=pb.error, error_kind=pb.error_kind, plain_tokens=tuple(pb.plain_tokens),
+        error=pb.error, error_kind=pb.error_kind, plain_tokens=tuple(pb.plain_tokens), step_passes=pb.step_passes,
+        step_drafted=pb.step_drafted, step_accepted=pb.step_accepted,
     )
 
 

@@ -41,13 +41,14 @@ def test_verify_items_and_verdicts_survive_the_wire():
         VerifyItem("b", tree=TokenTree.chain([9]), sampling=SamplingParams()),
         VerifyItem("c", release=True),
         VerifyItem("d", plain_steps=4, stop_ids=(2, 0)),
+        VerifyItem("e", plain_steps=4, step_lookup=(0, 2, 4, 4), max_tokens=11),
     ]
     assert verify_items_from_pb(roundtrip(verify_batch_to_pb(1, items), verifier_pb2.VerifyBatch)) == items
     v = Verdict("a", (0, 1), (4, 5), 7, (True, True, False), 6, "", "")
     assert verdict_from_pb(roundtrip(verdict_to_pb(v), verifier_pb2.Verdict)) == v
-    stepped = Verdict("d", next_token=7, committed_len=9, plain_tokens=(8, 2))
+    stepped = Verdict("d", next_token=7, committed_len=9, plain_tokens=(8, 2, 5), step_passes=2, step_drafted=3, step_accepted=1)
     assert verdict_from_pb(roundtrip(verdict_to_pb(stepped), verifier_pb2.Verdict)) == stepped
-    assert stepped.new_tokens == (7, 8, 2)
+    assert stepped.new_tokens == (7, 8, 2, 5)
     bad = Verdict("b", error="too long", error_kind="context")
     assert verdict_from_pb(roundtrip(verdict_to_pb(bad), verifier_pb2.Verdict)) == bad
 

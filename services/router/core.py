@@ -309,6 +309,7 @@ class RouterCore(OffPathDrafting):
                       probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
         steps = plain_steps(self.config.plain_steps, remaining, [r.plain_streak for r in batch],
                             drafts=any(len(t) for t in trees.values()), whole_pool=whole_pool)
+        step_lookup = self._step_lookup(batch) if steps > 1 else {}
         items = [
             VerifyItem(
                 request_id=r.request_id,
@@ -317,6 +318,8 @@ class RouterCore(OffPathDrafting):
                 sampling=r.sampling,
                 plain_steps=steps,
                 stop_ids=tuple(r.stop_ids) if steps > 1 else (),
+                step_lookup=step_lookup.get(r.sampling.greedy, ()),
+                max_tokens=r.max_new_tokens - len(r.generated) if steps > 1 else 0,
             )
             for r in batch
         ]
@@ -355,7 +358,7 @@ class RouterCore(OffPathDrafting):
         committed = self.counters.tokens_committed - committed_before
         # plain steps: the verifier ran a pass per step, the first one this round's rows, each later
         # one a row per request still stepping; the curve learns the average pass
-        passes = max((1 + len(v.plain_tokens) for v in matched.values() if v.ok), default=1)
+        passes = max((1 + v.step_passes for v in matched.values() if v.ok), default=1)
         self.counters.plain_step_passes += passes - 1
         if passes == 1 or not prefill_rows:
             self.control.observe_pass(rows, busy_ns / 1e9 / passes, round(committed / passes), prefill=prefill_rows > 0, beside=beside)
@@ -379,6 +382,15 @@ class RouterCore(OffPathDrafting):
         if self.rounds_in_flight == 1 and not waited:  # alone, and no drafter model waited for
             self.control.observe_overhead(self.clock() - t0 - busy_ns / 1e9)
         self.counters.apply_s += self.clock() - t2
+
+    def _step_lookup(self, batch: list[Request]) -> dict[bool, tuple[int, ...]]:
+        """What the verifier may draft from each request's own text at its plain steps, by greedy or
+        sampled (``VerifyItem.step_lookup``): nothing unless the lookup drafter is on; with cost
+        control, each token must repay the first draft row beside a request's plain one."""
+        if not (self.config.step_lookup and self.config.lookup and self.config.speculate):
+            return {}
+        theta = self.control.first_row_threshold(len(batch)) if self.config.cost_control else 0.0
+        return {greedy: self.lookups.step_depths(greedy, theta) for greedy in {r.sampling.greedy for r in batch}}
 
     async def _draft(self, batch: list[Request], ks: dict[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
         live = list(self.drafters.live()) if self.config.speculate else []

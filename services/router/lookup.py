@@ -4,7 +4,8 @@ Text repeats itself: records repeat their field names, code its identifiers, and
 greedy continuation often loops. The lookup drafter finds the longest suffix of a request's
 committed sequence (at most ``max_ngram`` tokens) that occurred earlier in it and proposes the
 tokens that followed that occurrence (continuing through the proposal itself when the occurrence
-runs into the suffix, so a loop of period ``p`` is proposed as a loop).
+runs into the suffix, so a loop of period ``p`` is proposed as a loop; the index is
+``common/lookup_index.py``, which the verifier drafts from too, during a round's plain steps).
 
 It costs no drafter time, only verify rows, so its nodes are priced by their verify rows alone
 (:meth:`~services.router.control.SpeculationControl.threshold`): a request whose model drafting does
@@ -32,38 +33,6 @@ LOOKUP_ID = "lookup"  # the drafter id lookup nodes are credited to (in stats, m
 # where a lookup chain came from: the request's own text, or the lookup corpus (lookup_corpus.py)
 TEXT, CORPUS = "text", "corpus"
 CORPUS_MAX_MATCH = 8  # longest corpus match the calibration tells apart
-
-
-@dataclass
-class LookupIndex:
-    """The latest end of every n-gram (n <= ``max_ngram``) of one request's committed sequence.
-
-    Built incrementally: the sequence only grows, so each round indexes only its new tokens."""
-
-    max_ngram: int = 4
-    _last: dict[tuple[int, ...], int] = field(default_factory=dict)
-    _indexed: int = 0  # n-grams ending at positions < _indexed are in the index
-
-    def propose(self, sequence: Sequence[int], k: int) -> tuple[list[int], int]:
-        """Up to ``k`` tokens that followed the longest earlier occurrence of the sequence's suffix,
-        and the length of the match (0 and no tokens when no suffix occurred before)."""
-        length = len(sequence)
-        if k <= 0 or length < 2:
-            return [], 0
-        for end in range(max(self._indexed, 1), length):  # every end before the suffix's own
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self._last[tuple(sequence[end - n:end])] = end
-        self._indexed = max(self._indexed, length)
-        for n in range(min(self.max_ngram, length - 1), 0, -1):
-            start = self._last.get(tuple(sequence[length - n:]))
-            if start is None:
-                continue
-            out: list[int] = []
-            for j in range(k):  # past the end of the sequence, the proposal continues itself
-                i = start + j
-                out.append(sequence[i] if i < length else out[i - length])
-            return out, n
-        return [], 0
 
 
 @dataclass

@@ -54,3 +54,19 @@ class LookupDrafting:
         added = (add_lookup_chain(tree, chain, match, r.sampling.greedy, self.calibration, theta, width, source)
                  for source, chain, match in proposals if chain)
         return tuple(c for c in added if c.nodes)
+
+    def step_depths(self, greedy: bool, threshold: float) -> tuple[int, ...]:
+        """How far the verifier drafts from a request's text at a plain step (``VerifyItem.step_lookup``):
+        per match length, as many tokens as the calibrated chain repays a verify row each
+        (``threshold`` expected tokens), as :func:`~services.router.lookup.add_lookup_chain` prices
+        the router's own chains."""
+        depths = []
+        for match in range(1, self.config.lookup_max_ngram + 1):
+            value, depth = 1.0, 0
+            while depth < self.config.max_k:
+                value *= self.calibration(greedy, match, depth, TEXT)
+                if value < threshold:
+                    break
+                depth += 1
+            depths.append(depth)
+        return tuple(depths)

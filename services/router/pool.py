@@ -17,7 +17,7 @@ from common.spec_types import SamplingParams
 from services.router.admission import SubmitLimits, check_submission
 from services.router.domain import RequestRouting
 from services.router.gate import DraftGate
-from services.router.lookup import LookupIndex
+from common.lookup_index import LookupIndex
 from services.router.requests import (
     FINISH_CANCELLED,
     Counters,

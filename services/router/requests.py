@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from common.spec_types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
 from common.fusion import DraftTree
-from services.router.lookup import LookupIndex
+from common.lookup_index import LookupIndex
 from services.router.routing import RoutingVector
 from services.router.scheduler import SpeculationLength
 
@@ -90,6 +90,7 @@ class RouterConfig:
     gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)
     probe_share: float = 0.03  # the most of the router's time probes' drafting may take (services.router.gate)
     plain_steps: int = 4  # a round that drafts nothing: tokens the verifier decodes before it answers (scheduler.plain_steps)
+    step_lookup: bool = True  # with lookup on, the verifier drafts from the request's text at each plain step (VerifyItem.step_lookup)
 
     @classmethod
     def from_settings(cls, s: Any) -> RouterConfig:
@@ -102,7 +103,7 @@ class RouterConfig:
             pipeline_control=s.pipeline_control, draft_ahead=s.draft_ahead, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
             lookup_corpus=s.lookup_corpus,
             speculate=s.speculate, domain_detection=s.domain_detection, gate_by_domain=s.domain_gate,
-            probe_share=s.probe_share, plain_steps=s.plain_steps,
+            probe_share=s.probe_share, plain_steps=s.plain_steps, step_lookup=s.step_lookup,
         )
 
 
@@ -204,6 +205,8 @@ class Counters:
     corpus_accepted: int = 0  # of them, accepted by the target
     corpus_sequences: int = 0  # sequences in the router's lookup corpus
     plain_step_passes: int = 0  # verify passes run as plain steps of an earlier pass's batch (no round of their own)
+    step_lookup_tokens: int = 0  # draft tokens the verifier took from requests' own text in plain steps
+    step_lookup_accepted: int = 0  # of them, accepted by the target
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -223,4 +226,5 @@ class Counters:
             "lookup_tokens": self.lookup_tokens, "lookup_accepted": self.lookup_accepted,
             "corpus_tokens": self.corpus_tokens, "corpus_accepted": self.corpus_accepted, "corpus_sequences": self.corpus_sequences,
             "plain_step_passes": self.plain_step_passes, "verify_passes": self.verify_passes,
+            "step_lookup_tokens": self.step_lookup_tokens, "step_lookup_accepted": self.step_lookup_accepted,
         }

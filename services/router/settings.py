@@ -64,6 +64,9 @@ class RouterSettings(ServiceSettings):
     plain_steps: int = setting(4, help="when a round drafts nothing and holds every request, the verifier decodes up to this many "
                                        "tokens of each before it answers (one pass each), saving the round trips between those passes; "
                                        "a request arriving meanwhile waits for them. 1: a round trip per token", check=positive)
+    step_lookup: bool = setting(True, help="with the lookup drafter on, the verifier drafts from each request's own text at every plain step "
+                                          "(the same proposals, priced by the router's calibration), so a round of plain steps still gains "
+                                          "from text that repeats itself, with no round trip between its passes")
     max_batch_requests: int = setting(16, help="most requests in one round", check=positive)
     verify_token_budget: int = setting(1024, help="most tree tokens one verify batch may carry", check=positive)
     max_queue: int = setting(1024, help="most requests waiting; beyond it Submit answers RESOURCE_EXHAUSTED", check=positive)

@@ -153,3 +153,32 @@ def test_a_slot_freed_by_a_finished_request_is_refilled_after_one_step(engines, 
     assert checked >= 1
     assert max(item.plain_steps for batch in calls for item in batch) == 4  # steps otherwise
     assert verifier.active_requests == 0
+
+
+def test_the_verifier_drafts_from_each_request_s_text_in_its_steps_and_the_output_is_the_targets(engines, reference) -> None:
+    verifier, _ = engines
+    prompts, expected = reference
+    recording = RecordingVerifier(verifier)
+    core = RouterCore(RouterConfig(rounds_in_flight=1, plain_steps=8), LocalDrafterPool({}), recording)
+    assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
+    items = [item for batch in recording.items for item in batch]
+    stepped = [item for item in items if item.plain_steps > 1]
+    assert stepped and all(len(item.step_lookup) == core.config.lookup_max_ngram for item in stepped)
+    assert all(not item.step_lookup and not item.max_tokens for item in items if item.plain_steps == 1)
+    assert core.counters.step_lookup_tokens > 0  # chains were drafted in the steps (the engine's tests see them accepted)
+    # a round's passes are its own and its steps', however many tokens the steps' chains brought
+    assert core.counters.verify_passes <= core.counters.tokens_committed
+
+
+def test_no_step_lookup_when_it_is_off_or_the_lookup_drafter_is(engines, reference) -> None:
+    verifier, _ = engines
+    prompts, expected = reference
+    for config in (RouterConfig(rounds_in_flight=1, plain_steps=8, step_lookup=False),
+                   RouterConfig(rounds_in_flight=1, plain_steps=8, lookup=False),
+                   RouterConfig(speculate=False, plain_steps=8)):
+        recording = RecordingVerifier(verifier)
+        core = RouterCore(config, LocalDrafterPool({}), recording)
+        assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
+        items = [item for batch in recording.items for item in batch]
+        assert any(item.plain_steps > 1 for item in items) and not any(item.step_lookup for item in items)
+        assert core.counters.step_lookup_tokens == 0

@@ -104,7 +104,9 @@ class VerdictApplication:
 
     def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
         accepted = len(verdict.accepted_nodes)
-        r.stats.rounds += 1 + len(verdict.plain_tokens)  # the verify passes it was in: its plain steps' too
+        r.stats.rounds += 1 + verdict.step_passes  # the verify passes it was in: its plain steps' too
+        self.counters.step_lookup_tokens += verdict.step_drafted
+        self.counters.step_lookup_accepted += verdict.step_accepted
         r.stats.draft_tokens += len(tree)
         r.stats.accepted_tokens += accepted
         self.counters.draft_tokens += len(tree)

@@ -36,6 +36,7 @@ import torch
 from common.engine_base import RequestEngine
 from common.lm_runner import LMRunner, SeqInput
 from common.logs import get_logger
+from common.lookup_index import LookupIndex
 from common.kv_cache import KVCache
 from common.spec_types import (
     ContextTooLong,
@@ -68,6 +69,7 @@ class RequestState:
     cache: KVCache
     generator: torch.Generator | None = None
     verdicts: int = field(default=0)
+    lookup: LookupIndex | None = None  # the n-grams its plain steps draft from (VerifyItem.step_lookup)
 
 
 @dataclass
@@ -196,47 +198,86 @@ class VerifierEngine(RequestEngine[RequestState]):
         for every request still stepping; returns the passes' forward time (ns) and rows.
 
         Each step is the plain decode pass a router would send next, with the same acceptance rule
-        and generator, so the tokens are those of one round per token. A request stops at one of its
-        stop ids, at the model's context, or when its cache has no room left (the tokens so far
-        stand); a failed pass ends every request's steps there.
+        and generator, so the tokens are those of one round per token. With ``step_lookup`` a step
+        also verifies the chain the request's own text proposes (:meth:`_step_chain`), as the
+        router's lookup drafter would have in that round. A request stops at one of its stop ids,
+        at ``max_tokens``, at the model's context, or when its cache has no room left (the tokens
+        so far stand); a failed pass ends every request's steps there.
         """
         forward_ns = rows = 0
         for step in range(1, max((p.item.plain_steps for p in planned), default=1)):
-            going: list[_Planned] = []
+            going: list[tuple[_Planned, tuple[int, ...]]] = []
             for p in planned:
-                verdict, state = verdicts[p.index], p.state
-                if (p.item.plain_steps <= step or verdict is None or not verdict.ok or state.tokens[-1] in p.item.stop_ids
-                        or len(state.tokens) + 1 > self.runner.max_context):
+                verdict, state, item = verdicts[p.index], p.state, p.item
+                if item.plain_steps <= step or verdict is None or not verdict.ok:
                     continue
+                made = verdict.new_tokens
+                room = self.runner.max_context - len(state.tokens)  # the step's pass feeds the last token
+                if item.max_tokens:
+                    room = min(room, item.max_tokens - len(made))
+                if room < 1 or (item.stop_ids and not set(made).isdisjoint(item.stop_ids)):
+                    continue
+                chain = self._step_chain(state, item, room - 1)
                 try:
-                    state.cache.reserve(1)
+                    state.cache.reserve(1 + len(chain))
                 except SpecError:
-                    continue
-                going.append(p)
+                    if not chain:
+                        continue
+                    try:
+                        chain = ()
+                        state.cache.reserve(1)
+                    except SpecError:
+                        continue
+                going.append((p, chain))
             if not going:
                 break
             t0 = time.perf_counter_ns()
             try:
-                logits = self.runner.forward([SeqInput(cache=p.state.cache, token_ids=(p.state.tokens[-1],)) for p in going])
+                logits = self.runner.forward([
+                    SeqInput(cache=p.state.cache, token_ids=(p.state.tokens[-1], *chain),
+                             logit_rows=tuple(range(1 + len(chain))) if chain else None)
+                    for p, chain in going
+                ])
             except Exception as exc:  # the verdicts so far stand; nothing of this pass is kept
                 log.error("plain_step_failed", error=repr(exc), batch=len(going), step=step)
-                for p in going:
+                for p, _ in going:
                     p.state.cache.discard_pending()
                 break
             forward_ns += time.perf_counter_ns() - t0
-            rows += len(going)
-            for p, lg in zip(going, logits):
+            rows += sum(1 + len(chain) for _, chain in going)
+            for (p, chain), lg in zip(going, logits):
                 state = p.state
-                decision = self.rule_factory(p.item.sampling).decide(EMPTY_TREE, lg, state.generator or self._generator)
+                tree = TokenTree.chain(chain) if chain else EMPTY_TREE
+                decision = self.rule_factory(p.item.sampling).decide(tree, lg, state.generator or self._generator)
+                accepted = chain[:len(decision.accepted_nodes)]  # a chain's accepted path is a prefix of it
                 if self.observe_logits is not None:
-                    self.observe_logits(p.item.request_id, lg)
-                state.cache.commit(1)
-                state.tokens.append(decision.next_token)
+                    for row in range(len(accepted) + 1):
+                        self.observe_logits(p.item.request_id, lg[row:row + 1])
+                state.cache.commit(1 + len(accepted))
+                state.tokens += [*accepted, decision.next_token]
                 verdict = verdicts[p.index]
                 assert verdict is not None
-                verdicts[p.index] = replace(verdict, plain_tokens=(*verdict.plain_tokens, decision.next_token),
-                                            committed_len=len(state.tokens))
+                verdicts[p.index] = replace(verdict, plain_tokens=(*verdict.plain_tokens, *accepted, decision.next_token),
+                                            committed_len=len(state.tokens), step_passes=verdict.step_passes + 1,
+                                            step_drafted=verdict.step_drafted + len(chain),
+                                            step_accepted=verdict.step_accepted + len(accepted))
         return forward_ns, rows
+
+    @staticmethod
+    def _step_chain(state: RequestState, item: VerifyItem, room: int) -> tuple[int, ...]:
+        """What the request's own text proposes for a plain step (``VerifyItem.step_lookup``): the
+        tokens that followed the longest earlier match of its suffix, as many as its match length
+        earns, at most ``room``, and none from a stop id on (the target's stop ends the steps as
+        the step's own token)."""
+        depths = item.step_lookup
+        if not depths or room < 1:
+            return ()
+        if state.lookup is None or state.lookup.max_ngram != len(depths):
+            state.lookup = LookupIndex(max_ngram=len(depths))
+        chain, match = state.lookup.propose(state.tokens, min(max(depths), room))
+        chain = chain[:depths[match - 1]] if match else []
+        stop = next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))
+        return tuple(chain[:stop])
 
     def _plan(self, index: int, item: VerifyItem) -> _Planned:
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""

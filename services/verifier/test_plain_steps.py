@@ -62,3 +62,38 @@ def test_a_full_kv_budget_ends_the_steps_not_the_verdict(llama_target: Path) -> 
 def test_plain_steps_below_one_are_refused(engine: VerifierEngine) -> None:
     [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=0)]).verdicts
     assert v.error.startswith("plain_steps: ") and v.error_kind == "invalid"
+
+
+
+# the test target's greedy text from PROMPT repeats itself here and there ("13, 4" comes back six
+# times in its first 60 tokens), so a long run of steps finds chains in its own text to accept
+LONG = 40
+LOOKUP = (2, 2, 2, 2)
+
+
+def test_steps_that_draft_from_the_request_s_text_commit_the_target_s_greedy_tokens_in_fewer_passes(engine: VerifierEngine, hf) -> None:
+    [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=LONG, step_lookup=LOOKUP)]).verdicts
+    assert v.ok and v.new_tokens == tuple(greedy_continuation(hf, PROMPT, len(v.new_tokens)))
+    assert v.step_accepted > 0 and v.step_drafted > v.step_accepted  # some chains right, some wrong
+    assert v.step_passes == LONG - 1 and len(v.plain_tokens) == v.step_passes + v.step_accepted
+    assert engine.cache_len("a") == v.committed_len - 1  # the cache invariant holds after the chains
+    # the same request without the verifier's lookup: one token a step, the same tokens
+    [plain] = engine.verify([VerifyItem("b", append_ids=PROMPT, plain_steps=1 + len(v.plain_tokens))]).verdicts
+    assert plain.new_tokens == v.new_tokens and plain.step_drafted == 0 and plain.step_passes == len(v.plain_tokens)
+
+
+def test_a_step_drafts_only_after_a_match_its_depths_pay_for(engine: VerifierEngine, hf) -> None:
+    [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=LONG, step_lookup=(0, 0, 0, 0))]).verdicts
+    assert v.step_drafted == 0 and len(v.plain_tokens) == LONG - 1
+    [w] = engine.verify([VerifyItem("w", append_ids=PROMPT, plain_steps=LONG, step_lookup=(1,))]).verdicts
+    assert 0 < w.step_drafted <= w.step_passes  # one token after a one-token match, none after nothing
+    assert w.new_tokens == tuple(greedy_continuation(hf, PROMPT, len(w.new_tokens)))
+
+
+def test_step_drafts_never_carry_a_request_past_max_tokens_or_its_stop_ids(engine: VerifierEngine, hf) -> None:
+    right = greedy_continuation(hf, PROMPT, LONG + 10)
+    [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=LONG, step_lookup=LOOKUP, max_tokens=LONG - 9)]).verdicts
+    assert v.new_tokens == tuple(right[:LONG - 9]) and v.step_accepted > 0
+    stop = right[LONG - 10]
+    [s] = engine.verify([VerifyItem("s", append_ids=PROMPT, plain_steps=LONG, step_lookup=LOOKUP, stop_ids=(stop,))]).verdicts
+    assert s.new_tokens == tuple(right[:right.index(stop) + 1])

@@ -99,3 +99,40 @@ def test_seeded_requests_are_reproducible(llama_target: Path) -> None:
         return out
 
     assert run() == run()
+
+
+@pytest.mark.slow
+def test_a_plain_step_s_own_lookup_chain_keeps_the_target_s_law(llama_target: Path) -> None:
+    """A plain step that drafts from the request's text (``VerifyItem.step_lookup``): the prompt is
+    PROMPT, a token ``m`` twice, and PROMPT again, so when the first token is ``m`` the step drafts
+    what followed ``PROMPT m`` before (``m``, then PROMPT's first token). ``m`` is the token the
+    target likes most there. The law of (first token, the step's first token when the step
+    drafted) must be the target's own."""
+    params = SamplingParams(temperature=0.7)
+    model = load_causal_lm(llama_target)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        last = model(torch.tensor([PROMPT + [m, m] + PROMPT for m in range(vocab)])).logits[:, -1]
+    m = max(range(vocab), key=lambda t: float(target_probs(last[t], params)[t]))
+    prompt = PROMPT + [m, m] + PROMPT
+    p0 = target_probs(hf_last_logits(model, prompt), params)
+    law = {(y, None): float(p) for y, p in enumerate(p0.tolist()) if p > 1e-12 and y != m}
+    p1 = target_probs(hf_last_logits(model, prompt + [m]), params)
+    law.update({(m, z): float(p0[m] * p) for z, p in enumerate(p1.tolist()) if p0[m] * p > 1e-12})
+    engine = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa", seed=4321)
+    n, chunk = 4000, 1000
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for start in range(0, n, chunk):
+        items = [VerifyItem(f"q{i}", append_ids=tuple(prompt), sampling=params, plain_steps=2, step_lookup=(0, 0, 0, 2))
+                 for i in range(start, start + chunk)]
+        for v in engine.verify(items).verdicts:
+            assert v.ok, v.error
+            toks = v.new_tokens
+            counts[(toks[0], toks[1]) if toks[0] == m else (toks[0], None)] += 1
+            drafted += v.step_drafted > 0
+            accepted += v.step_accepted
+            engine.release(v.request_id)
+    tv, threshold = tv_check(counts, law, seed=6)
+    assert tv <= threshold, (tv, threshold)
+    assert drafted > n // 20 and accepted > 0, (drafted, accepted)  # the chains were drafted, and some accepted
