@@ -126,7 +126,7 @@ class Setup:
         from services.router.core import RouterConfig, RouterCore
         from services.router.inprocess import LocalDrafterPool, LocalVerifier
         from services.router.lexicon import DomainLexicon
-        from services.router.lookup_corpus import DomainCorpora
+        from common.lookup_corpus import DomainCorpora
 
         learned: list[tuple[str, Sequence[int]]] = []  # what the router adds to the shared lexicon
 

@@ -18,7 +18,7 @@ Glossary (used the same way in every module):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 
@@ -116,6 +116,23 @@ class TokenTree:
         """A linear draft: each token is the child of the previous one."""
         return cls(tokens=tuple(tokens), parents=tuple(range(-1, len(tokens) - 1)))
 
+    @classmethod
+    def merged(cls, chains: Sequence[Sequence[int]]) -> TokenTree:
+        """Linear drafts as one tree: a prefix they share is one path, and where they differ the
+        rest of each is a branch of its own."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        for chain in chains:
+            parent = -1
+            for token in chain:
+                node = next((i for i in range(len(tokens)) if parents[i] == parent and tokens[i] == token), None)
+                if node is None:
+                    tokens.append(token)
+                    parents.append(parent)
+                    node = len(tokens) - 1
+                parent = node
+        return cls(tokens=tuple(tokens), parents=tuple(parents))
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidInput` (naming the field, ``tree.parents[3]: ...``) unless parents
         precede children, tokens are in range and the optional per-node arrays have one entry per node."""
@@ -173,9 +190,11 @@ class VerifyItem:
 
     ``step_lookup``: at each plain step the verifier drafts from the request's own text, as the
     router's lookup drafter would (``common.lookup_index``): after a match of ``n`` tokens, up to
-    ``step_lookup[n - 1]`` of the tokens that followed it, verified as a chain in the step's pass
-    (a deterministic proposal: the tokens stay the target's own). Empty: plain steps, one token
-    each. ``max_tokens`` (0: no cap) caps the tokens the item commits in all, the steps' proposals
+    ``step_lookup[n - 1]`` of the tokens that followed it, verified in the step's pass (a
+    deterministic proposal: the tokens stay the target's own). ``step_corpus`` likewise from the
+    verifier's lookup corpus (``common.lookup_corpus``), in ``domain``'s text ("" or a domain it
+    lacks: all of it); where the two chains differ they are siblings. Both empty: plain steps, one
+    token each. ``max_tokens`` (0: no cap) caps the tokens the item commits in all, the steps' proposals
     trimmed to fit, so a step that accepts a chain never overshoots the request's length.
     """
 
@@ -187,6 +206,8 @@ class VerifyItem:
     plain_steps: int = 1
     stop_ids: tuple[int, ...] = ()
     step_lookup: tuple[int, ...] = ()
+    step_corpus: tuple[int, ...] = ()
+    domain: str = ""
     max_tokens: int = 0
 
 

@@ -21,7 +21,7 @@ Key layout (every key starts with the configurable prefix, ``cosine`` by default
   new prompt (at most every few seconds), so a restarted or added router routes its first requests
   without drafter passes.
 
-``{p}:corpus:{domain}`` (list) - the routers' lookup corpus (:mod:`services.router.lookup_corpus`):
+``{p}:corpus:{domain}`` (list) - the routers' lookup corpus (:mod:`common.lookup_corpus`):
   token sequences the target wrote (the zoo's teacher continuations of its training prompts), one
   space-separated string each. Written by ``cosine up``, ``cosine profile`` and the benchmarks
   (replaced whole). ``{p}:corpus-version`` (integer) counts the seedings: a router reads the corpus

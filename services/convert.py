@@ -114,7 +114,7 @@ def verify_batch_to_pb(batch_id: int, items: Sequence[VerifyItem]) -> verifier_p
             verifier_pb2.VerifyItem(request_id=i.request_id, append_ids=i.append_ids, tree=tree_to_pb(i.tree),
                                     sampling=sampling_to_pb(i.sampling), release=i.release,
                                     plain_steps=i.plain_steps, stop_ids=i.stop_ids, step_lookup=i.step_lookup,
-                                    max_tokens=i.max_tokens)
+                                    step_corpus=i.step_corpus, domain=i.domain, max_tokens=i.max_tokens)
             for i in items
         ],
     )
@@ -124,7 +124,8 @@ def verify_items_from_pb(batch: verifier_pb2.VerifyBatch) -> list[VerifyItem]:
     return [
         VerifyItem(request_id=i.request_id, append_ids=tuple(i.append_ids), tree=tree_from_pb(i.tree),
                    sampling=sampling_from_pb(i.sampling), release=i.release, plain_steps=max(1, i.plain_steps),
-                   stop_ids=tuple(i.stop_ids), step_lookup=tuple(i.step_lookup), max_tokens=i.max_tokens)
+                   stop_ids=tuple(i.stop_ids), step_lookup=tuple(i.step_lookup),
+                   step_corpus=tuple(i.step_corpus), domain=i.domain, max_tokens=i.max_tokens)
         for i in batch.items
     ]
 

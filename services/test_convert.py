@@ -41,7 +41,7 @@ def test_verify_items_and_verdicts_survive_the_wire():
         VerifyItem("b", tree=TokenTree.chain([9]), sampling=SamplingParams()),
         VerifyItem("c", release=True),
         VerifyItem("d", plain_steps=4, stop_ids=(2, 0)),
-        VerifyItem("e", plain_steps=4, step_lookup=(0, 2, 4, 4), max_tokens=11),
+        VerifyItem("e", plain_steps=4, step_lookup=(0, 2, 4, 4), step_corpus=(0, 1, 3, 4, 4, 4, 4, 4), domain="code", max_tokens=11),
     ]
     assert verify_items_from_pb(roundtrip(verify_batch_to_pb(1, items), verifier_pb2.VerifyBatch)) == items
     v = Verdict("a", (0, 1), (4, 5), 7, (True, True, False), 6, "", "")

@@ -16,7 +16,7 @@
   trees, ``common/token_fusion.py`` runs token fusion's steps, here or inside a drafter process);
   ``clients.py`` and ``replicas.py`` reach the drafters.
 - ``lookup_drafting.py``: the lookup drafter's chains (``lookup.py``: from a request's own text;
-  ``lookup_corpus.py``: from the corpus the target wrote).
+  ``common/lookup_corpus.py``: from the corpus the target wrote).
 - ``pass_plan.py``: the batch's trees cut to what pays on the measured pass-time curve;
   ``control.py`` prices nodes, draft steps, drafting ahead and pipelining against their cost.
 - ``verdicts.py``: a verdict applied (commit, credit, calibrations, profile updates);

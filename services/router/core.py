@@ -51,11 +51,12 @@ from services.router.ahead import OffPathDrafting
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
-from services.router.lookup import LookupNodes
-from services.router.lookup_drafting import CorpusLoader, LookupDrafting
+from services.router.lookup import LookupNodes, lookup_only
+from common.lookup_corpus import CorpusLoader
+from services.router.lookup_drafting import LookupDrafting
 from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item
 from common.fusion import DraftTree
-from services.router.gate import DraftGate, probe_order
+from services.router.gate import DraftGate, gate_domain, probe_order
 from services.router.requests import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -298,8 +299,9 @@ class RouterCore(OffPathDrafting):
             # (pass_plan.py)
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
             rates = {r.request_id: self.control.calibration_for(r.sampling.greedy) for r in batch}
+            # (with the verifier drafting at plain steps, lookup nodes forfeit none: only model nodes do)
             forgone = plain_steps(self.config.plain_steps, remaining, [PLAIN_STREAK] * len(batch), drafts=False,
-                                  whole_pool=whole_pool)
+                                  whole_pool=whole_pool) if self._forfeits_steps(batch, trees, lookups) else 1
             trees, lookups = plan_pass(trees, lookups, plain_rows, rates, self.control.pass_seconds,
                                        self.control.round_overhead_s, forgone)
         t1 = self.clock()
@@ -308,7 +310,7 @@ class RouterCore(OffPathDrafting):
             log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
                       probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
         steps = plain_steps(self.config.plain_steps, remaining, [r.plain_streak for r in batch],
-                            drafts=any(len(t) for t in trees.values()), whole_pool=whole_pool)
+                            drafts=self._forfeits_steps(batch, trees, lookups), whole_pool=whole_pool)
         step_lookup = self._step_lookup(batch) if steps > 1 else {}
         items = [
             VerifyItem(
@@ -318,7 +320,9 @@ class RouterCore(OffPathDrafting):
                 sampling=r.sampling,
                 plain_steps=steps,
                 stop_ids=tuple(r.stop_ids) if steps > 1 else (),
-                step_lookup=step_lookup.get(r.sampling.greedy, ()),
+                step_lookup=step_lookup.get(r.sampling.greedy, ((), ()))[0],
+                step_corpus=step_lookup.get(r.sampling.greedy, ((), ()))[1],
+                domain=gate_domain(r) if step_lookup else "",
                 max_tokens=r.max_new_tokens - len(r.generated) if steps > 1 else 0,
             )
             for r in batch
@@ -350,7 +354,7 @@ class RouterCore(OffPathDrafting):
                         lookups.get(r.request_id, ()))
         self.gate.settle(batch)
         for r in batch:
-            r.plain_streak = 0 if len(trees[r.request_id]) else r.plain_streak + 1
+            r.plain_streak = 0 if self._forfeits_steps([r], trees, lookups) else r.plain_streak + 1
         self._observe_extras(batch, trees, selected, matched, set(ahead), t1 - t0)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         prefill_rows = sum(len(it.append_ids) for it in items)
@@ -383,11 +387,25 @@ class RouterCore(OffPathDrafting):
             self.control.observe_overhead(self.clock() - t0 - busy_ns / 1e9)
         self.counters.apply_s += self.clock() - t2
 
-    def _step_lookup(self, batch: list[Request]) -> dict[bool, tuple[int, ...]]:
-        """What the verifier may draft from each request's own text at its plain steps, by greedy or
-        sampled (``VerifyItem.step_lookup``): nothing unless the lookup drafter is on; with cost
-        control, each token must repay the first draft row beside a request's plain one."""
-        if not (self.config.step_lookup and self.config.lookup and self.config.speculate):
+    def _forfeits_steps(self, batch: list[Request], trees: dict[str, DraftTree], lookups: dict[str, tuple[LookupNodes, ...]]) -> bool:
+        """Whether the batch's trees keep the round from plain steps (``scheduler.plain_steps``): any
+        node at all, or, while the verifier drafts at plain steps as the lookup drafter would, any
+        node a drafter model proposed (a round of lookup nodes alone goes on in steps that draft the same way)."""
+        if not self._steps_draft:
+            return any(len(trees[r.request_id]) for r in batch)
+        return any(len(trees[r.request_id]) > len(lookup_only(trees[r.request_id], lookups.get(r.request_id, ()))) for r in batch)
+
+    @property
+    def _steps_draft(self) -> bool:
+        """The verifier drafts at plain steps as the lookup drafter would (``VerifyItem.step_lookup``)."""
+        return self.config.step_lookup and self.config.lookup and self.config.speculate
+
+    def _step_lookup(self, batch: list[Request]) -> dict[bool, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """How far the verifier may draft at each request's plain steps, from its own text and from
+        the corpus, by greedy or sampled (``VerifyItem.step_lookup``, ``step_corpus``): nothing
+        unless the lookup drafter is on; with cost control, each token must repay the first draft
+        row beside a request's plain one."""
+        if not self._steps_draft:
             return {}
         theta = self.control.first_row_threshold(len(batch)) if self.config.cost_control else 0.0
         return {greedy: self.lookups.step_depths(greedy, theta) for greedy in {r.sampling.greedy for r in batch}}

@@ -13,7 +13,7 @@ not pay this round still gets the lookup nodes that do. Its proposals join the r
 more chain beside the drafters' (a node both propose is shared), and the verifier treats them like
 any draft: a deterministic proposal, so acceptance stays the target's own (lossless). A second
 chain may come from the lookup corpus, what the target wrote for other prompts
-(``lookup_corpus.py``); the two are siblings where they differ.
+(``common/lookup_corpus.py``); the two are siblings where they differ.
 
 How likely a lookup token is accepted depends on how long the match was and how deep the token
 is (a token after an accepted lookup token is far likelier right). :class:`LookupCalibration` learns
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from common.fusion import DraftTree
 
 LOOKUP_ID = "lookup"  # the drafter id lookup nodes are credited to (in stats, metrics and trees)
-# where a lookup chain came from: the request's own text, or the lookup corpus (lookup_corpus.py)
+# where a lookup chain came from: the request's own text, or the lookup corpus (common/lookup_corpus.py)
 TEXT, CORPUS = "text", "corpus"
 CORPUS_MAX_MATCH = 8  # longest corpus match the calibration tells apart
 

@@ -1,24 +1,21 @@
 """The lookup drafter's part of a round: its chains in each request's tree (no model, no gRPC).
 
-Two sources (see ``lookup.py`` and ``lookup_corpus.py``): the request's own text, and the lookup
+Two sources (see ``lookup.py`` and ``common/lookup_corpus.py``): the request's own text, and the lookup
 corpus once loaded from Redis (and reloaded whenever it is seeded anew). Each chain's nodes are
 priced by their verify rows alone, since the lookup drafter costs no drafter time.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from common.fusion import DraftTree
 from services.router.control import SpeculationControl
 from services.router.gate import gate_domain
-from services.router.lookup import CORPUS, TEXT, LookupCalibration, LookupNodes, add_lookup_chain
-from services.router.lookup_corpus import DomainCorpora
+from services.router.lookup import CORPUS, CORPUS_MAX_MATCH, TEXT, LookupCalibration, LookupNodes, add_lookup_chain
+from common.lookup_corpus import CorpusLoader, DomainCorpora, keep_corpus_loaded
 from services.router.requests import Counters, Request, RouterConfig
 
-# load_corpus(known_version): the corpus and its version when the seeded version differs, else None
-CorpusLoader = Callable[[int], Awaitable[tuple[int, DomainCorpora | None] | None]]
 
 
 class LookupDrafting:
@@ -34,13 +31,12 @@ class LookupDrafting:
     async def keep_corpus_loaded(self, closed: Callable[[], bool], every_s: float = 2.0) -> None:
         """Load the lookup corpus, and again whenever it is seeded anew, until ``closed()``."""
         assert self.load_corpus is not None
-        version = 0
-        while not closed():
-            got = await self.load_corpus(version)
-            if got is not None:
-                version, self.corpus = got
-                self.counters.corpus_sequences = self.corpus.sequences if self.corpus is not None else 0
-            await asyncio.sleep(every_s)
+
+        def use(corpora: DomainCorpora | None) -> None:
+            self.corpus = corpora
+            self.counters.corpus_sequences = corpora.sequences if corpora is not None else 0
+
+        await keep_corpus_loaded(self.load_corpus, use, closed, every_s)
 
     def chains(self, r: Request, tree: DraftTree) -> tuple[LookupNodes, ...]:
         """Add the lookup chains of ``r`` to its tree (own text, then the corpus); the ones that kept
@@ -55,16 +51,22 @@ class LookupDrafting:
                  for source, chain, match in proposals if chain)
         return tuple(c for c in added if c.nodes)
 
-    def step_depths(self, greedy: bool, threshold: float) -> tuple[int, ...]:
-        """How far the verifier drafts from a request's text at a plain step (``VerifyItem.step_lookup``):
-        per match length, as many tokens as the calibrated chain repays a verify row each
-        (``threshold`` expected tokens), as :func:`~services.router.lookup.add_lookup_chain` prices
-        the router's own chains."""
+    def step_depths(self, greedy: bool, threshold: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """How far the verifier drafts at a plain step (``VerifyItem.step_lookup`` and
+        ``step_corpus``): per match length in the request's own text and in the corpus (none
+        while the router has no corpus: the verifier reads the same one), as many tokens as the
+        calibrated chain repays a verify row each (``threshold`` expected tokens), as
+        :func:`~services.router.lookup.add_lookup_chain` prices the router's own chains."""
+        text = self._depths(greedy, threshold, TEXT, self.config.lookup_max_ngram)
+        corpus = self._depths(greedy, threshold, CORPUS, CORPUS_MAX_MATCH) if self.corpus is not None else ()
+        return text, corpus
+
+    def _depths(self, greedy: bool, threshold: float, source: str, longest: int) -> tuple[int, ...]:
         depths = []
-        for match in range(1, self.config.lookup_max_ngram + 1):
+        for match in range(1, longest + 1):
             value, depth = 1.0, 0
             while depth < self.config.max_k:
-                value *= self.calibration(greedy, match, depth, TEXT)
+                value *= self.calibration(greedy, match, depth, source)
                 if value < threshold:
                     break
                 depth += 1

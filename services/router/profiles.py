@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Sequence
 
 from services.router.lexicon import DomainLexicon
-from services.router.lookup_corpus import DomainCorpora
+from common.lookup_corpus import DomainCorpora, corpus_from_store
 
 from common.logs import get_logger
 from common.store import Store, StoreUnavailable, sum_acceptance
@@ -77,21 +77,9 @@ class ProfileStore:
         return lexicon
 
     async def corpus(self, known_version: int) -> tuple[int, DomainCorpora | None] | None:
-        """The lookup corpus seeded into Redis and its version, when the version differs from
-        ``known_version`` (its corpora None when the seed is empty); None when unchanged or while
-        Redis is out."""
-        try:
-            version = await self.store.corpus_version()
-            if version == known_version:
-                return None
-            loaded = await self.store.load_corpus()
-        except StoreUnavailable as exc:
-            log.warning("lookup corpus unreadable; lookup drafts from the requests' own text meanwhile", error=str(exc))
-            return None
-        corpora = DomainCorpora.build(loaded) if loaded else None
-        log.info("lookup corpus loaded", version=version, tokens=len(corpora.everything) if corpora else 0,
-                 sequences={d: c.sequences for d, c in sorted(corpora.by_domain.items())} if corpora else {})
-        return version, corpora
+        """The lookup corpus seeded into Redis, when its version differs from ``known_version``
+        (:func:`~common.lookup_corpus.corpus_from_store`)."""
+        return await corpus_from_store(self.store, known_version)
 
     async def learned(self, domain: str, prompt: Sequence[int]) -> None:
         """Share one prompt the drafters scored; dropped while Redis is out (see the module docstring)."""

@@ -84,7 +84,7 @@ class RouterConfig:
     draft_ahead: bool = True  # with cost control, drafting and new prompts' scoring run while other requests are verified
     lookup: bool = True  # the lookup drafter proposes from the request's own text (services.router.lookup)
     lookup_max_ngram: int = 4
-    lookup_corpus: bool = True  # and from the lookup corpus, when one is loaded (services.router.lookup_corpus)
+    lookup_corpus: bool = True  # and from the lookup corpus, when one is loaded (common.lookup_corpus)
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
     gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)

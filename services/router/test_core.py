@@ -187,7 +187,8 @@ def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_f
     """Each round's plan is told the round's measured time beside its passes and the plain steps the
     round would decode without drafts (``pass_plan.choose_nodes`` weighs them): a verifier 30 ms
     away is measured as such, one in process as far less, and while the batch holds the pool the
-    steps are the configured four. Either way the output is the target's own."""
+    steps are the configured four (lookup nodes forfeit them only while the verifier does not draft
+    at plain steps itself: with it, they forfeit none). Either way the output is the target's own."""
     import services.router.core as core_module
 
     told: list[tuple[float, int]] = []
@@ -205,12 +206,16 @@ def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_f
     overhead = {}
     for name, delay_s in (("near", 0.0), ("far", 0.03)):
         told.clear()
-        config = RouterConfig(rounds_in_flight=1, plain_steps=4)
+        config = RouterConfig(rounds_in_flight=1, plain_steps=4, step_lookup=False)
         core = RouterCore(config, LocalDrafterPool({}), LocalVerifier(verifier, round_trip_s=delay_s))
         assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
         assert len(told) > 1 and max(steps for _, steps in told) == 4
         overhead[name] = told[-1][0]
     assert overhead["far"] >= 0.025 and 0 < overhead["near"] < overhead["far"]
+    told.clear()
+    core = RouterCore(RouterConfig(rounds_in_flight=1, plain_steps=4), LocalDrafterPool({}), LocalVerifier(verifier))
+    assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
+    assert told and all(steps == 1 for _, steps in told) and core.counters.plain_step_passes > 0
 
 
 class SlowDrafterPool(LocalDrafterPool):
@@ -448,8 +453,9 @@ def test_drafters_left_behind_by_plain_rounds_catch_up_beside_a_pass(engines, re
 
     pool = RecordingPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
+    # (the lookup drafter's rounds without steps, so each plain token is a round of its own as the gate sees it)
     config = RouterConfig(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False,
-                          fusion="token")
+                          fusion="token", step_lookup=False)
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     gate = core.gate.drafts
     core.gate.drafts = lambda r, *args, **kw: not 2 <= len(r.generated) < 12 and gate(r, *args, **kw)

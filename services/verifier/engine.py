@@ -36,6 +36,7 @@ import torch
 from common.engine_base import RequestEngine
 from common.lm_runner import LMRunner, SeqInput
 from common.logs import get_logger
+from common.lookup_corpus import DomainCorpora
 from common.lookup_index import LookupIndex
 from common.kv_cache import KVCache
 from common.spec_types import (
@@ -100,6 +101,7 @@ class VerifierEngine(RequestEngine[RequestState]):
         # sees (request id, logits [1, vocab]) of every plain position it decodes: the zoo's teacher
         # records the target's top-k next tokens while it writes its continuations (none in serving)
         self.observe_logits: Callable[[str, torch.Tensor], None] | None = None
+        self.corpus: DomainCorpora | None = None  # the lookup corpus plain steps draft from (VerifyItem.step_corpus)
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -198,15 +200,15 @@ class VerifierEngine(RequestEngine[RequestState]):
         for every request still stepping; returns the passes' forward time (ns) and rows.
 
         Each step is the plain decode pass a router would send next, with the same acceptance rule
-        and generator, so the tokens are those of one round per token. With ``step_lookup`` a step
-        also verifies the chain the request's own text proposes (:meth:`_step_chain`), as the
-        router's lookup drafter would have in that round. A request stops at one of its stop ids,
-        at ``max_tokens``, at the model's context, or when its cache has no room left (the tokens
-        so far stand); a failed pass ends every request's steps there.
+        and generator, so the tokens are those of one round per token. With ``step_lookup`` or
+        ``step_corpus`` a step also verifies what the lookup drafter proposes (:meth:`_step_tree`),
+        as the router's would have in that round. A request stops at one of its stop ids, at
+        ``max_tokens``, at the model's context, or when its cache has no room left (the tokens so
+        far stand); a failed pass ends every request's steps there.
         """
         forward_ns = rows = 0
         for step in range(1, max((p.item.plain_steps for p in planned), default=1)):
-            going: list[tuple[_Planned, tuple[int, ...]]] = []
+            going: list[tuple[_Planned, TokenTree]] = []
             for p in planned:
                 verdict, state, item = verdicts[p.index], p.state, p.item
                 if item.plain_steps <= step or verdict is None or not verdict.ok:
@@ -217,67 +219,65 @@ class VerifierEngine(RequestEngine[RequestState]):
                     room = min(room, item.max_tokens - len(made))
                 if room < 1 or (item.stop_ids and not set(made).isdisjoint(item.stop_ids)):
                     continue
-                chain = self._step_chain(state, item, room - 1)
+                tree = self._step_tree(state, item, room - 1)
                 try:
-                    state.cache.reserve(1 + len(chain))
+                    state.cache.reserve(1 + len(tree))
                 except SpecError:
-                    if not chain:
+                    if not len(tree):
                         continue
                     try:
-                        chain = ()
+                        tree = EMPTY_TREE
                         state.cache.reserve(1)
                     except SpecError:
                         continue
-                going.append((p, chain))
+                going.append((p, tree))
             if not going:
                 break
             t0 = time.perf_counter_ns()
             try:
-                logits = self.runner.forward([
-                    SeqInput(cache=p.state.cache, token_ids=(p.state.tokens[-1], *chain),
-                             logit_rows=tuple(range(1 + len(chain))) if chain else None)
-                    for p, chain in going
-                ])
+                logits = self.runner.forward([_step_input(p.state, tree) for p, tree in going])
             except Exception as exc:  # the verdicts so far stand; nothing of this pass is kept
                 log.error("plain_step_failed", error=repr(exc), batch=len(going), step=step)
                 for p, _ in going:
                     p.state.cache.discard_pending()
                 break
             forward_ns += time.perf_counter_ns() - t0
-            rows += sum(1 + len(chain) for _, chain in going)
-            for (p, chain), lg in zip(going, logits):
+            rows += sum(1 + len(tree) for _, tree in going)
+            for (p, tree), lg in zip(going, logits):
                 state = p.state
-                tree = TokenTree.chain(chain) if chain else EMPTY_TREE
                 decision = self.rule_factory(p.item.sampling).decide(tree, lg, state.generator or self._generator)
-                accepted = chain[:len(decision.accepted_nodes)]  # a chain's accepted path is a prefix of it
+                path = decision.accepted_nodes
+                accepted = [tree.tokens[a] for a in path]
                 if self.observe_logits is not None:
-                    for row in range(len(accepted) + 1):
+                    for row in (0, *(1 + a for a in path)):
                         self.observe_logits(p.item.request_id, lg[row:row + 1])
-                state.cache.commit(1 + len(accepted))
+                state.cache.commit([0, *(1 + a for a in path)])
                 state.tokens += [*accepted, decision.next_token]
                 verdict = verdicts[p.index]
                 assert verdict is not None
                 verdicts[p.index] = replace(verdict, plain_tokens=(*verdict.plain_tokens, *accepted, decision.next_token),
                                             committed_len=len(state.tokens), step_passes=verdict.step_passes + 1,
-                                            step_drafted=verdict.step_drafted + len(chain),
+                                            step_drafted=verdict.step_drafted + len(tree),
                                             step_accepted=verdict.step_accepted + len(accepted))
         return forward_ns, rows
 
-    @staticmethod
-    def _step_chain(state: RequestState, item: VerifyItem, room: int) -> tuple[int, ...]:
-        """What the request's own text proposes for a plain step (``VerifyItem.step_lookup``): the
-        tokens that followed the longest earlier match of its suffix, as many as its match length
-        earns, at most ``room``, and none from a stop id on (the target's stop ends the steps as
-        the step's own token)."""
-        depths = item.step_lookup
-        if not depths or room < 1:
-            return ()
-        if state.lookup is None or state.lookup.max_ngram != len(depths):
-            state.lookup = LookupIndex(max_ngram=len(depths))
-        chain, match = state.lookup.propose(state.tokens, min(max(depths), room))
-        chain = chain[:depths[match - 1]] if match else []
-        stop = next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))
-        return tuple(chain[:stop])
+    def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> TokenTree:
+        """What the lookup drafter proposes for a request's plain step (``VerifyItem.step_lookup``,
+        ``step_corpus``): the tokens that followed the longest earlier match of its suffix in its
+        own text and in the corpus, each as many as its match length earns, at most ``room``, and
+        none from a stop id on (the target's stop ends the steps as the step's own token)."""
+        if room < 1:
+            return EMPTY_TREE
+        chains: list[list[int]] = []
+        if item.step_lookup and max(item.step_lookup):
+            if state.lookup is None or state.lookup.max_ngram != len(item.step_lookup):
+                state.lookup = LookupIndex(max_ngram=len(item.step_lookup))
+            chains.append(_earned(state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup))
+        corpus = self.corpus
+        if corpus is not None and item.step_corpus and max(item.step_corpus):
+            chains.append(_earned(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus))
+        cut = [chain[:next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))] for chain in chains]
+        return TokenTree.merged([chain for chain in cut if chain]) if any(cut) else EMPTY_TREE
 
     def _plan(self, index: int, item: VerifyItem) -> _Planned:
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""
@@ -352,3 +352,17 @@ class VerifierEngine(RequestEngine[RequestState]):
             node_accepted=tuple(flags),
             committed_len=len(state.tokens),
         )
+
+
+def _earned(proposal: tuple[list[int], int], depths: Sequence[int]) -> list[int]:
+    """A lookup proposal cut to the depth its match length earns (``depths[match - 1]``)."""
+    chain, match = proposal
+    return chain[:depths[min(match, len(depths)) - 1]] if match else []
+
+
+def _step_input(state: RequestState, tree: TokenTree) -> SeqInput:
+    """A plain step's row (the last committed token) with the step's lookup tree hanging off it."""
+    if not len(tree):
+        return SeqInput(cache=state.cache, token_ids=(state.tokens[-1],))
+    return SeqInput(cache=state.cache, token_ids=(state.tokens[-1], *tree.tokens),
+                    parents=(-1, *(0 if q < 0 else 1 + q for q in tree.parents)), logit_rows=tuple(range(1 + len(tree))))

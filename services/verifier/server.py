@@ -18,6 +18,7 @@ from common.checkpoints import CheckpointError
 from common.grpc_server import ServerHandle
 from common.live_requests import LiveRequests
 from common.logs import get_logger
+from common.lookup_corpus import DomainCorpora, corpus_from_store, keep_corpus_loaded
 from common.metrics import ServiceMetrics, bind_engine_metrics
 from common.model_thread import ModelThread
 from common.runtime import configure_torch_threads
@@ -82,6 +83,8 @@ class VerifierApp:
         self.model_thread = model_thread or ModelThread("verifier-model")  # the thread that loaded the target
         self.busy_ns = 0
         self.passes: Any = None
+        self._closed = False
+        self._corpus_task: asyncio.Task[None] | None = None
 
     async def verify(self, items: Sequence[VerifyItem]) -> VerifyOutcome:
         """Verify a batch; one forward pass per slice of at most --max-batch-tokens tokens."""
@@ -117,9 +120,21 @@ class VerifierApp:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self.servicer, server)
 
     async def start(self, handle: ServerHandle, address: str) -> None:
-        pass
+        engine = self.engine
+        if engine is None:
+            return
+
+        def use(corpora: DomainCorpora | None) -> None:  # a reference swap: a pass in flight reads one or the other
+            engine.corpus = corpora
+
+        # the lookup corpus the routers draft from, for the plain steps' drafts (VerifyItem.step_corpus)
+        self._corpus_task = asyncio.ensure_future(
+            keep_corpus_loaded(lambda version: corpus_from_store(self.store, version), use, lambda: self._closed))
 
     async def stop(self) -> None:
+        self._closed = True
+        if self._corpus_task is not None:
+            self._corpus_task.cancel()
         self.model_thread.shutdown()
 
     def member_info(self) -> dict[str, Any]:

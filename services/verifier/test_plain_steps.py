@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.lookup_corpus import DomainCorpora
 from common.spec_types import SamplingParams, TokenTree, VerifyItem
 from services.verifier.engine import VerifierEngine
 from services.verifier.test_engine import PROMPT, engine, greedy_continuation, hf  # noqa: F401 (fixtures)
@@ -97,3 +98,26 @@ def test_step_drafts_never_carry_a_request_past_max_tokens_or_its_stop_ids(engin
     stop = right[LONG - 10]
     [s] = engine.verify([VerifyItem("s", append_ids=PROMPT, plain_steps=LONG, step_lookup=LOOKUP, stop_ids=(stop,))]).verdicts
     assert s.new_tokens == tuple(right[:right.index(stop) + 1])
+
+
+def test_merged_chains_share_their_common_prefix_and_branch_where_they_differ() -> None:
+    tree = TokenTree.merged([[5, 6, 7], [5, 6, 9, 1], [], [8]])
+    assert tree.tokens == (5, 6, 7, 9, 1, 8) and tree.parents == (-1, 0, 1, 1, 3, -1)
+    assert TokenTree.merged([[4, 4]]) == TokenTree.chain([4, 4]) and len(TokenTree.merged([])) == 0
+
+
+def test_steps_draft_from_the_verifier_s_lookup_corpus_in_the_request_s_domain(engine: VerifierEngine, hf) -> None:
+    right = greedy_continuation(hf, PROMPT, LONG + 5)
+    wrong = [right[0], *((t + 1) % 512 for t in right[1:])]  # another domain's text after the same start
+    engine.corpus = DomainCorpora.build({"mine": [[*PROMPT, *right]], "other": [[*PROMPT, *wrong]]})
+    corpus = (0, 4, 4, 4, 4, 4, 4, 4)
+    [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=8, step_corpus=corpus, domain="mine")]).verdicts
+    assert v.new_tokens == tuple(right[:len(v.new_tokens)])
+    assert v.step_passes == 7 and v.step_accepted == v.step_drafted == 7 * 4  # every chain right: 5 tokens a step
+    [w] = engine.verify([VerifyItem("w", append_ids=PROMPT, plain_steps=8, step_corpus=corpus, domain="other")]).verdicts
+    assert w.new_tokens == tuple(right[:8]) and w.step_accepted == 0 < w.step_drafted  # the other domain's chains all wrong
+    # the text's own chains and the corpus's together: siblings where they differ, the output the target's
+    [x] = engine.verify([VerifyItem("x", append_ids=PROMPT, plain_steps=LONG, step_lookup=LOOKUP, step_corpus=corpus,
+                                    domain="other")]).verdicts
+    assert x.new_tokens == tuple(right[:len(x.new_tokens)]) and x.step_accepted > 0
+    assert engine.cache_len("x") == x.committed_len - 1
