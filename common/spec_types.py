@@ -117,9 +117,9 @@ class TokenTree:
         return cls(tokens=tuple(tokens), parents=tuple(range(-1, len(tokens) - 1)))
 
     @classmethod
-    def merged(cls, chains: Sequence[Sequence[int]]) -> TokenTree:
+    def merged(cls, chains: Sequence[Sequence[int]], limit: int | None = None) -> TokenTree:
         """Linear drafts as one tree: a prefix they share is one path, and where they differ the
-        rest of each is a branch of its own."""
+        rest of each is a branch of its own, as far as ``limit`` nodes in all (the first chains first)."""
         tokens: list[int] = []
         parents: list[int] = []
         for chain in chains:
@@ -127,6 +127,8 @@ class TokenTree:
             for token in chain:
                 node = next((i for i in range(len(tokens)) if parents[i] == parent and tokens[i] == token), None)
                 if node is None:
+                    if limit is not None and len(tokens) >= limit:
+                        break
                     tokens.append(token)
                     parents.append(parent)
                     node = len(tokens) - 1

@@ -51,7 +51,7 @@ from services.router.ahead import OffPathDrafting
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
-from services.router.lookup import LookupNodes, lookup_only
+from services.router.lookup import LookupNodes
 from common.lookup_corpus import CorpusLoader
 from services.router.lookup_drafting import LookupDrafting
 from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item
@@ -301,7 +301,7 @@ class RouterCore(OffPathDrafting):
             rates = {r.request_id: self.control.calibration_for(r.sampling.greedy) for r in batch}
             # (with the verifier drafting at plain steps, lookup nodes forfeit none: only model nodes do)
             forgone = plain_steps(self.config.plain_steps, remaining, [PLAIN_STREAK] * len(batch), drafts=False,
-                                  whole_pool=whole_pool) if self._forfeits_steps(batch, trees, lookups) else 1
+                                  whole_pool=whole_pool) if self.lookups.forfeits_steps(batch, trees, lookups) else 1
             trees, lookups = plan_pass(trees, lookups, plain_rows, rates, self.control.pass_seconds,
                                        self.control.round_overhead_s, forgone)
         t1 = self.clock()
@@ -310,8 +310,8 @@ class RouterCore(OffPathDrafting):
             log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
                       probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
         steps = plain_steps(self.config.plain_steps, remaining, [r.plain_streak for r in batch],
-                            drafts=self._forfeits_steps(batch, trees, lookups), whole_pool=whole_pool)
-        step_lookup = self._step_lookup(batch) if steps > 1 else {}
+                            drafts=self.lookups.forfeits_steps(batch, trees, lookups), whole_pool=whole_pool)
+        step_lookup = self.lookups.at_steps(batch) if steps > 1 else {}
         items = [
             VerifyItem(
                 request_id=r.request_id,
@@ -354,7 +354,7 @@ class RouterCore(OffPathDrafting):
                         lookups.get(r.request_id, ()))
         self.gate.settle(batch)
         for r in batch:
-            r.plain_streak = 0 if self._forfeits_steps([r], trees, lookups) else r.plain_streak + 1
+            r.plain_streak = 0 if self.lookups.forfeits_steps([r], trees, lookups) else r.plain_streak + 1
         self._observe_extras(batch, trees, selected, matched, set(ahead), t1 - t0)
         rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
         prefill_rows = sum(len(it.append_ids) for it in items)
@@ -363,9 +363,10 @@ class RouterCore(OffPathDrafting):
         # plain steps: the verifier ran a pass per step, the first one this round's rows, each later
         # one a row per request still stepping; the curve learns the average pass
         passes = max((1 + v.step_passes for v in matched.values() if v.ok), default=1)
+        step_rows = sum(v.step_passes + v.step_drafted for v in matched.values() if v.ok)
         self.counters.plain_step_passes += passes - 1
         if passes == 1 or not prefill_rows:
-            self.control.observe_pass(rows, busy_ns / 1e9 / passes, round(committed / passes), prefill=prefill_rows > 0, beside=beside)
+            self.control.observe_pass(round((rows + step_rows) / passes), busy_ns / 1e9 / passes, round(committed / passes), prefill=prefill_rows > 0, beside=beside)
         self.control.observe_round(t1 - t0, (t2 - t1) / passes)
         # one line a round at debug level: where a slow pass came from (its rows, a prompt in it,
         # drafter work beside it on shared cores) without a profiler
@@ -386,29 +387,6 @@ class RouterCore(OffPathDrafting):
         if self.rounds_in_flight == 1 and not waited:  # alone, and no drafter model waited for
             self.control.observe_overhead(self.clock() - t0 - busy_ns / 1e9)
         self.counters.apply_s += self.clock() - t2
-
-    def _forfeits_steps(self, batch: list[Request], trees: dict[str, DraftTree], lookups: dict[str, tuple[LookupNodes, ...]]) -> bool:
-        """Whether the batch's trees keep the round from plain steps (``scheduler.plain_steps``): any
-        node at all, or, while the verifier drafts at plain steps as the lookup drafter would, any
-        node a drafter model proposed (a round of lookup nodes alone goes on in steps that draft the same way)."""
-        if not self._steps_draft:
-            return any(len(trees[r.request_id]) for r in batch)
-        return any(len(trees[r.request_id]) > len(lookup_only(trees[r.request_id], lookups.get(r.request_id, ()))) for r in batch)
-
-    @property
-    def _steps_draft(self) -> bool:
-        """The verifier drafts at plain steps as the lookup drafter would (``VerifyItem.step_lookup``)."""
-        return self.config.step_lookup and self.config.lookup and self.config.speculate
-
-    def _step_lookup(self, batch: list[Request]) -> dict[bool, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """How far the verifier may draft at each request's plain steps, from its own text and from
-        the corpus, by greedy or sampled (``VerifyItem.step_lookup``, ``step_corpus``): nothing
-        unless the lookup drafter is on; with cost control, each token must repay the first draft
-        row beside a request's plain one."""
-        if not self._steps_draft:
-            return {}
-        theta = self.control.first_row_threshold(len(batch)) if self.config.cost_control else 0.0
-        return {greedy: self.lookups.step_depths(greedy, theta) for greedy in {r.sampling.greedy for r in batch}}
 
     async def _draft(self, batch: list[Request], ks: dict[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
         live = list(self.drafters.live()) if self.config.speculate else []

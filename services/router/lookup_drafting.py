@@ -7,12 +7,12 @@ priced by their verify rows alone, since the lookup drafter costs no drafter tim
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from common.fusion import DraftTree
 from services.router.control import SpeculationControl
 from services.router.gate import gate_domain
-from services.router.lookup import CORPUS, CORPUS_MAX_MATCH, TEXT, LookupCalibration, LookupNodes, add_lookup_chain
+from services.router.lookup import CORPUS, CORPUS_MAX_MATCH, TEXT, LookupCalibration, LookupNodes, add_lookup_chain, lookup_only
 from common.lookup_corpus import CorpusLoader, DomainCorpora, keep_corpus_loaded
 from services.router.requests import Counters, Request, RouterConfig
 
@@ -50,6 +50,29 @@ class LookupDrafting:
         added = (add_lookup_chain(tree, chain, match, r.sampling.greedy, self.calibration, theta, width, source)
                  for source, chain, match in proposals if chain)
         return tuple(c for c in added if c.nodes)
+
+    @property
+    def drafts_at_steps(self) -> bool:
+        """The verifier drafts at plain steps as the lookup drafter would (``VerifyItem.step_lookup``)."""
+        return self.config.step_lookup and self.config.lookup and self.config.speculate
+
+    def forfeits_steps(self, batch: Sequence[Request], trees: Mapping[str, DraftTree],
+                       lookups: Mapping[str, Sequence[LookupNodes]]) -> bool:
+        """Whether the batch's trees keep the round from plain steps (``scheduler.plain_steps``): any
+        node at all, or, while the verifier drafts at plain steps as the lookup drafter would, any
+        node a drafter model proposed (a round of lookup nodes alone goes on in steps that draft the same way)."""
+        if not self.drafts_at_steps:
+            return any(len(trees[r.request_id]) for r in batch)
+        return any(len(trees[r.request_id]) > len(lookup_only(trees[r.request_id], lookups.get(r.request_id, ()))) for r in batch)
+
+    def at_steps(self, batch: Sequence[Request]) -> dict[bool, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """How far the verifier may draft at each request's plain steps, from its own text and from
+        the corpus, by greedy or sampled (:meth:`step_depths`): nothing unless it drafts at steps;
+        with cost control, each token must repay the first draft row beside a request's plain one."""
+        if not self.drafts_at_steps:
+            return {}
+        theta = self.control.first_row_threshold(len(batch)) if self.config.cost_control else 0.0
+        return {greedy: self.step_depths(greedy, theta) for greedy in {r.sampling.greedy for r in batch}}
 
     def step_depths(self, greedy: bool, threshold: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """How far the verifier drafts at a plain step (``VerifyItem.step_lookup`` and

@@ -19,6 +19,14 @@ After the acceptance rule has spoken, only the uncached committed tokens and the
 keep their cache entries (the rejected nodes' entries are dropped), so the invariant holds again:
 cache = ``N + len(accepted)`` tokens, committed = that + 1.
 
+Plain steps (``VerifyItem.plain_steps``): after the verdicts, the engine decodes more tokens of a
+request before it answers, a pass each, the batch's other stepping requests beside it. At each step
+it may draft as the router's lookup drafter would (``step_lookup``, ``step_corpus``): what followed
+the longest earlier match of the request's suffix in its own text and in the lookup corpus
+(:attr:`VerifierEngine.corpus`, loaded from Redis by the server), the two chains siblings where they
+differ. The step's pass verifies that small tree on top of the last committed token with the same
+acceptance rule, so the tokens stay the target's own; a round trip then carries several drafted passes.
+
 FASER-style early pruning (dropping clearly-rejected nodes after the first layers) is not
 implemented: a node's acceptance depends on its parent's *final* logits, so pruning on
 early-layer evidence cannot be guaranteed never to change the output without a re-run fallback.
@@ -265,19 +273,27 @@ class VerifierEngine(RequestEngine[RequestState]):
         """What the lookup drafter proposes for a request's plain step (``VerifyItem.step_lookup``,
         ``step_corpus``): the tokens that followed the longest earlier match of its suffix in its
         own text and in the corpus, each as many as its match length earns, at most ``room``, and
-        none from a stop id on (the target's stop ends the steps as the step's own token)."""
+        none from a stop id on (the target's stop ends the steps as the step's own token).
+
+        The tree holds no more nodes than the deeper chain may have: the corpus's chain first (on
+        the smol zoo it is right more often), then the text's where it differs, while room is
+        left. Both chains whole would double a step's rows, and on a CPU the pass-time curve has
+        steps (8 rows to 9 cost the AVX-512 Xeon 4 ms) that the router's plan keeps its own
+        passes under but the steps could not see."""
         if room < 1:
             return EMPTY_TREE
         chains: list[list[int]] = []
+        corpus = self.corpus
+        if corpus is not None and item.step_corpus and max(item.step_corpus):
+            chains.append(_earned(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus))
         if item.step_lookup and max(item.step_lookup):
             if state.lookup is None or state.lookup.max_ngram != len(item.step_lookup):
                 state.lookup = LookupIndex(max_ngram=len(item.step_lookup))
             chains.append(_earned(state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup))
-        corpus = self.corpus
-        if corpus is not None and item.step_corpus and max(item.step_corpus):
-            chains.append(_earned(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus))
         cut = [chain[:next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))] for chain in chains]
-        return TokenTree.merged([chain for chain in cut if chain]) if any(cut) else EMPTY_TREE
+        if not any(cut):
+            return EMPTY_TREE
+        return TokenTree.merged([chain for chain in cut if chain], limit=max(map(len, cut)))
 
     def _plan(self, index: int, item: VerifyItem) -> _Planned:
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""

@@ -104,6 +104,7 @@ def test_merged_chains_share_their_common_prefix_and_branch_where_they_differ() 
     tree = TokenTree.merged([[5, 6, 7], [5, 6, 9, 1], [], [8]])
     assert tree.tokens == (5, 6, 7, 9, 1, 8) and tree.parents == (-1, 0, 1, 1, 3, -1)
     assert TokenTree.merged([[4, 4]]) == TokenTree.chain([4, 4]) and len(TokenTree.merged([])) == 0
+    assert TokenTree.merged([[5, 6, 7], [5, 6, 9, 1], [8]], limit=4) == TokenTree((5, 6, 7, 9), (-1, 0, 1, 1))
 
 
 def test_steps_draft_from_the_verifier_s_lookup_corpus_in_the_request_s_domain(engine: VerifierEngine, hf) -> None:
@@ -120,4 +121,5 @@ def test_steps_draft_from_the_verifier_s_lookup_corpus_in_the_request_s_domain(e
     [x] = engine.verify([VerifyItem("x", append_ids=PROMPT, plain_steps=LONG, step_lookup=LOOKUP, step_corpus=corpus,
                                     domain="other")]).verdicts
     assert x.new_tokens == tuple(right[:len(x.new_tokens)]) and x.step_accepted > 0
+    assert x.step_drafted <= 4 * x.step_passes  # a step's tree no larger than its deeper chain
     assert engine.cache_len("x") == x.committed_len - 1
