@@ -87,8 +87,8 @@ async def _cosine(core: Any, prompts: Mapping[str, Sequence[int]], max_new: int,
         await core.stop()
     c = core.counters
     stats = {
-        "accepted_per_pass": c.accepted_tokens / max(1, c.verify_passes),
-        "lookup_accepted": c.lookup_accepted,
+        "accepted_per_pass": (c.accepted_tokens + c.step_lookup_accepted) / max(1, c.verify_passes),
+        "lookup_accepted": c.lookup_accepted + c.step_lookup_accepted,
         "drafter_calls": sum(getattr(core.drafters, "calls", {}).values()),
         "verify_s": c.verify_s,
         "draft_s": c.draft_s,
@@ -131,6 +131,7 @@ class Setup:
         learned: list[tuple[str, Sequence[int]]] = []  # what the router adds to the shared lexicon
 
         corpora = DomainCorpora.build(self.corpus) if self.corpus else None
+        self.verifier.corpus = corpora  # the verifier drafts from the same corpus at plain steps, as the service does
 
         async def profiles(drafters: Sequence[str], domain: str) -> dict[str, float]:
             return {d: self.acceptance[d][domain] for d in drafters if domain in self.acceptance.get(d, {})}
