@@ -87,7 +87,7 @@ async def _cosine(core: Any, prompts: Mapping[str, Sequence[int]], max_new: int,
         await core.stop()
     c = core.counters
     stats = {
-        "accepted_per_pass": (c.accepted_tokens + c.step_lookup_accepted) / max(1, c.verify_passes),
+        "accepted_per_pass": c.accepted_tokens / max(1, c.verify_passes),
         "lookup_accepted": c.lookup_accepted + c.step_lookup_accepted,
         "drafter_calls": sum(getattr(core.drafters, "calls", {}).values()),
         "verify_s": c.verify_s,

@@ -150,15 +150,13 @@ class ServiceSystem:
         diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         wall = max(r.finished_s for r in records) - min(r.issued_s for r in records) if records else 0.0
         counters = {
-            "verify_batches": diff.get("verify_passes", 0.0),
-            # the tokens drafted and accepted at plain steps (the verifier's own lookup drafts) count as any others
-            "accepted_tokens": diff.get("accepted_tokens", 0.0) + diff.get("step_lookup_accepted", 0.0),
+            "verify_batches": diff.get("verify_passes", 0.0), "accepted_tokens": diff.get("accepted_tokens", 0.0),
             "tokens_committed": diff.get("tokens_committed", 0.0), "verifier_busy_s": diff.get("verifier_busy_s", 0.0),
             "drafter_busy_s": diff.get("drafter_busy_s", 0.0), "drafter_calls": diff.get("drafter_calls", 0.0),
             "drafter_fused_rounds": diff.get("drafter_fused_rounds", 0.0),
             "round_s": diff.get("draft_s", 0.0) + diff.get("verify_s", 0.0) + diff.get("apply_s", 0.0),
             "draft_phase_s": diff.get("draft_s", 0.0), "verify_phase_s": diff.get("verify_s", 0.0), "apply_s": diff.get("apply_s", 0.0),
-            "draft_tokens": diff.get("draft_tokens", 0.0) + diff.get("step_lookup_tokens", 0.0), "rounds_drafted_ahead": diff.get("rounds_drafted_ahead", 0.0),
+            "draft_tokens": diff.get("draft_tokens", 0.0), "rounds_drafted_ahead": diff.get("rounds_drafted_ahead", 0.0),
             "draft_ahead_s": diff.get("draft_ahead_s", 0.0), "routed_ahead": diff.get("routed_ahead", 0.0),
             "lookup_tokens": diff.get("lookup_tokens", 0.0), "lookup_accepted": diff.get("lookup_accepted", 0.0),
             "corpus_tokens": diff.get("corpus_tokens", 0.0), "corpus_accepted": diff.get("corpus_accepted", 0.0),

@@ -205,7 +205,7 @@ class Counters:
     corpus_accepted: int = 0  # of them, accepted by the target
     corpus_sequences: int = 0  # sequences in the router's lookup corpus
     plain_step_passes: int = 0  # verify passes run as plain steps of an earlier pass's batch (no round of their own)
-    step_lookup_tokens: int = 0  # draft tokens the verifier took from requests' own text in plain steps
+    step_lookup_tokens: int = 0  # of the draft tokens, those the verifier drafted at plain steps (lookup, text and corpus)
     step_lookup_accepted: int = 0  # of them, accepted by the target
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]

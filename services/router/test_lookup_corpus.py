@@ -73,3 +73,7 @@ def test_the_verifier_drafts_from_the_same_corpus_at_plain_steps(engines, refere
     c = core.counters
     assert c.plain_step_passes > 0 and c.step_lookup_accepted > c.tokens_committed // 4
     assert c.verify_passes < c.tokens_committed // 3
+    # the steps' drafts count as drafted and accepted tokens like the trees' (no drafter model here:
+    # every accepted tree node is a lookup node)
+    assert c.accepted_tokens == c.lookup_accepted + c.step_lookup_accepted
+    assert c.draft_tokens >= c.lookup_tokens + c.step_lookup_tokens

@@ -103,13 +103,20 @@ class VerdictApplication:
             r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + len(accepted)
 
     def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
-        accepted = len(verdict.accepted_nodes)
+        # the tree's nodes, and what the verifier drafted at the plain steps (VerifyItem.step_lookup):
+        # the lookup drafter's proposals too, so they count as drafted and accepted tokens like any
+        accepted = len(verdict.accepted_nodes) + verdict.step_accepted
+        drafted = len(tree) + verdict.step_drafted
         r.stats.rounds += 1 + verdict.step_passes  # the verify passes it was in: its plain steps' too
         self.counters.step_lookup_tokens += verdict.step_drafted
         self.counters.step_lookup_accepted += verdict.step_accepted
-        r.stats.draft_tokens += len(tree)
+        if verdict.step_drafted:
+            r.stats.drafters_used.add(LOOKUP_ID)
+        if verdict.step_accepted:
+            r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + verdict.step_accepted
+        r.stats.draft_tokens += drafted
         r.stats.accepted_tokens += accepted
-        self.counters.draft_tokens += len(tree)
+        self.counters.draft_tokens += drafted
         self.counters.accepted_tokens += accepted
 
     def _credit_drafter(self, r: Request, d: str, got: int, depth: int, updates: list[ProfileUpdate]) -> None:
