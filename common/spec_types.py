@@ -220,7 +220,8 @@ class Verdict:
     steps after it, see ``VerifyItem.plain_steps``). ``committed_len`` is its length afterwards.
     ``step_passes``: the plain steps' passes the request was in (fewer than ``plain_tokens`` when
     steps accepted the verifier's own lookup drafts, ``step_drafted`` tokens proposed and
-    ``step_accepted`` accepted, see ``VerifyItem.step_lookup``). On failure only ``request_id`` and ``error`` are meaningful (``next_token == -1``).
+    ``step_accepted`` accepted, see ``VerifyItem.step_lookup``). On failure only ``request_id`` and
+    ``error`` are meaningful (``next_token == -1``).
     """
 
     request_id: str

@@ -312,6 +312,7 @@ class RouterCore(OffPathDrafting):
         steps = plain_steps(self.config.plain_steps, remaining, [r.plain_streak for r in batch],
                             drafts=self.lookups.forfeits_steps(batch, trees, lookups), whole_pool=whole_pool)
         step_lookup = self.lookups.at_steps(batch) if steps > 1 else {}
+        depths = [step_lookup.get(r.sampling.greedy, ((), ())) for r in batch]  # (own text, corpus) each
         items = [
             VerifyItem(
                 request_id=r.request_id,
@@ -320,12 +321,12 @@ class RouterCore(OffPathDrafting):
                 sampling=r.sampling,
                 plain_steps=steps,
                 stop_ids=tuple(r.stop_ids) if steps > 1 else (),
-                step_lookup=step_lookup.get(r.sampling.greedy, ((), ()))[0],
-                step_corpus=step_lookup.get(r.sampling.greedy, ((), ()))[1],
+                step_lookup=text,
+                step_corpus=corpus,
                 domain=gate_domain(r) if step_lookup else "",
-                max_tokens=r.max_new_tokens - len(r.generated) if steps > 1 else 0,
+                max_tokens=left if steps > 1 else 0,
             )
-            for r in batch
+            for r, left, (text, corpus) in zip(batch, remaining, depths)
         ]
         # drafter work off the path runs beside this pass if it was running or started meanwhile
         busy_before, started_before = bool(self._off_path_tasks), self._off_path_started

@@ -17,7 +17,6 @@ from common.lookup_corpus import CorpusLoader, DomainCorpora, keep_corpus_loaded
 from services.router.requests import Counters, Request, RouterConfig
 
 
-
 class LookupDrafting:
     def __init__(self, config: RouterConfig, control: SpeculationControl, counters: Counters,
                  load_corpus: CorpusLoader | None = None):
