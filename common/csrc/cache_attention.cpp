@@ -4,11 +4,18 @@
 // scaled_dot_product_attention call per sequence and layer, about 60 us each, which is two
 // milliseconds per request in a pass of SmolLM2-135M (30 layers), a third of a 16-request pass.
 // Here one call per layer does every sequence it is given to attend (in float32 those with a few new
-// tokens: a decode step, a draft tree; in bfloat16 prompts too): threads claim (sequence, key/value
+// tokens: a decode step, a draft tree; in bfloat16 prompts too): threads claim (query row, key/value
 // head) items (claim_for in vec.h; an item's cost follows its sequence's length, so claiming also
 // evens the threads out); each key and value row is read once for the query heads that share it
 // (GQA), scores go through a softmax in float32, and each query row is computed alone in a fixed
 // order, so its result does not depend on the rows or sequences beside it.
+// Items were (sequence, key/value head) before, each a block of its sequence's rows: a pass of one
+// request's tree gave two threads three items (SmolLM2's three key/value heads), and the rows' outputs
+// were added up in memory key by key. By row, with a row's outputs in registers, its dot products
+// four keys at a time and its softmax's maximum by vectors, SmolLM2-135M's attention took 35 us a
+// layer for one request's five rows at a 200-token context against 70, 121 for sixteen requests'
+// single rows against 178, with every output the same bits (the same operations in the same order
+// for each output; the sums of exponentials and of values still go key by key).
 // The queries of sequence b (rows offsets[b] .. offsets[b] + t_b of q) attend to the first
 // S_b - t_b keys (its cache) and to its new keys j where mask[i, j] (ancestors-or-self).
 #include <torch/extension.h>
@@ -28,76 +35,137 @@ using cosine_kernels::claim_for;
 
 constexpr int LANES = 16;  // head_dim steps by 16 floats
 
-// q . k over D floats (a multiple of 16): 16 / W registers of partial sums, added in a fixed order
-inline float dot(const float* a, const float* b, int64_t D) {
+// q . k over D floats (a multiple of 16) for NK keys at once: per key 16 / W registers of partial
+// sums, added in a fixed order, the same operations as for one key alone (so the same bits), with the
+// keys' chains of multiply-adds interleaved instead of each waiting on its own latency
+template <int NK>
+inline void dots(const float* a, const float* const* b, int64_t D, float* out) {
   constexpr int L = LANES / Vec::W;
-  typename Vec::T acc[L];
-  for (int l = 0; l < L; l++) acc[l] = Vec::mul(Vec::load(a + l * Vec::W), Vec::load(b + l * Vec::W));
+  typename Vec::T acc[NK][L];
+  for (int n = 0; n < NK; n++)
+    for (int l = 0; l < L; l++) acc[n][l] = Vec::mul(Vec::load(a + l * Vec::W), Vec::load(b[n] + l * Vec::W));
   for (int64_t d = LANES; d < D; d += LANES)
-    for (int l = 0; l < L; l++) acc[l] = Vec::fma(Vec::load(a + d + l * Vec::W), Vec::load(b + d + l * Vec::W), acc[l]);
-  for (int l = 1; l < L; l++) acc[0] = Vec::add(acc[0], acc[l]);
-  return Vec::sum(acc[0]);
+    for (int n = 0; n < NK; n++)
+      for (int l = 0; l < L; l++) acc[n][l] = Vec::fma(Vec::load(a + d + l * Vec::W), Vec::load(b[n] + d + l * Vec::W), acc[n][l]);
+  for (int n = 0; n < NK; n++) {
+    for (int l = 1; l < L; l++) acc[n][0] = Vec::add(acc[n][0], acc[n][l]);
+    out[n] = Vec::sum(acc[n][0]);
+  }
 }
 
-// Rows i0 .. i1 of attend_rows (below): they see the keys up to past + i1 at most (new key j needs
-// j <= i). Exponentials and the weighted values go lane by lane (a lane's result depends on its own
-// inputs only); a row's sum of exponentials is added key by key.
-void attend_block(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
-                  int64_t past, int64_t t, int64_t i0, int64_t i1, const bool* mask, int64_t D, float scale, float* out,
-                  std::vector<float>& scores) {
-  const int64_t S = past + i1, R = (i1 - i0) * rep;  // R score rows: (row i, head r) at (i - i0) * rep + r
-  const int64_t P = (S + Vec::W - 1) / Vec::W * Vec::W;  // a score row padded with -inf to whole vectors
-  scores.resize(static_cast<size_t>(R) * P);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+constexpr int KEYS_AT_ONCE = 4;  // keys whose dot products go together (dots<4>)
+constexpr int OUT_VECS = 4;  // output registers per head of a row's weighted sum of values
+constexpr int HEADS_AT_ONCE = 4;  // query heads of a key/value head whose outputs are summed together
+
+// Where query row i of a sequence reads its keys and values: the first `past` from the cache (rows
+// kv_stride apart), new key j from the pass's own new keys (rows new_stride apart: the values the
+// cache receives, so the same bits); row i sees new key j where mask_row[j], an ancestor-or-self
+// (j <= i, parents come before their children).
+struct RowKeys {
+  const float* k;
+  const float* v;
+  int64_t kv_stride;
+  int64_t past;
+  const float* k_new;
+  const float* v_new;
+  int64_t new_stride;
+  const bool* mask_row;
+  int64_t i;
+
+  const float* key(int64_t j) const { return j < past ? k + j * kv_stride : k_new + (j - past) * new_stride; }
+  const float* value(int64_t j) const { return j < past ? v + j * kv_stride : v_new + (j - past) * new_stride; }
+};
+
+// The weighted sum of values of NH heads (score rows P apart, outputs D apart) over dims [d, d + NV W):
+// each head's registers add its values key by key, j = 0, 1, ..., a key of weight 0 adding nothing.
+template <int NH, int NV>
+inline void weigh_values(const RowKeys& rk, int64_t S, const float* sc, int64_t P, int64_t D, int64_t d, float* out) {
+  typename Vec::T acc[NH][NV];
+  for (int h = 0; h < NH; h++)
+    for (int l = 0; l < NV; l++) acc[h][l] = Vec::zero();
   for (int64_t j = 0; j < S; j++) {
-    const float* kj = k + j * kv_stride_s;
-    for (int64_t i = i0; i < i1; i++) {
-      const bool allowed = j < past || mask[i * t + (j - past)];
-      for (int r = 0; r < rep; r++)
-        scores[((i - i0) * rep + r) * P + j] = allowed ? dot(q + i * q_stride_row + r * D, kj, D) * scale : neg_inf;
+    const float* vj = rk.value(j) + d;
+    typename Vec::T vv[NV];
+    for (int l = 0; l < NV; l++) vv[l] = Vec::load(vj + l * Vec::W);
+    for (int h = 0; h < NH; h++) {
+      const float p = sc[h * P + j];
+      if (p == 0.f) continue;
+      const Vec::T vp = Vec::set1(p);
+      for (int l = 0; l < NV; l++) acc[h][l] = Vec::fma(vp, vv[l], acc[h][l]);
     }
   }
-  for (int64_t x = 0; x < R; x++) {
-    float* sc = scores.data() + x * P;
-    std::fill(sc + S, sc + P, neg_inf);
-    float m = neg_inf;
-    for (int64_t j = 0; j < S; j++) m = std::max(m, sc[j]);
-    const Vec::T vm = Vec::set1(m);
+  for (int h = 0; h < NH; h++)
+    for (int l = 0; l < NV; l++) Vec::store(out + h * D + d + l * Vec::W, acc[h][l]);
+}
+
+// Row i for the `rep` query heads that share one key/value head (q and out: the first head's D
+// floats, heads D apart). Each (row, head) computes its scores over the keys it sees, a softmax in
+// float32 (exponentials lane by lane, their sum key by key), and its output as the values' weighted
+// sum key by key, j = 0, 1, ... (a masked key adds nothing), in registers; its result depends on its
+// own query, keys and values only, never on the rows, heads or sequences beside it. Each key and
+// value row is read once for all the heads.
+void attend_row(const float* q, int rep, const RowKeys& rk, int64_t D, float scale, float* out,
+                std::vector<float>& scores, std::vector<int64_t>& seen) {
+  const int64_t S = rk.past + rk.i + 1;
+  const int64_t P = (S + Vec::W - 1) / Vec::W * Vec::W;  // a score row padded with -inf to whole vectors
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  seen.clear();
+  for (int64_t j = 0; j < rk.past; j++) seen.push_back(j);
+  for (int64_t j = 0; j <= rk.i; j++)
+    if (rk.mask_row[j]) seen.push_back(rk.past + j);
+  scores.assign(static_cast<size_t>(rep) * P, neg_inf);
+  const int64_t n_seen = static_cast<int64_t>(seen.size());
+  int64_t x = 0;
+  for (; x + KEYS_AT_ONCE <= n_seen; x += KEYS_AT_ONCE) {
+    const float* ks[KEYS_AT_ONCE];
+    for (int n = 0; n < KEYS_AT_ONCE; n++) ks[n] = rk.key(seen[x + n]);
+    for (int r = 0; r < rep; r++) {
+      float got[KEYS_AT_ONCE];
+      dots<KEYS_AT_ONCE>(q + r * D, ks, D, got);
+      float* sc = scores.data() + r * P;
+      for (int n = 0; n < KEYS_AT_ONCE; n++) sc[seen[x + n]] = got[n] * scale;
+    }
+  }
+  for (; x < n_seen; x++) {
+    const float* kx = rk.key(seen[x]);
+    for (int r = 0; r < rep; r++) {
+      float got;
+      dots<1>(q + r * D, &kx, D, &got);
+      scores[r * P + seen[x]] = got * scale;
+    }
+  }
+  for (int r = 0; r < rep; r++) {  // exponentials of the scores less their maximum (a maximum needs no order)
+    float* sc = scores.data() + r * P;
+    Vec::T vmax = Vec::load(sc);
+    for (int64_t j = Vec::W; j < P; j += Vec::W) vmax = Vec::max(vmax, Vec::load(sc + j));
+    const Vec::T vm = Vec::set1(Vec::max_of(vmax));
     for (int64_t j = 0; j < P; j += Vec::W) {
       const Vec::T s = Vec::load(sc + j);
       Vec::store(sc + j, Vec::zero_where_neg_inf(s, cosine_kernels::exp_neg(Vec::sub(s, vm))));
     }
-    float sum = 0.f;
-    for (int64_t j = 0; j < S; j++) sum += sc[j];
-    const Vec::T inv = Vec::set1(1.f / sum);
-    for (int64_t j = 0; j < P; j += Vec::W) Vec::store(sc + j, Vec::mul(Vec::load(sc + j), inv));
   }
-  for (int64_t i = i0; i < i1; i++)
-    for (int r = 0; r < rep; r++) std::fill(out + i * q_stride_row + r * D, out + i * q_stride_row + (r + 1) * D, 0.f);
-  for (int64_t j = 0; j < S; j++) {
-    const float* vj = v + j * kv_stride_s;
-    for (int64_t i = i0; i < i1; i++)
-      for (int r = 0; r < rep; r++) {
-        const float p = scores[((i - i0) * rep + r) * P + j];
-        if (p == 0.f) continue;
-        float* o = out + i * q_stride_row + r * D;
-        const Vec::T vp = Vec::set1(p);
-        for (int64_t d = 0; d < D; d += Vec::W) Vec::store(o + d, Vec::fma(vp, Vec::load(vj + d), Vec::load(o + d)));
-      }
+  for (int r0 = 0; r0 < rep; r0 += HEADS_AT_ONCE) {  // each head's sum key by key, the heads' chains side by side
+    const int nh = static_cast<int>(std::min<int64_t>(HEADS_AT_ONCE, rep - r0));
+    float sum[HEADS_AT_ONCE] = {};
+    const float* sc = scores.data() + r0 * P;
+    for (int64_t j = 0; j < S; j++)
+      for (int h = 0; h < nh; h++) sum[h] += sc[h * P + j];
+    for (int h = 0; h < nh; h++) {
+      float* row = scores.data() + (r0 + h) * P;
+      const Vec::T inv = Vec::set1(1.f / sum[h]);
+      for (int64_t j = 0; j < P; j += Vec::W) Vec::store(row + j, Vec::mul(Vec::load(row + j), inv));
+    }
   }
-}
-
-constexpr int64_t ROW_BLOCK = 32;
-
-// Every query row (t of them) of sequence b for the `rep` query heads of key/value head g: each key
-// and value row is read once for all of a block's rows. Row i sees the first `past` keys and new key
-// j where mask[i * t + j]; each (row, head) sums its scores and values over the keys in order j = 0,
-// 1, ... (a masked key adds nothing), as the same row alone would. Rows go in blocks of ROW_BLOCK (a
-// prompt's rows too), so a block's scores stay small; a row's result does not depend on its block.
-void attend_rows(const float* q, int64_t q_stride_row, int rep, const float* k, const float* v, int64_t kv_stride_s,
-                 int64_t past, int64_t t, const bool* mask, int64_t D, float scale, float* out, std::vector<float>& scores) {
-  for (int64_t i0 = 0; i0 < t; i0 += ROW_BLOCK)
-    attend_block(q, q_stride_row, rep, k, v, kv_stride_s, past, t, i0, std::min(t, i0 + ROW_BLOCK), mask, D, scale, out, scores);
+  for (int r0 = 0; r0 < rep; r0 += HEADS_AT_ONCE) {
+    const float* sc = scores.data() + r0 * P;
+    float* o = out + r0 * D;
+    cosine_kernels::with_rows<HEADS_AT_ONCE>(std::min<int64_t>(HEADS_AT_ONCE, rep - r0), [&](auto nh) {
+      constexpr int NH = decltype(nh)::value;
+      int64_t d = 0;
+      for (; d + OUT_VECS * Vec::W <= D; d += OUT_VECS * Vec::W) weigh_values<NH, OUT_VECS>(rk, S, sc, P, D, d, o);
+      for (; d < D; d += Vec::W) weigh_values<NH, 1>(rk, S, sc, P, D, d, o);
+    });
+  }
 }
 
 }  // namespace
@@ -142,21 +210,28 @@ void cache_attention(const torch::Tensor& q, const torch::Tensor& k_new, const t
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // one item per (sequence, key/value head): it writes that head's new keys and values, then (for a
-  // sequence the kernel attends) attends that head's query rows
-  claim_for(B * Hkv, [&](int64_t it) {
+  // one item per (row, key/value head): it writes that row's new key and value for the head into its
+  // sequence's cache, then (for a sequence the kernel attends) attends the row's query heads that
+  // share the head, reading the pass's new keys from k_new, v_new (never from a cache slot another
+  // item writes). Rows, not sequences, so that a pass of one sequence's few rows keeps every thread busy.
+  std::vector<int64_t> row_seq(static_cast<size_t>(N), -1);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t i = 0; i < lens[b]; i++) row_seq[offsets[b] + i] = b;
+  claim_for(N * Hkv, [&](int64_t it) {
     thread_local std::vector<float> scores;
-    const int64_t b = it / Hkv, g = it % Hkv;
-    const int64_t t = lens[b], S = ks[b].size(1), past = S - t;
+    thread_local std::vector<int64_t> seen;
+    const int64_t row = it / Hkv, g = it % Hkv, b = row_seq[row];
+    if (b < 0) return;  // a row no sequence claims
+    const int64_t t = lens[b], S = ks[b].size(1), past = S - t, i = row - offsets[b];
     float* k = ks[b].data_ptr<float>() + g * ks[b].stride(0);
     float* v = vs[b].data_ptr<float>() + g * vs[b].stride(0);
-    for (int64_t i = 0; i < t; i++) {
-      const int64_t from = ((offsets[b] + i) * Hkv + g) * D, to = (past + i) * ks[b].stride(1);
-      std::copy(kn + from, kn + from + D, k + to);
-      std::copy(vn + from, vn + from + D, v + to);
-    }
+    const int64_t from = (row * Hkv + g) * D, to = (past + i) * ks[b].stride(1);
+    std::copy(kn + from, kn + from + D, k + to);
+    std::copy(vn + from, vn + from + D, v + to);
     if (!attend[b]) return;
-    const int64_t first = (offsets[b] * H + g * rep) * D;  // row offsets[b], head g * rep; rows H * D apart
-    attend_rows(qp + first, H * D, rep, k, v, ks[b].stride(1), past, t, mp + mask_offsets[b], D, sc, op + first, scores);
+    const int64_t first_new = (offsets[b] * Hkv + g) * D;
+    const RowKeys rk{k, v, ks[b].stride(1), past, kn + first_new, vn + first_new, Hkv * D, mp + mask_offsets[b] + i * t, i};
+    const int64_t at = (row * H + g * rep) * D;  // row `row`, head g * rep; rows H * D apart
+    attend_row(qp + at, rep, rk, D, sc, op + at, scores, seen);
   });
 }

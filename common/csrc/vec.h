@@ -27,6 +27,7 @@ struct Vec {
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  static float max_of(T v) { return _mm512_reduce_max_ps(v); }
   static T set1(float x) { return _mm512_set1_ps(x); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
   static T floor(T v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
@@ -56,6 +57,11 @@ struct Vec {
   }
   static T set1(float x) { return _mm256_set1_ps(x); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static float max_of(T v) {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  }
   static T floor(T v) { return _mm256_floor_ps(v); }
   static T pow2(T n) {  // 2^n for integral n in [-126, 127]
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
