@@ -246,6 +246,7 @@ class RouterCore(OffPathDrafting):
         # with no drafter model live (all down, or none started) nothing is drafted or routed by
         # them: the lookup drafter alone, and plain steps where its chains do not pay
         models = bool(self.drafters.live())
+        self.gate.new_round()
         for r in probe_order(batch):  # a domain's probe goes to its least recently probed request
             if not models or r.request_id in ahead or r.routing_ahead or not self.gate.drafts(
                     r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):

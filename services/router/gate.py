@@ -87,6 +87,9 @@ class DraftGate:
         self.clock = clock
         self.probes_open_at = 0.0  # the clock time from which a probe may be granted (RouterConfig.probe_share)
         self._theta = 0.0  # the threshold of the current round's decisions
+        # first-node thresholds by (batch size, pipelined, chain) for one round's decisions, which
+        # price every request alike but for its chain; cleared by :meth:`new_round`
+        self._thetas: dict[tuple[int, bool, int], float] = {}
         self.overall = DomainRecord()  # every request's outcomes: for requests with no domain
         self.domains: dict[str, DomainRecord] = {}
 
@@ -110,6 +113,10 @@ class DraftGate:
         """The first-node record a new request of ``domain`` ("" when unknown) starts from."""
         return self.record(domain).first_accept
 
+    def new_round(self) -> None:
+        """Before a round's decisions: the prices of the last round's may have moved since."""
+        self._thetas.clear()
+
     def drafts(self, r: Request, batch_size: int, round_index: int, pipelined: bool, chain: int = 1) -> bool:
         """Whether the drafters draft for ``r`` in a round of ``batch_size`` requests, the router's
         ``round_index``-th; ``pipelined``: another round is in flight and overlaps this one's drafting;
@@ -120,7 +127,10 @@ class DraftGate:
         if not self.config.cost_control:
             return True
         if self.config.draft_pricing:
-            self._theta = self.control.first_node_threshold(batch_size, pipelined=pipelined, chain=chain)
+            key = (batch_size, pipelined, chain)
+            if key not in self._thetas:
+                self._thetas[key] = self.control.first_node_threshold(batch_size, pipelined=pipelined, chain=chain)
+            self._theta = self._thetas[key]
         else:
             self._theta = self.control.threshold()
         if r.first_accept >= self._theta:

@@ -94,6 +94,10 @@ class PassCurve:
     _passes: int = 0  # passes observed
     _prior_rows: tuple[float, ...] = ()  # the verifier's pass times by rows, timed at load: rows ascending
     _prior_seconds: tuple[float, ...] = ()  # and their seconds, never falling
+    # the measured bins as predict reads them, (rows, seconds or measured over prior seconds), until
+    # the next pass or prior: the router prices every request's first node and every tree's nodes on
+    # it, dozens of predictions a round that would otherwise each sort and rescale every bin
+    _table: tuple[list[float], list[float]] | None = field(default=None, repr=False)
 
     def set_prior(self, points: Sequence[tuple[int, float]]) -> None:
         """The verifier's own pass times by rows (``services/verifier/pass_times.py``): the curve's
@@ -106,11 +110,13 @@ class PassCurve:
             xs.append(rows)
             ys.append(max(seconds, ys[-1]) if ys else seconds)
         self._prior_rows, self._prior_seconds = tuple(xs), tuple(ys)
+        self._table = None
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
             return
         self._passes += 1
+        self._table = None
         point = self._points.get(_bin(rows))
         if point is None or self._stale(point):
             self._points[_bin(rows)] = [float(rows), seconds, self._passes]
@@ -131,21 +137,31 @@ class PassCurve:
         time of the bins here (interpolated between the bins around ``rows``, the nearest one's
         beyond them; 1 before any): a step of the prior between two measured bins, or beyond
         them, stays a step."""
-        points = sorted((x, y) for x, y, _ in (p for p in self._points.values() if not self._stale(p)))
-        if not points:
+        if self._table is None:
+            self._table = self._measured()
+        xs, ys = self._table
+        if not xs:
             return self._prior_at(rows) if self._prior_rows else None
-        # the mean seconds never fall as rows grow (noise aside, a larger pass is not quicker)
-        xs, ys = [points[0][0]], [points[0][1]]
-        for x, y in points[1:]:
-            xs.append(x)
-            ys.append(max(y, ys[-1]))
-        if self._prior_rows:
-            return self._prior_at(rows) * _interpolate(xs, [y / self._prior_at(x) for x, y in zip(xs, ys)], rows)
+        if self._prior_rows:  # ys: the measured over the prior's seconds
+            return self._prior_at(rows) * _interpolate(xs, ys, rows)
         if rows <= xs[0]:
             return max(0.0, ys[0] - slope * (xs[0] - rows))
         if rows <= xs[-1]:
             return _interpolate(xs, ys, rows)
         return ys[-1] + slope * (rows - xs[-1])
+
+    def _measured(self) -> tuple[list[float], list[float]]:
+        """The bins that count, rows ascending, with their seconds never falling as rows grow (noise
+        aside, a larger pass is not quicker); with a prior, those seconds over the prior's."""
+        points = sorted((x, y) for x, y, _ in (p for p in self._points.values() if not self._stale(p)))
+        xs: list[float] = []
+        ys: list[float] = []
+        for x, y in points:
+            xs.append(x)
+            ys.append(max(y, ys[-1]) if ys else y)
+        if self._prior_rows:
+            ys = [y / self._prior_at(x) for x, y in zip(xs, ys)]
+        return xs, ys
 
     def _prior_at(self, rows: float) -> float:
         """The prior's seconds at ``rows``: linear between its points, its last segment's slope
