@@ -109,29 +109,32 @@ void attend_row(const float* q, int rep, const RowKeys& rk, int64_t D, float sca
   const int64_t S = rk.past + rk.i + 1;
   const int64_t P = (S + Vec::W - 1) / Vec::W * Vec::W;  // a score row padded with -inf to whole vectors
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // the keys it sees, x = 0, 1, ...: every cached one, then the new ones its mask allows
   seen.clear();
-  for (int64_t j = 0; j < rk.past; j++) seen.push_back(j);
   for (int64_t j = 0; j <= rk.i; j++)
     if (rk.mask_row[j]) seen.push_back(rk.past + j);
+  const auto seen_key = [&](int64_t x) { return x < rk.past ? x : seen[x - rk.past]; };
   scores.assign(static_cast<size_t>(rep) * P, neg_inf);
-  const int64_t n_seen = static_cast<int64_t>(seen.size());
+  const int64_t n_seen = rk.past + static_cast<int64_t>(seen.size());
   int64_t x = 0;
   for (; x + KEYS_AT_ONCE <= n_seen; x += KEYS_AT_ONCE) {
+    int64_t js[KEYS_AT_ONCE];
     const float* ks[KEYS_AT_ONCE];
-    for (int n = 0; n < KEYS_AT_ONCE; n++) ks[n] = rk.key(seen[x + n]);
+    for (int n = 0; n < KEYS_AT_ONCE; n++) ks[n] = rk.key(js[n] = seen_key(x + n));
     for (int r = 0; r < rep; r++) {
       float got[KEYS_AT_ONCE];
       dots<KEYS_AT_ONCE>(q + r * D, ks, D, got);
       float* sc = scores.data() + r * P;
-      for (int n = 0; n < KEYS_AT_ONCE; n++) sc[seen[x + n]] = got[n] * scale;
+      for (int n = 0; n < KEYS_AT_ONCE; n++) sc[js[n]] = got[n] * scale;
     }
   }
   for (; x < n_seen; x++) {
-    const float* kx = rk.key(seen[x]);
+    const int64_t j = seen_key(x);
+    const float* kx = rk.key(j);
     for (int r = 0; r < rep; r++) {
       float got;
       dots<1>(q + r * D, &kx, D, &got);
-      scores[r * P + seen[x]] = got * scale;
+      scores[r * P + j] = got * scale;
     }
   }
   for (int r = 0; r < rep; r++) {  // exponentials of the scores less their maximum (a maximum needs no order)
