@@ -119,6 +119,12 @@ class RequestStats:
     def mean_accepted_len(self) -> float:
         return self.accepted_tokens / self.rounds if self.rounds else 0.0
 
+    def credit(self, drafter: str, accepted: int) -> None:
+        """``drafter`` drafted for the request, and ``accepted`` of its tokens were accepted."""
+        self.drafters_used.add(drafter)
+        if accepted:
+            self.accepted_by_drafter[drafter] = self.accepted_by_drafter.get(drafter, 0) + accepted
+
 
 @dataclass
 class Event:

@@ -98,9 +98,7 @@ class VerdictApplication:
                 self.counters.corpus_accepted += got
         self.counters.lookup_tokens += len(proposed)
         self.counters.lookup_accepted += len(accepted)
-        r.stats.drafters_used.add(LOOKUP_ID)
-        if accepted:
-            r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + len(accepted)
+        r.stats.credit(LOOKUP_ID, len(accepted))
 
     def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
         # the tree's nodes, and what the verifier drafted at the plain steps (VerifyItem.step_lookup):
@@ -111,18 +109,14 @@ class VerdictApplication:
         self.counters.step_lookup_tokens += verdict.step_drafted
         self.counters.step_lookup_accepted += verdict.step_accepted
         if verdict.step_drafted:
-            r.stats.drafters_used.add(LOOKUP_ID)
-        if verdict.step_accepted:
-            r.stats.accepted_by_drafter[LOOKUP_ID] = r.stats.accepted_by_drafter.get(LOOKUP_ID, 0) + verdict.step_accepted
+            r.stats.credit(LOOKUP_ID, verdict.step_accepted)
         r.stats.draft_tokens += drafted
         r.stats.accepted_tokens += accepted
         self.counters.draft_tokens += drafted
         self.counters.accepted_tokens += accepted
 
     def _credit_drafter(self, r: Request, d: str, got: int, depth: int, updates: list[ProfileUpdate]) -> None:
-        r.stats.drafters_used.add(d)
-        if got:
-            r.stats.accepted_by_drafter[d] = r.stats.accepted_by_drafter.get(d, 0) + got
+        r.stats.credit(d, got)
         stats = self.counters.by_drafter.setdefault(d, [0.0, 0.0])
         stats[0] += 1
         stats[1] += got
