@@ -9,6 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# where a lookup chain came from: the request's own text (this index), or the lookup corpus
+# (common/lookup_corpus.py); the router's calibration and the verifier's step verdicts name them so
+TEXT, CORPUS = "text", "corpus"
+
 
 @dataclass
 class LookupIndex:

@@ -214,6 +214,20 @@ class VerifyItem:
 
 
 @dataclass(frozen=True)
+class StepLookup:
+    """What one chain of a plain step's lookup draft did (``Verdict.step_lookups``): its ``source``
+    (``"text"``: the request's own text, ``"corpus"``: the lookup corpus), the length of the ``match``
+    that proposed it, how many of its tokens were ``tried`` (each after its parent was accepted) and
+    how many ``accepted`` (the first ones: a chain's tokens after a rejected one are not tried). The
+    router calibrates its lookup rates from these as from its own chains."""
+
+    source: str
+    match: int
+    tried: int
+    accepted: int
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The verifier's decision for one request; the committed sequence grows by
     ``accepted_tokens + (next_token,) + plain_tokens`` (``new_tokens``; ``plain_tokens``: the plain
@@ -236,6 +250,7 @@ class Verdict:
     step_passes: int = 0
     step_drafted: int = 0
     step_accepted: int = 0
+    step_lookups: tuple[StepLookup, ...] = ()  # per step and chain, for the router's lookup calibration
 
     @property
     def ok(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from common.fusion import DraftTree
-from common.spec_types import DraftItem, DraftResult, ModelInfo, SamplingParams, TokenTree, Verdict, VerifyItem
+from common.spec_types import DraftItem, DraftResult, ModelInfo, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
 from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
 from cosine.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -136,6 +136,8 @@ def verdict_to_pb(v: Verdict) -> verifier_pb2.Verdict:
         next_token=v.next_token, node_accepted=v.node_accepted, committed_len=v.committed_len, error=v.error,
         error_kind=v.error_kind, plain_tokens=v.plain_tokens, step_passes=v.step_passes, step_drafted=v.step_drafted,
         step_accepted=v.step_accepted,
+        step_lookups=[verifier_pb2.StepLookup(source=s.source, match=s.match, tried=s.tried, accepted=s.accepted)
+                      for s in v.step_lookups],
     )
 
 
@@ -145,6 +147,7 @@ def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
         next_token=pb.next_token, node_accepted=tuple(pb.node_accepted), committed_len=pb.committed_len,
         error=pb.error, error_kind=pb.error_kind, plain_tokens=tuple(pb.plain_tokens), step_passes=pb.step_passes,
         step_drafted=pb.step_drafted, step_accepted=pb.step_accepted,
+        step_lookups=tuple(StepLookup(s.source, s.match, s.tried, s.accepted) for s in pb.step_lookups),
     )
 
 

@@ -1,5 +1,5 @@
 from common.fusion import DraftTree
-from common.spec_types import DraftItem, DraftResult, SamplingParams, TokenTree, Verdict, VerifyItem
+from common.spec_types import DraftItem, DraftResult, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
 from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
 from cosine.v1 import drafter_pb2, verifier_pb2
 from services.convert import (
@@ -46,7 +46,8 @@ def test_verify_items_and_verdicts_survive_the_wire():
     assert verify_items_from_pb(roundtrip(verify_batch_to_pb(1, items), verifier_pb2.VerifyBatch)) == items
     v = Verdict("a", (0, 1), (4, 5), 7, (True, True, False), 6, "", "")
     assert verdict_from_pb(roundtrip(verdict_to_pb(v), verifier_pb2.Verdict)) == v
-    stepped = Verdict("d", next_token=7, committed_len=9, plain_tokens=(8, 2, 5), step_passes=2, step_drafted=3, step_accepted=1)
+    stepped = Verdict("d", next_token=7, committed_len=9, plain_tokens=(8, 2, 5), step_passes=2, step_drafted=3, step_accepted=1,
+                      step_lookups=(StepLookup("corpus", 6, 2, 1), StepLookup("text", 2, 1, 0)))
     assert verdict_from_pb(roundtrip(verdict_to_pb(stepped), verifier_pb2.Verdict)) == stepped
     assert stepped.new_tokens == (7, 8, 2, 5)
     bad = Verdict("b", error="too long", error_kind="context")

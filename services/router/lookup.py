@@ -28,10 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from common.fusion import DraftTree
+from common.lookup_index import CORPUS, TEXT
 
 LOOKUP_ID = "lookup"  # the drafter id lookup nodes are credited to (in stats, metrics and trees)
-# where a lookup chain came from: the request's own text, or the lookup corpus (common/lookup_corpus.py)
-TEXT, CORPUS = "text", "corpus"
 CORPUS_MAX_MATCH = 8  # longest corpus match the calibration tells apart
 
 

@@ -45,7 +45,7 @@ from common.engine_base import RequestEngine
 from common.lm_runner import LMRunner, SeqInput
 from common.logs import get_logger
 from common.lookup_corpus import DomainCorpora
-from common.lookup_index import LookupIndex
+from common.lookup_index import CORPUS, TEXT, LookupIndex
 from common.kv_cache import KVCache
 from common.spec_types import (
     ContextTooLong,
@@ -53,6 +53,7 @@ from common.spec_types import (
     ModelInfo,
     SpecError,
     StageTimings,
+    StepLookup,
     TokenTree,
     UnknownRequest,
     Verdict,
@@ -227,31 +228,31 @@ class VerifierEngine(RequestEngine[RequestState]):
                     room = min(room, item.max_tokens - len(made))
                 if room < 1 or (item.stop_ids and not set(made).isdisjoint(item.stop_ids)):
                     continue
-                tree = self._step_tree(state, item, room - 1)
+                tree, chains = self._step_tree(state, item, room - 1)
                 try:
                     state.cache.reserve(1 + len(tree))
                 except SpecError:
                     if not len(tree):
                         continue
                     try:
-                        tree = EMPTY_TREE
+                        tree, chains = EMPTY_TREE, ()
                         state.cache.reserve(1)
                     except SpecError:
                         continue
-                going.append((p, tree))
+                going.append((p, tree, chains))
             if not going:
                 break
             t0 = time.perf_counter_ns()
             try:
-                logits = self.runner.forward([_step_input(p.state, tree) for p, tree in going])
+                logits = self.runner.forward([_step_input(p.state, tree) for p, tree, _ in going])
             except Exception as exc:  # the verdicts so far stand; nothing of this pass is kept
                 log.error("plain_step_failed", error=repr(exc), batch=len(going), step=step)
-                for p, _ in going:
+                for p, _, _ in going:
                     p.state.cache.discard_pending()
                 break
             forward_ns += time.perf_counter_ns() - t0
-            rows += sum(1 + len(tree) for _, tree in going)
-            for (p, tree), lg in zip(going, logits):
+            rows += sum(1 + len(tree) for _, tree, _ in going)
+            for (p, tree, chains), lg in zip(going, logits):
                 state = p.state
                 decision = self.rule_factory(p.item.sampling).decide(tree, lg, state.generator or self._generator)
                 path = decision.accepted_nodes
@@ -266,10 +267,11 @@ class VerifierEngine(RequestEngine[RequestState]):
                 verdicts[p.index] = replace(verdict, plain_tokens=(*verdict.plain_tokens, *accepted, decision.next_token),
                                             committed_len=len(state.tokens), step_passes=verdict.step_passes + 1,
                                             step_drafted=verdict.step_drafted + len(tree),
-                                            step_accepted=verdict.step_accepted + len(accepted))
+                                            step_accepted=verdict.step_accepted + len(accepted),
+                                            step_lookups=(*verdict.step_lookups, *_tried(chains, accepted)))
         return forward_ns, rows
 
-    def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> TokenTree:
+    def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> tuple[TokenTree, tuple[_Chain, ...]]:
         """What the lookup drafter proposes for a request's plain step (``VerifyItem.step_lookup``,
         ``step_corpus``): the tokens that followed the longest earlier match of its suffix in its
         own text and in the corpus, each as many as its match length earns, at most ``room``, and
@@ -279,21 +281,27 @@ class VerifierEngine(RequestEngine[RequestState]):
         the smol zoo it is right more often), then the text's where it differs, while room is
         left. Both chains whole would double a step's rows, and on a CPU the pass-time curve has
         steps (8 rows to 9 cost the AVX-512 Xeon 4 ms) that the router's plan keeps its own
-        passes under but the steps could not see."""
+        passes under but the steps could not see.
+
+        Also returns each chain as far as the tree holds it, with its source and match length, for
+        the verdict's ``step_lookups`` (:func:`_tried`)."""
         if room < 1:
-            return EMPTY_TREE
-        chains: list[list[int]] = []
+            return EMPTY_TREE, ()
+        chains: list[tuple[str, int, list[int]]] = []
         corpus = self.corpus
         if corpus is not None and item.step_corpus and max(item.step_corpus):
-            chains.append(_earned(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus))
+            chains.append((CORPUS, *_earned(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus)))
         if item.step_lookup and max(item.step_lookup):
             if state.lookup is None or state.lookup.max_ngram != len(item.step_lookup):
                 state.lookup = LookupIndex(max_ngram=len(item.step_lookup))
-            chains.append(_earned(state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup))
-        cut = [chain[:next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))] for chain in chains]
-        if not any(cut):
-            return EMPTY_TREE
-        return TokenTree.merged([chain for chain in cut if chain], limit=max(map(len, cut)))
+            chains.append((TEXT, *_earned(state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup)))
+        cut = [(source, match, chain[:next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))])
+               for source, match, chain in chains]
+        cut = [c for c in cut if c[2]]
+        if not cut:
+            return EMPTY_TREE, ()
+        tree = TokenTree.merged([chain for _, _, chain in cut], limit=max(len(chain) for _, _, chain in cut))
+        return tree, tuple(_Chain(source, match, chain[:_held(tree, chain)]) for source, match, chain in cut)
 
     def _plan(self, index: int, item: VerifyItem) -> _Planned:
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""
@@ -370,10 +378,45 @@ class VerifierEngine(RequestEngine[RequestState]):
         )
 
 
-def _earned(proposal: tuple[list[int], int], depths: Sequence[int]) -> list[int]:
-    """A lookup proposal cut to the depth its match length earns (``depths[match - 1]``)."""
+@dataclass(frozen=True)
+class _Chain:
+    """One lookup chain of a plain step's tree: its source, its match length and its tokens in the tree."""
+
+    source: str
+    match: int
+    tokens: list[int]
+
+
+def _earned(proposal: tuple[list[int], int], depths: Sequence[int]) -> tuple[int, list[int]]:
+    """(match length, a lookup proposal cut to the depth that length earns: ``depths[match - 1]``)."""
     chain, match = proposal
-    return chain[:depths[min(match, len(depths)) - 1]] if match else []
+    return match, (chain[:depths[min(match, len(depths)) - 1]] if match else [])
+
+
+def _held(tree: TokenTree, chain: Sequence[int]) -> int:
+    """How many of ``chain``'s first tokens are a path of ``tree`` from its roots."""
+    children = tree.children
+    node, held = -1, 0
+    for token in chain:
+        node = next((c for c in children[node] if tree.tokens[c] == token), None)
+        if node is None:
+            break
+        held += 1
+    return held
+
+
+def _tried(chains: Sequence[_Chain], accepted: Sequence[int]) -> tuple[StepLookup, ...]:
+    """What each chain of a step did (``Verdict.step_lookups``): a token was tried when every one
+    before it in the chain was accepted, and accepted when the accepted path went through it."""
+    out = []
+    for c in chains:
+        if not c.tokens:
+            continue
+        hits = 0
+        while hits < min(len(c.tokens), len(accepted)) and c.tokens[hits] == accepted[hits]:
+            hits += 1
+        out.append(StepLookup(c.source, c.match, min(len(c.tokens), hits + 1), hits))
+    return tuple(out)
 
 
 def _step_input(state: RequestState, tree: TokenTree) -> SeqInput:

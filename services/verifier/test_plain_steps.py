@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.lookup_corpus import DomainCorpora
-from common.spec_types import SamplingParams, TokenTree, VerifyItem
-from services.verifier.engine import VerifierEngine
+from common.lookup_index import CORPUS, TEXT
+from common.spec_types import SamplingParams, StepLookup, TokenTree, VerifyItem
+from services.verifier.engine import VerifierEngine, _Chain, _held, _tried
 from services.verifier.test_engine import PROMPT, engine, greedy_continuation, hf  # noqa: F401 (fixtures)
 
 
@@ -115,11 +116,28 @@ def test_steps_draft_from_the_verifier_s_lookup_corpus_in_the_request_s_domain(e
     [v] = engine.verify([VerifyItem("a", append_ids=PROMPT, plain_steps=8, step_corpus=corpus, domain="mine")]).verdicts
     assert v.new_tokens == tuple(right[:len(v.new_tokens)])
     assert v.step_passes == 7 and v.step_accepted == v.step_drafted == 7 * 4  # every chain right: 5 tokens a step
+    # what the router's lookup calibration learns: every corpus chain tried and accepted whole
+    assert len(v.step_lookups) == 7 and all(s.source == CORPUS and s.tried == s.accepted == 4 and s.match >= 2
+                                            for s in v.step_lookups)
     [w] = engine.verify([VerifyItem("w", append_ids=PROMPT, plain_steps=8, step_corpus=corpus, domain="other")]).verdicts
     assert w.new_tokens == tuple(right[:8]) and w.step_accepted == 0 < w.step_drafted  # the other domain's chains all wrong
+    assert w.step_lookups and all(s.tried == 1 and s.accepted == 0 for s in w.step_lookups)  # each first token tried, rejected
     # the text's own chains and the corpus's together: siblings where they differ, the output the target's
     [x] = engine.verify([VerifyItem("x", append_ids=PROMPT, plain_steps=LONG, step_lookup=LOOKUP, step_corpus=corpus,
                                     domain="other")]).verdicts
     assert x.new_tokens == tuple(right[:len(x.new_tokens)]) and x.step_accepted > 0
     assert x.step_drafted <= 4 * x.step_passes  # a step's tree no larger than its deeper chain
     assert engine.cache_len("x") == x.committed_len - 1
+    # each chain reports the tokens it had accepted; the steps' accepted tokens are the deeper chain's each step
+    assert {s.source for s in x.step_lookups} == {CORPUS, TEXT}
+    assert sum(s.accepted for s in x.step_lookups) >= x.step_accepted > 0
+
+
+def test_a_step_s_chains_report_how_far_each_was_tried_and_accepted() -> None:
+    tree = TokenTree.merged([[5, 6, 7], [5, 6, 9, 1]], limit=4)  # the second chain held as far as 5, 6, 9
+    chains = tuple(_Chain(src, 3, chain[:_held(tree, chain)]) for src, chain in ((CORPUS, [5, 6, 7]), (TEXT, [5, 6, 9, 1])))
+    assert [c.tokens for c in chains] == [[5, 6, 7], [5, 6, 9]]
+    assert _tried(chains, [5, 6, 9]) == (StepLookup(CORPUS, 3, 3, 2), StepLookup(TEXT, 3, 3, 3))
+    assert _tried(chains, [5]) == (StepLookup(CORPUS, 3, 2, 1), StepLookup(TEXT, 3, 2, 1))  # both second tokens tried, wrong
+    assert _tried(chains, []) == (StepLookup(CORPUS, 3, 1, 0), StepLookup(TEXT, 3, 1, 0))
+    assert _tried((_Chain(TEXT, 2, []),), [4]) == ()
