@@ -166,15 +166,15 @@ class SpeculationControl:
         """Predicted seconds of a verify pass of ``rows`` rows, from the measured curve."""
         return self.curve.predict(rows, self.cost.slope())
 
-    def first_row_threshold(self, requests: int) -> float:
-        """Expected tokens a request's first drafted node must bring to repay its verify row, when
-        each of ``requests`` requests adds one row to its plain one: the measured pass-time curve's
-        step from ``requests`` to twice as many rows (on a CPU the first rows beyond one per
-        request are the dearest), else the fitted line's slope."""
-        plain, doubled = self.pass_seconds(requests), self.pass_seconds(2 * requests)
-        if not self.enabled or self.throughput <= 0 or plain is None or doubled is None or requests <= 0:
+    def first_row_threshold(self, requests: int, depth: int = 0) -> float:
+        """Expected tokens a request's drafted node at ``depth`` must bring to repay its verify row,
+        when each of ``requests`` requests drafts to that depth beside its plain row: the measured
+        pass-time curve's step from ``depth + 1`` to ``depth + 2`` rows a request (on a CPU the first
+        rows beyond one per request are the dearest, the later ones cheaper), else the fitted line's slope."""
+        fewer, more = self.pass_seconds((depth + 1) * requests), self.pass_seconds((depth + 2) * requests)
+        if not self.enabled or self.throughput <= 0 or fewer is None or more is None or requests <= 0:
             return self.threshold()
-        return max(self.min_threshold, self.throughput * (doubled - plain) / requests)
+        return max(self.min_threshold, self.throughput * (more - fewer) / requests)
 
     def first_node_threshold(self, requests: int, pipelined: bool, chain: int = 1) -> float:
         """The lowest acceptance rate of a request's first node at which the request drafts this round.

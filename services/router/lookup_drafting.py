@@ -67,29 +67,32 @@ class LookupDrafting:
     def at_steps(self, batch: Sequence[Request]) -> dict[bool, tuple[tuple[int, ...], tuple[int, ...]]]:
         """How far the verifier may draft at each request's plain steps, from its own text and from
         the corpus, by greedy or sampled (:meth:`step_depths`): nothing unless it drafts at steps;
-        with cost control, each token must repay the first draft row beside a request's plain one."""
+        with cost control, each token must repay its row beside the request's plain one, priced at
+        its depth (``SpeculationControl.first_row_threshold``: a request's first draft row is dearer
+        than its later ones)."""
         if not self.drafts_at_steps:
             return {}
-        theta = self.control.first_row_threshold(len(batch)) if self.config.cost_control else 0.0
-        return {greedy: self.step_depths(greedy, theta) for greedy in {r.sampling.greedy for r in batch}}
+        depths = range(self.config.max_k)
+        prices = tuple(self.control.first_row_threshold(len(batch), d) if self.config.cost_control else 0.0 for d in depths)
+        return {greedy: self.step_depths(greedy, prices) for greedy in {r.sampling.greedy for r in batch}}
 
-    def step_depths(self, greedy: bool, threshold: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def step_depths(self, greedy: bool, prices: Sequence[float]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """How far the verifier drafts at a plain step (``VerifyItem.step_lookup`` and
         ``step_corpus``): per match length in the request's own text and in the corpus (none
         while the router has no corpus: the verifier reads the same one), as many tokens as the
-        calibrated chain repays a verify row each (``threshold`` expected tokens), as
-        :func:`~services.router.lookup.add_lookup_chain` prices the router's own chains."""
-        text = self._depths(greedy, threshold, TEXT, self.config.lookup_max_ngram)
-        corpus = self._depths(greedy, threshold, CORPUS, CORPUS_MAX_MATCH) if self.corpus is not None else ()
+        calibrated chain repays their verify rows (``prices[depth]`` expected tokens each, the last
+        price for any deeper), as :func:`~services.router.lookup.add_lookup_chain` prices the router's own chains."""
+        text = self._depths(greedy, prices, TEXT, self.config.lookup_max_ngram)
+        corpus = self._depths(greedy, prices, CORPUS, CORPUS_MAX_MATCH) if self.corpus is not None else ()
         return text, corpus
 
-    def _depths(self, greedy: bool, threshold: float, source: str, longest: int) -> tuple[int, ...]:
+    def _depths(self, greedy: bool, prices: Sequence[float], source: str, longest: int) -> tuple[int, ...]:
         depths = []
         for match in range(1, longest + 1):
             value, depth = 1.0, 0
             while depth < self.config.max_k:
                 value *= self.calibration(greedy, match, depth, source)
-                if value < threshold:
+                if value < prices[min(depth, len(prices) - 1)]:
                     break
                 depth += 1
             depths.append(depth)

@@ -175,6 +175,17 @@ def test_the_pass_curve_prices_the_first_drafted_row_at_what_it_costs_not_at_the
     assert control.first_row_threshold(1) > 3 * control.threshold()
 
 
+def test_a_deeper_drafted_row_is_priced_at_its_own_step_of_the_curve():
+    """The plain steps' lookup depths pay each row at its depth: on this curve a request's second
+    row costs 31 ms, its third 3 ms, and the third is priced at the 3."""
+    control = stepped(SpeculationControl())
+    first, second = control.first_row_threshold(1), control.first_row_threshold(1, depth=1)
+    assert first == pytest.approx(control.throughput * 0.031, rel=0.01)
+    assert second == pytest.approx(control.throughput * 0.003, rel=0.05)
+    assert control.first_row_threshold(1, depth=2) == pytest.approx(second, rel=0.05)
+    assert SpeculationControl(enabled=False).first_row_threshold(1, depth=1) == SpeculationControl(enabled=False).threshold()
+
+
 def flat(control: SpeculationControl, passes: int = 40) -> SpeculationControl:
     """Passes flat over the first rows, as the runner's CPU kernels make them: 45 ms for one to six
     rows, then 4 ms a row; a pass commits 1.5 tokens; a round's first draft step (which brings the

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from types import SimpleNamespace
+
 from common.fusion import DraftTree
+from common.spec_types import GREEDY
+from services.router.control import SpeculationControl
+from services.router.lookup_drafting import LookupDrafting
+from services.router.requests import Counters, RouterConfig
+from services.router.test_control import stepped
 from services.router.lookup import (
     LOOKUP_ID,
     LookupCalibration,
@@ -74,3 +81,24 @@ def test_observe_counts_the_accepted_prefix_and_calibrates_only_tried_nodes():
     seen = {d: cal(True, 2, d) for d in range(3)}
     assert observe_lookup(cal, tree, got, [1]) == 0
     assert cal(True, 2, 0) < seen[0] and cal(True, 2, 1) == seen[1] and cal(True, 2, 2) == seen[2]
+
+
+def test_the_plain_steps_draft_as_deep_as_each_row_repays_at_its_depth():
+    """A request's first draft row is its dearest (31 ms on this curve, 3 ms for each later one):
+    priced at its depth, a chain the first row is worth goes on where the later rows are worth it,
+    and a chain whose calibration fell short of the first row's price is not drafted at all."""
+    control = stepped(SpeculationControl())
+    drafting = LookupDrafting(RouterConfig(step_lookup=True, lookup=True, speculate=True, lookup_corpus=False), control, Counters())
+    cal = drafting.calibration
+    for i in range(400):  # a 4-token match: its first token right 90% of the time, each later one 50%
+        for depth, rate in enumerate((0.9, 0.5, 0.5, 0.5)):
+            cal.observe(True, 4, depth, i % 10 < rate * 10)
+    first = control.first_row_threshold(1)
+    assert 0.5 < first < 0.9  # the first token repays its row; a later one would not at that price
+    text, _corpus = drafting.at_steps([SimpleNamespace(sampling=GREEDY)])[True]
+    flat_price = drafting.step_depths(True, (first,))[0]
+    assert flat_price[3] == 1  # every depth at the first row's price: the chain stops after one token
+    assert text[3] > 1  # at its own depth a later row costs a tenth of that, and its 0.45 repays it
+    for i in range(400):  # a 1-token match whose first token is right 1 time in 20
+        cal.observe(True, 1, 0, i % 20 == 0)
+    assert drafting.at_steps([SimpleNamespace(sampling=GREEDY)])[True][0][0] == 0
