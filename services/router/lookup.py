@@ -76,6 +76,12 @@ class LookupCalibration:
         entry[0] += 1.0 if accepted else 0.0
         entry[1] += 1.0
 
+    def observe_chain(self, greedy: bool, n: int, tried: int, accepted: int, source: str = TEXT) -> None:
+        """One chain's outcome: its first ``tried`` tokens were tried (each after its parent was
+        accepted), the first ``accepted`` of them accepted; one observation per tried depth."""
+        for depth in range(tried):
+            self.observe(greedy, n, depth, depth < accepted, source)
+
 
 @dataclass(frozen=True)
 class LookupNodes:
@@ -124,16 +130,16 @@ def observe_lookup(calibration: LookupCalibration, tree: DraftTree, lookup: Look
     """Calibrate from one verdict: each lookup node whose parent was accepted was tried. Returns
     how many lookup nodes were accepted."""
     accepted = set(accepted_nodes)
-    got = 0
-    for depth, node in enumerate(lookup.nodes):
+    tried = got = 0
+    for node in lookup.nodes:
         parent = tree.parents[node]
         if parent >= 0 and parent not in accepted:
             break
-        hit = node in accepted
-        calibration.observe(lookup.greedy, lookup.match, depth, hit, lookup.source)
-        if not hit:
+        tried += 1
+        if node not in accepted:
             break
         got += 1
+    calibration.observe_chain(lookup.greedy, lookup.match, tried, got, lookup.source)
     return got
 
 

@@ -103,11 +103,9 @@ class VerdictApplication:
     def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
         # the tree's nodes, and what the verifier drafted at the plain steps (VerifyItem.step_lookup):
         # the lookup drafter's proposals too, so they count as drafted and accepted tokens like any,
-        # and calibrate the lookup rates as the router's own chains do (observe_lookup): each token
-        # tried after an accepted parent is one observation at its match length and depth
+        # and calibrate the lookup rates as the router's own chains do (observe_lookup)
         for s in verdict.step_lookups:
-            for depth in range(s.tried):
-                self.lookup_calibration.observe(r.sampling.greedy, s.match, depth, depth < s.accepted, s.source)
+            self.lookup_calibration.observe_chain(r.sampling.greedy, s.match, s.tried, s.accepted, s.source)
         accepted = len(verdict.accepted_nodes) + verdict.step_accepted
         drafted = len(tree) + verdict.step_drafted
         r.stats.rounds += 1 + verdict.step_passes  # the verify passes it was in: its plain steps' too
