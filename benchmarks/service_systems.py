@@ -12,10 +12,12 @@ before every run, since the other systems' routers write to the same Redis keys.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from benchmarks.cpu_split import CpuMeter, cpu_counters
 from benchmarks.records import RequestRecord, RunResult
 from benchmarks.workloads import BenchRequest, Workload
 
@@ -42,6 +44,7 @@ class ServicePlane:
         ))
         self.started = False
         self.planes: dict[tuple[str, ...], Any] = {}  # router flags -> ControlPlane
+        self.plane_procs: dict[tuple[str, ...], tuple[str, str]] = {}  # router flags -> its router's and gateway's process names
 
     def ensure_started(self) -> None:
         if not self.started:
@@ -51,6 +54,7 @@ class ServicePlane:
 
             self.planes[tuple(self.cluster.spec.router_args)] = ControlPlane(
                 self.cluster.router_address, self.cluster.gateway_address, self.cluster.http_url)
+            self.plane_procs[tuple(self.cluster.spec.router_args)] = ("router", "gateway")
 
     def use(self, router_args: Sequence[str], drafters: int | None, tag: str) -> Any:
         """The control plane (router and gateway addresses) running these router flags, started
@@ -60,8 +64,24 @@ class ServicePlane:
         plane = self.planes.get(tuple(router_args))
         if plane is None:
             plane = self.planes[tuple(router_args)] = self.cluster.add_control_plane(router_args, tag, drafters)
+            self.plane_procs[tuple(router_args)] = (f"router-{tag}", f"gateway-{tag}")
         self.reseed()
         return plane
+
+    def cpu_meter(self, router_args: Sequence[str]) -> CpuMeter:
+        """The processes that serve the control plane running these router flags, by part: the
+        shared verifier, drafters and Redis, its own router and gateway, and this process (the clients)."""
+        router, gateway = self.plane_procs[tuple(router_args)]
+        procs = self.cluster.watched()
+
+        def pids(match: Callable[[str], bool]) -> list[int]:
+            return [p.popen.pid for p in procs if match(p.name)]
+
+        return CpuMeter({
+            "verifier": pids(lambda n: n == "verifier"), "drafters": pids(lambda n: n.startswith("drafter-")),
+            "router": pids(lambda n: n == router), "gateway": pids(lambda n: n == gateway),
+            "clients": [os.getpid()], "redis": pids(lambda n: n == "redis"),
+        })
 
     def reseed(self) -> None:
         """Profiles and domain lexicon back to the zoo's (online statistics and what routers learned
@@ -124,7 +144,9 @@ class ServiceSystem:
     async def _run(self, workload: Workload) -> RunResult:
         from cosine_client import AsyncClient
 
+        meter = self.plane.cpu_meter(self.router_args)
         before, d_before = await self._status()
+        cpu_before = meter.read()
         async with AsyncClient(self.address, timeout=600, **self.plane.cluster.client_tls()) as client:
             async def serve(r: BenchRequest, rec: RequestRecord, t0: float) -> None:
                 kw: dict[str, Any] = {}
@@ -146,6 +168,7 @@ class ServiceSystem:
                 rec.finished_s = time.perf_counter() - t0
 
             records = await drive(workload, serve)
+        cpu_after = meter.read()
         after, d_after = await self._status()
         diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         wall = max(r.finished_s for r in records) - min(r.issued_s for r in records) if records else 0.0
@@ -163,6 +186,7 @@ class ServiceSystem:
             "domains_by_lexicon": diff.get("domains_by_lexicon", 0.0), "domains_by_drafters": diff.get("domains_by_drafters", 0.0),
             "plain_step_passes": diff.get("plain_step_passes", 0.0),
             "step_lookup_tokens": diff.get("step_lookup_tokens", 0.0), "step_lookup_accepted": diff.get("step_lookup_accepted", 0.0),
+            **cpu_counters(cpu_before, cpu_after),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
         return RunResult(records, wall, counters, {d: n for d, n in rounds.items() if n})

@@ -3,7 +3,8 @@
     python -m benchmarks.summary bench-out/report.json
 
 The systems table, the goals and the closed loops' sustained ratios (the README's), then the
-per-workload table (docs/benchmarks.md's *Results*).
+per-workload table (docs/benchmarks.md's *Results*) and the cores each part of the serving path
+kept busy at 16 clients and high load.
 
 Every figure comes from the report (one run); nothing is carried over from another run.
 """
@@ -15,6 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from benchmarks.cpu_split import PARTS, cores_used
 from benchmarks.report import _div
 
 # ratio key, what it says, the goal it is held against ("" when none)
@@ -155,6 +157,22 @@ def workload_table(report: Mapping[str, Any]) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def cores_table(report: Mapping[str, Any], workloads: tuple[str, ...] = ("closed_c16", "open_high")) -> str:
+    """Cores each part of the serving path kept busy, per service system, at 16 clients and high
+    load (:mod:`benchmarks.cpu_split`); empty for a report without those counters."""
+    rows = []
+    for w in [w for w in workloads if w in report["scenario"]["workloads"]]:
+        for name in report["scenario"]["order"]:
+            cores = cores_used(report["systems"].get(name, {}).get(w, {}))
+            if cores is not None:
+                rows.append(f"| {name} | {WORKLOAD_LABELS.get(w, w)} | " + " | ".join(f"{cores[p]:.2f}" for p in PARTS)
+                            + f" | {sum(cores.values()):.2f} |")
+    if not rows:
+        return ""
+    head = "| system | workload | " + " | ".join(PARTS) + " | together |"
+    return "\n".join(["cores kept busy while serving (CPU seconds / wall seconds)\n", head, "|" + "---|" * (len(PARTS) + 3), *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.summary",
@@ -171,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
           f"mismatches: {len(check['mismatches'])}\n")
     print(systems_table(report) + "\n")
     print(goals_table(report))
-    for table in (sustained_table(report), workload_table(report)):
+    for table in (sustained_table(report), workload_table(report), cores_table(report)):
         if table:
             print("\n" + table)
     return 0

@@ -4,12 +4,14 @@ the tiny zoo that writes a report following the schema, plus its plots. No timin
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import replace
 
 import pytest
 
 from benchmarks.bench import BenchOptions, GreedyMismatch, check_greedy, run_bench
+from benchmarks.cpu_split import PARTS
 from benchmarks.plots import PLOTS, _style
 from benchmarks.records import RequestRecord
 from benchmarks.report import HEADLINE, SCHEMA, compute_ratios, percentile, validate_report
@@ -202,6 +204,15 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
         plain, cos = on_disk["systems"]["services_plain"][w]["counters"], on_disk["systems"]["cosine"][w]["counters"]
         assert plain["draft_tokens"] == 0 and plain["accepted_tokens"] == 0 and cos["draft_tokens"] > 0
         assert plain["verify_batches"] > 0 and plain["tokens_committed"] == on_disk["systems"]["services_plain"][w]["output_tokens"]
+        # every part of the serving path is metered, the verifier worked, and together they used no
+        # more than the machine has (the kernel counts in ticks of 10 ms: the tiny zoo's router may
+        # show none in a run this short)
+        for name in ("services_plain", "cosine"):
+            m = on_disk["systems"][name][w]
+            cpu = {k: v for k, v in m["counters"].items() if k.startswith("cpu_s_")}
+            assert set(cpu) == {f"cpu_s_{p}" for p in PARTS} and cpu["cpu_s_verifier"] > 0, cpu
+            assert sum(cpu.values()) <= (os.cpu_count() or 1) * (m["wall_s"] + 2.0), cpu
+        assert not any(k.startswith("cpu_s_") for k in on_disk["systems"]["autoregressive"][w]["counters"])
     for per in on_disk["systems"].values():
         assert set(per) == {"closed_c4", "open_low", "open_high"}
         for m in per.values():

@@ -55,3 +55,16 @@ def test_main_prints_every_table_and_explains_itself(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0 and "report.json" in capsys.readouterr().out
+
+
+def test_cores_table_divides_each_parts_cpu_seconds_by_the_runs_wall_time():
+    from benchmarks.summary import cores_table
+
+    report = _report()
+    report["systems"]["cosine"]["open_high"]["counters"].update(
+        cpu_s_verifier=18.0, cpu_s_drafters=0.2, cpu_s_router=0.4, cpu_s_gateway=0.5, cpu_s_clients=0.3, cpu_s_redis=0.1)
+    table = cores_table(report).splitlines()
+    # the in-process system has no such counters: only cosine's high-load row (wall 10 s)
+    assert table[-1] == "| cosine | high load | 1.80 | 0.02 | 0.04 | 0.05 | 0.03 | 0.01 | 1.95 |"
+    assert len([r for r in table if r.startswith("| cosine") or r.startswith("| autoregressive")]) == 1
+    assert cores_table(_report()) == ""  # no run with the counters: no table
