@@ -74,6 +74,8 @@ class VerdictApplication:
         self.gate.observe(r, bool(selected), len(tree) > len(only), bool(first) and first[0] not in only)
         if any(lookup.nodes for lookup in lookups):
             self._credit_lookup(r, tree, lookups, verdict)
+        for s in verdict.step_lookups:  # the plain steps' lookup drafts calibrate as the router's own chains do
+            self.lookup_calibration.observe_chain(r.sampling.greedy, s.match, s.tried, s.accepted, s.source)
         self._count(r, tree, verdict)
         credited = credit(tree, verdict.accepted_nodes)
         depth = tree.depth(without=only)
@@ -102,10 +104,7 @@ class VerdictApplication:
 
     def _count(self, r: Request, tree: DraftTree, verdict: Verdict) -> None:
         # the tree's nodes, and what the verifier drafted at the plain steps (VerifyItem.step_lookup):
-        # the lookup drafter's proposals too, so they count as drafted and accepted tokens like any,
-        # and calibrate the lookup rates as the router's own chains do (observe_lookup)
-        for s in verdict.step_lookups:
-            self.lookup_calibration.observe_chain(r.sampling.greedy, s.match, s.tried, s.accepted, s.source)
+        # the lookup drafter's proposals too, so they count as drafted and accepted tokens like any
         accepted = len(verdict.accepted_nodes) + verdict.step_accepted
         drafted = len(tree) + verdict.step_drafted
         r.stats.rounds += 1 + verdict.step_passes  # the verify passes it was in: its plain steps' too
