@@ -1,1 +1,1 @@
-pytest_plugins = ["common.testing"]
+pytest_plugins = ["tests.support.testing", "tests.support.checkpoints"]

@@ -178,7 +178,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     from benchmarks.report import SCHEMA, compute_ratios, machine_info, metrics
     from benchmarks.systems import ALL_SYSTEMS, DEFAULT_SYSTEMS, AutoregressiveSystem, make_systems
     from benchmarks.workloads import build_workload, prompt_list
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
     from cosine_zoo.manifest import load_zoo
 
     t_start = time.perf_counter()
@@ -417,7 +417,7 @@ def _split(s: str) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from common.checkpoints import CheckpointError
+    from common.runtime.checkpoints import CheckpointError
 
     opts = BenchOptions(zoo=args.zoo, out=args.out, scenario=args.scenario, systems=_split(args.systems),
                         workloads=_split(args.workloads), max_new_tokens=args.max_new_tokens, requests=args.requests,

@@ -15,14 +15,14 @@ import json
 import sys
 import time
 
-from common.checkpoints import load_tokenizer
-from common.spec_types import GREEDY
+from common.runtime.checkpoints import load_tokenizer
+from common.spec.types import GREEDY
 from cosine_cli.workload import mixed_workload
-from services.drafter.engine import DrafterEngine
+from common.runtime.drafter_engine import DrafterEngine
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
-from services.verifier.engine import VerifierEngine
-from services.verifier.sim import plain_generate
+from common.runtime.verifier_engine import VerifierEngine
+from common.runtime.sim import plain_generate
 
 
 async def run(core: RouterCore, prompts: dict[str, list[int]], max_new: int, eos: int) -> tuple[dict[str, list[int]], float]:

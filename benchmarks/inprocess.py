@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.spec_types import GREEDY
+from common.spec.types import GREEDY
 from services.router.inprocess import output_of
-from services.verifier.sim import plain_generate
+from common.runtime.sim import plain_generate
 
 
 @dataclass
@@ -61,7 +61,7 @@ class _Far:
 def target_alone(verifier: Any, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None, concurrency: int,
                  round_trip_s: float = 0.0) -> Run:
     """Plain decode steps through ``verifier`` (empty trees), ``concurrency`` requests in flight
-    (:func:`services.verifier.sim.plain_generate`), each step behind ``round_trip_s``."""
+    (:func:`common.runtime.sim.plain_generate`), each step behind ``round_trip_s``."""
     t0 = time.perf_counter()
     outputs, passes = plain_generate(_Far(verifier, round_trip_s) if round_trip_s > 0 else verifier, prompts, max_new, eos,
                                      concurrency)
@@ -108,8 +108,8 @@ class Setup:
 
     @classmethod
     def load(cls, zoo: Any, device: str, dtype: str, drafters: Sequence[str] | None) -> Setup:
-        from services.drafter.engine import DrafterEngine
-        from services.verifier.engine import VerifierEngine
+        from common.runtime.drafter_engine import DrafterEngine
+        from common.runtime.verifier_engine import VerifierEngine
 
         names = list(zoo.drafters) if drafters is None else list(drafters)
         unknown = [n for n in names if n not in zoo.drafters]
@@ -126,7 +126,7 @@ class Setup:
         from services.router.core import RouterConfig, RouterCore
         from services.router.inprocess import LocalDrafterPool, LocalVerifier
         from services.router.lexicon import DomainLexicon
-        from common.lookup_corpus import DomainCorpora
+        from common.spec.lookup_corpus import DomainCorpora
 
         learned: list[tuple[str, Sequence[int]]] = []  # what the router adds to the shared lexicon
 
@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
     from common.logs import configure_logging
     from cosine_cli.workload import mixed_workload
     from cosine_zoo.manifest import ZooError, load_zoo

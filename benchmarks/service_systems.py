@@ -134,7 +134,7 @@ class ServiceSystem:
         return asyncio.run(self._run(workload))
 
     async def _status(self) -> tuple[dict[str, float], dict[str, float]]:
-        from common.tls import open_channel
+        from common.platform.tls import open_channel
         from cosine.v1 import router_pb2, router_pb2_grpc
 
         async with open_channel(self.router_address, self.plane.cluster.spec.tls) as channel:

@@ -28,7 +28,7 @@ __all__ = ["ALL_SYSTEMS", "DEFAULT_SYSTEMS", "IN_PROCESS_SYSTEMS", "Autoregressi
 def target_dtype(dtype: str) -> str:
     """The dtype the verifier service resolves its ``--dtype`` to on this machine (``auto``:
     bfloat16 on a CPU with AMX), so that the in-process systems run the same model."""
-    from common.lm_runner import resolve_dtype
+    from common.runtime.runner import resolve_dtype
 
     return resolve_dtype(dtype, "cpu")
 
@@ -57,7 +57,7 @@ class AutoregressiveSystem:
     def start(self) -> None:
         import torch
 
-        from services.verifier.engine import VerifierEngine
+        from common.runtime.verifier_engine import VerifierEngine
 
         torch.set_num_threads(self.threads)
         self.engine = VerifierEngine.from_checkpoint(self.target, seed=0, dtype=self.dtype)
@@ -69,7 +69,7 @@ class AutoregressiveSystem:
         self.run(workload)
 
     def run(self, workload: Workload) -> RunResult:
-        from common.spec_types import SamplingParams, TokenTree, VerifyItem
+        from common.spec.types import SamplingParams, TokenTree, VerifyItem
 
         engine = self.engine
         assert engine is not None, "start() first"
@@ -213,14 +213,14 @@ class HFGenerateSystem:
     def start(self) -> None:
         import torch
 
-        from common.checkpoints import load_causal_lm
+        from common.runtime.checkpoints import load_causal_lm
 
         torch.set_num_threads(self.threads)
         self.model = load_causal_lm(self.target, dtype=self.dtype)
         self.timers = [_ForwardTimer(self.model)]
         if self.assistant_path:
-            from common.checkpoints import read_config
-            from common.draft_vocab import in_target_space, load_draft_vocab
+            from common.runtime.checkpoints import read_config
+            from common.runtime.draft_vocab import in_target_space, load_draft_vocab
 
             self.assistant = load_causal_lm(self.assistant_path, dtype=self.dtype)
             vocab = load_draft_vocab(self.assistant_path, read_config(self.assistant_path))

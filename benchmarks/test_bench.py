@@ -258,7 +258,7 @@ def test_every_system_has_a_line_of_its_own_in_the_plots():
 
 
 def test_every_system_runs_the_target_in_the_dtype_asked(tiny_zoo, tmp_path):
-    from common.lm_runner import resolve_dtype
+    from common.runtime.runner import resolve_dtype
 
     systems, plane = make_systems(["autoregressive", "hf_assisted", "cosine"], tiny_zoo, None, None, 1, str(tmp_path), dtype="auto")
     want = resolve_dtype("auto", "cpu")
@@ -276,7 +276,7 @@ def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(ti
     opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(tmp_path / "report.json"), scenario="quick", cores=2, plots=False,
                         progress=False, max_new_tokens=8, systems=["autoregressive", "cosine"], workloads=["closed_c4"], dtype="auto")
     report = run_bench(opts)
-    from common.lm_runner import resolve_dtype
+    from common.runtime.runner import resolve_dtype
 
     assert report["scenario"]["target_dtype"] == resolve_dtype("auto", "cpu")
     assert report["scenario"]["greedy_check"]["checked_requests"] > 0 and not report["scenario"]["greedy_check"]["mismatches"]

@@ -5,8 +5,8 @@ first branch is that chain; the bound grows with the batch."""
 import torch
 
 from benchmarks.verify_vs_hf import TREE10, Peaks, Shapes, bound_s
-from common.lm_runner import LMRunner
-from common.random_checkpoints import make_checkpoint
+from common.runtime.runner import LMRunner
+from cosine_zoo.random_checkpoints import make_checkpoint
 
 
 def test_ours_and_transformers_compute_the_same_pass(tmp_path):

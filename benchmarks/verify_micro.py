@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from common.lm_runner import LMRunner, SeqInput
-from common.spec_types import TokenTree
-from services.verifier.acceptance import GreedyRule
+from common.runtime.runner import LMRunner, SeqInput
+from common.spec.types import TokenTree
+from common.spec.acceptance import GreedyRule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_random_target(args: argparse.Namespace, root: Path) -> Path:
-    from common.random_checkpoints import make_checkpoint
+    from cosine_zoo.random_checkpoints import make_checkpoint
 
     heads = max(1, args.hidden // 64)
     return make_checkpoint(

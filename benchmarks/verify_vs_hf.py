@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.lm_runner import LMRunner, SeqInput
+from common.runtime.runner import LMRunner, SeqInput
 
 # parents of the 10-node tree (relative to the last committed token): two branches of five
 TREE10 = (-1, 0, 1, 2, 3, -1, 5, 6, 7, 8)

@@ -120,8 +120,8 @@ async def wait_back(cluster: Any, process: str, timeout_s: float) -> float | Non
     """Seconds until ``process`` is up again after a kill (Redis: answers PING; a service: its
     health check says SERVING and, for the control plane, the router sees every model), or
     None when it is not back within ``timeout_s``."""
-    from common.grpc_server import check_health
-    from common.store import Store, StoreUnavailable
+    from common.platform.grpc_server import check_health
+    from common.platform.store import Store, StoreUnavailable
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:

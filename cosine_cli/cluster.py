@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
-from common.grpc_server import join_host_port, wait_healthy
-from common.redis_server import RedisServer, free_port
-from common.tls import TlsConfig, open_channel
+from common.platform.grpc_server import join_host_port, wait_healthy
+from cosine_cli.redis_server import RedisServer, free_port
+from common.platform.tls import TlsConfig, open_channel
 
 
 class ClusterError(RuntimeError):

@@ -126,7 +126,7 @@ def _spec_from_args(args: argparse.Namespace):
 
 
 def _load_zoo(path: str):
-    from common.checkpoints import CheckpointError
+    from common.runtime.checkpoints import CheckpointError
     from cosine_zoo.manifest import load_zoo
 
     try:
@@ -140,7 +140,7 @@ async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str,
                         corpus: Mapping[str, Sequence[Sequence[int]]] | None = None) -> int:
     """Write the zoo's acceptance matrix as profile priors and, when given, its domain lexicon and
     the routers' lookup corpus (``reset``: drop the online figures and the lexicon routers learned)."""
-    from common.store import Store
+    from common.platform.store import Store
 
     store = Store.from_url(redis_url, prefix=prefix)
     try:
@@ -296,8 +296,8 @@ def _metric_figures(given: list[str]) -> tuple[dict[str, Any] | None, dict[str, 
 
 def measure_matrix(target: str, drafters: dict[str, str], prompts: dict[str, list[str]], k: int, new_tokens: int) -> dict[str, dict[str, float]]:
     """Drafter x domain mean accepted draft tokens per round (greedy, chains of k) on real checkpoints."""
-    from common.checkpoints import load_causal_lm, load_tokenizer, read_config
-    from common.draft_vocab import load_draft_vocab
+    from common.runtime.checkpoints import load_causal_lm, load_tokenizer, read_config
+    from common.runtime.draft_vocab import load_draft_vocab
     from cosine_zoo import distill, evaluate
 
     tok = load_tokenizer(target)
@@ -331,7 +331,7 @@ def _read_prompts(path: str) -> dict[str, list[str]]:
 
 def _read_corpus(path: str, tokenizer_path: str) -> dict[str, list[list[int]]]:
     """``cosine profile --corpus``'s file as domain -> token sequences (the target's tokenizer)."""
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
 
     tok = load_tokenizer(tokenizer_path)
     return {domain: [list(tok(t).input_ids) for t in texts] for domain, texts in _read_prompts(path).items()}

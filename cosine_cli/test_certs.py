@@ -10,8 +10,8 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from common.devcerts import DevCerts
-from common.tls import TlsConfig
+from common.platform.devcerts import DevCerts
+from common.platform.tls import TlsConfig
 from cosine_cli.main import main
 from cosine_cli.tls import client_tls, cluster_tls
 

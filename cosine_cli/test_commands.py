@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from common.store import Store
+from common.platform.store import Store
 from cosine_cli.cluster import split_drafters, thread_budget
 from cosine_cli.main import main
 
@@ -39,7 +39,7 @@ def test_profile_from_zoo_and_by_measuring(tiny_zoo, redis_url, redis_prefix, tm
 
 
 def test_profile_seeds_a_lookup_corpus_of_the_user_s_text(tiny_zoo, redis_url, redis_prefix, tmp_path, capsys):
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
 
     texts = tmp_path / "outputs.jsonl"
     texts.write_text(json.dumps({"domain": "code", "text": "def f(x):\n    return x"}) + "\n"

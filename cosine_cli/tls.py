@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from common.devcerts import write_dev_certs
+    from common.platform.devcerts import write_dev_certs
 
     if args.days < 1:
         print("cosine certs: error: --days must be 1 or more", file=sys.stderr)
@@ -87,8 +87,8 @@ def cluster_tls(args: argparse.Namespace) -> Any:
         raise SystemExit("cosine: error: --mtls needs --tls-dir DIR")
     if not args.tls_dir:
         return None
-    from common.devcerts import DevCerts, write_dev_certs
-    from common.tls import TlsConfig, TlsError
+    from common.platform.devcerts import DevCerts, write_dev_certs
+    from common.platform.tls import TlsConfig, TlsError
 
     certs = DevCerts.at(args.tls_dir)
     if not certs.ca.exists():

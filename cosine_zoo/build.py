@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from common.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
+from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from common.logs import get_logger
 from cosine_zoo import evaluate
 from cosine_zoo.corpus import Corpus, build_corpus, make_prompts, take_chars

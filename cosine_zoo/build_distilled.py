@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from common.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
+from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from common.logs import get_logger
 from cosine_zoo import distill, evaluate, instructions
 from cosine_zoo.build import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
@@ -217,8 +217,8 @@ def teacher_engine(target_path: Path, device: str) -> Any:
     """The verifier engine over the target, to write the teacher's continuations (the argmax it
     serves, 1.4x ``generate``'s tokens a second on a CPU); None for an architecture it does not
     run, whose continuations then come from ``generate``."""
-    from common.lm_runner import UnsupportedArchitecture
-    from services.verifier.engine import VerifierEngine
+    from common.runtime.runner import UnsupportedArchitecture
+    from common.runtime.verifier_engine import VerifierEngine
 
     try:
         return VerifierEngine.from_checkpoint(target_path, device=device, seed=0)
@@ -292,7 +292,7 @@ def evaluate_distilled(target: Any, drafters: dict[str, Any], vocab: Any, heldou
 
 def step_costs(target_path: Path, drafter_paths: dict[str, Path], profile: DistillProfile) -> dict[str, Any]:
     """Milliseconds of one decode step at batch 1 on one thread, target and each drafter (the project's runner)."""
-    from common.lm_runner import LMRunner, SeqInput
+    from common.runtime.runner import LMRunner, SeqInput
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

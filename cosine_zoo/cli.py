@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from common.checkpoints import CheckpointError
+    from common.runtime.checkpoints import CheckpointError
     from common.logs import configure_logging
     from cosine_zoo.build import BuildOptions, build_zoo
     from cosine_zoo.profiles import get_profile

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from common.draft_vocab import DraftVocab
+from common.runtime.draft_vocab import DraftVocab
 from common.logs import get_logger
 
 log = get_logger("cosine_zoo.distill")
@@ -101,7 +101,7 @@ def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: 
     continuation token: recorded from the logits the engine decodes with (no pass of its own), or
     from one teacher-forced pass of the transformers model (:func:`with_soft_labels`)."""
     from cosine_zoo.evaluate import engine_continuations, greedy_continuations
-    from services.verifier.engine import VerifierEngine
+    from common.runtime.verifier_engine import VerifierEngine
 
     out: list[Example] = []
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, leave=False)

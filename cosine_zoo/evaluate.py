@@ -60,14 +60,14 @@ def greedy_continuations(model: Any, prompts: list[list[int]], new_tokens: int, 
 def engine_continuations(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int, eos_id: int,
                          batch_size: int = 32, observe: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
     """The continuations of :func:`greedy_continuations`, decoded by the verifier engine itself
-    (:class:`services.verifier.engine.VerifierEngine`): one ``verify`` call a batch, the prompts'
+    (:class:`common.runtime.verifier_engine.VerifierEngine`): one ``verify`` call a batch, the prompts'
     prefill and then ``new_tokens`` plain steps that stop at ``eos_id``, so the argmax is the one the
     verifier serves. On the default zoo's target on two cores, 200 prompts of 64 tokens in batches
     of 40: 140 tokens/s against transformers' ``generate`` at 99, the same tokens.
 
     ``observe(prompt index, logits [1, vocab])`` sees the logits that chose each continuation
     token, in order (``VerifierEngine.observe_logits``)."""
-    from common.spec_types import VerifyItem
+    from common.spec.types import VerifyItem
 
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):

@@ -15,7 +15,7 @@ Layout (all paths in the manifest are relative to the zoo directory)::
     drafters/<name>/    one checkpoint per drafter (one per domain, plus "generalist")
 
 :func:`load_zoo` validates all of it and raises :class:`ZooError` (a
-:class:`~common.checkpoints.CheckpointError`) naming the offending path.
+:class:`~common.runtime.checkpoints.CheckpointError`) naming the offending path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.checkpoints import CheckpointError, check_checkpoint_dir, load_tokenizer, tokenizer_fingerprint
+from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir, load_tokenizer, tokenizer_fingerprint
 
 MANIFEST = "zoo.json"
 PROMPTS = "prompts.jsonl"

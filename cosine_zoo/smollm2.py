@@ -23,9 +23,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.checkpoints import CheckpointError, check_checkpoint_dir
+from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir
 from common.logs import get_logger
-from common.runtime import cache_dir as runtime_cache_dir
+from common.runtime.threads import cache_dir as runtime_cache_dir
 
 log = get_logger("cosine_zoo.smollm2")
 

@@ -42,17 +42,17 @@ def test_rebuild_skips_finished_stages_and_reproduces_figures(tiny_distilled_zoo
 
 def test_distilled_drafters_serve_losslessly(tiny_distilled_zoo):
     """Router core with the distilled (reduced-vocabulary) drafters: output equals the target's greedy decode."""
-    from services.drafter.engine import DrafterEngine
+    from common.runtime.drafter_engine import DrafterEngine
     from services.router.core import RouterConfig, RouterCore
     from services.router.inprocess import LocalDrafterPool, LocalVerifier
     from services.router.test_core import generate_all
-    from services.verifier.engine import VerifierEngine
-    from services.verifier.test_greedy_equality import hf_greedy
+    from common.runtime.verifier_engine import VerifierEngine
+    from common.runtime.test_greedy_equality import hf_greedy
 
     zoo = tiny_distilled_zoo
     verifier = VerifierEngine.from_checkpoint(zoo.target.path, attention_backend="sdpa")
     drafters = {n: DrafterEngine.from_checkpoint(e.path, domains=e.domains) for n, e in zoo.drafters.items()}
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
 
     tok = load_tokenizer(zoo.tokenizer_path)
     prompts = {f"{d}-{i}": tok(text)["input_ids"] for d, texts in zoo.prompts.items() for i, text in enumerate(texts[:1])}
@@ -74,7 +74,7 @@ def test_draft_vocab_keeps_frequent_tokens_and_specials():
 def test_teacher_forced_examples_carry_the_targets_argmax(tiny_zoo):
     import torch
 
-    from common.checkpoints import load_causal_lm
+    from common.runtime.checkpoints import load_causal_lm
     from cosine_zoo.distill import teacher_forced_examples
 
     target = load_causal_lm(tiny_zoo.target.path)
@@ -96,9 +96,9 @@ def test_batches_supervise_only_the_continuation_inside_the_vocabulary():
 def test_soft_labels_are_the_target_s_top_k_while_it_writes(tiny_zoo):
     import torch
 
-    from common.checkpoints import load_causal_lm
+    from common.runtime.checkpoints import load_causal_lm
     from cosine_zoo.distill import teacher_examples, teacher_forced_examples
-    from services.verifier.engine import VerifierEngine
+    from common.runtime.verifier_engine import VerifierEngine
 
     target = load_causal_lm(tiny_zoo.target.path)
     engine = VerifierEngine.from_checkpoint(tiny_zoo.target.path, attention_backend="sdpa")
@@ -167,7 +167,7 @@ def test_layers_and_chat_prompts():
 
 
 def test_missing_target_is_one_clear_error(tmp_path):
-    from common.checkpoints import CheckpointError
+    from common.runtime.checkpoints import CheckpointError
 
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         build_zoo(BuildOptions(out=tmp_path / "z", profile=tiny_distill(), progress=False, target=tmp_path / "nope"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoints import load_causal_lm, load_tokenizer
+from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from cosine_zoo import evaluate
 
 
@@ -73,7 +73,7 @@ def test_perplexity_is_finite_and_above_one(tiny_zoo):
 def test_engine_continuations_equal_generate_and_stop_at_eos(tiny_zoo):
     """The teacher's continuations from the verifier engine are transformers' greedy ones, batch by
     batch (prompts of different lengths, a batch smaller than the prompts), and each stops at its EOS."""
-    from services.verifier.engine import VerifierEngine
+    from common.runtime.verifier_engine import VerifierEngine
 
     tok = load_tokenizer(tiny_zoo.tokenizer_path)
     target = load_causal_lm(tiny_zoo.target.path)

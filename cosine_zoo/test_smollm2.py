@@ -43,10 +43,10 @@ def test_imported_target_is_an_ordinary_checkpoint(smollm2):
 
 @pytest.mark.slow
 def test_runner_reproduces_hf_greedy_on_the_real_target(smollm2):
-    from common.checkpoints import load_tokenizer
-    from services.verifier.engine import VerifierEngine
-    from services.verifier.sim import EmptySource, RandomSource, speculative_generate
-    from services.verifier.test_greedy_equality import hf_greedy
+    from common.runtime.checkpoints import load_tokenizer
+    from common.runtime.verifier_engine import VerifierEngine
+    from common.runtime.sim import EmptySource, RandomSource, speculative_generate
+    from common.runtime.test_greedy_equality import hf_greedy
 
     tok = load_tokenizer(smollm2)
     texts = ["def fibonacci(n):\n", "The capital of France is",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, tokenizer_fingerprint
+from common.runtime.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from cosine_zoo.build import BuildOptions, build_zoo
 from cosine_zoo.manifest import ZooError, load_zoo
 from cosine_zoo.profiles import tiny

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.settings import ENV_PREFIX, env_name, load_settings
+from common.platform.settings import ENV_PREFIX, env_name, load_settings
 
 SERVICES = ("drafter", "verifier", "router", "gateway")
 

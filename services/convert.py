@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from common.fusion import DraftTree
-from common.spec_types import DraftItem, DraftResult, ModelInfo, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
-from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
+from common.spec.fusion import DraftTree
+from common.spec.types import DraftItem, DraftResult, ModelInfo, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
+from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
 from cosine.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
@@ -152,7 +152,7 @@ def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
 
 
 def fuse_round_to_pb(step_id: int, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]) -> drafter_pb2.DraftStep:
-    """A whole round of token fusion for one drafter process (see common/token_fusion.py)."""
+    """A whole round of token fusion for one drafter process (see common/spec/token_fusion.py)."""
     fuse = drafter_pb2.FuseRound(width=width, pricing=drafter_pb2.FusePricing(
         priced=pricing.priced, threshold=pricing.threshold, calibration=pricing.calibration,
         step_tokens=pricing.step_tokens, row_tokens=pricing.row_tokens))

@@ -1,6 +1,6 @@
-from common.fusion import DraftTree
-from common.spec_types import DraftItem, DraftResult, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
-from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
+from common.spec.fusion import DraftTree
+from common.spec.types import DraftItem, DraftResult, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
+from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
 from cosine.v1 import drafter_pb2, verifier_pb2
 from services.convert import (
     draft_items_from_pb,

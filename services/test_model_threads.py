@@ -1,16 +1,16 @@
 """The verifier and the drafter load their models and run every pass on one thread (see
-common/model_thread.py for why it matters with more than one torch thread)."""
+common/runtime/model_thread.py for why it matters with more than one torch thread)."""
 
 import asyncio
 import threading
 
-from common.settings import load_settings
-from common.spec_types import DraftItem, TokenTree, VerifyItem
+from common.platform.settings import load_settings
+from common.spec.types import DraftItem, TokenTree, VerifyItem
 from services.drafter import server as drafter_server
-from services.drafter.engine import DrafterEngine
+from common.runtime.drafter_engine import DrafterEngine
 from services.drafter.settings import DrafterSettings
 from services.verifier import server as verifier_server
-from services.verifier.engine import VerifierEngine
+from common.runtime.verifier_engine import VerifierEngine
 from services.verifier.settings import VerifierSettings
 
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from common.checkpoints import load_causal_lm, load_tokenizer
-from common.store import Store
+from common.runtime.checkpoints import load_causal_lm, load_tokenizer
+from common.platform.store import Store
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc
 from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.commands import seed_profiles
@@ -306,8 +306,8 @@ def test_killed_drafter_does_not_fail_its_requests(tiny_zoo, tmp_path, workload,
 
 
 def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
-    from common.settings import load_settings
-    from common.testing import start_service
+    from common.platform.settings import load_settings
+    from tests.support.testing import start_service
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
 
@@ -326,7 +326,7 @@ def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
 
 def test_the_verifier_reports_its_pass_time_by_rows_timed_at_load(cluster):
     from services.router.clients import GrpcVerifier
-    from services.verifier.pass_times import PASS_ROWS
+    from common.runtime.pass_times import PASS_ROWS
 
     async def body():
         verifier = GrpcVerifier(cluster.verifier_address)

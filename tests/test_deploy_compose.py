@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import SettingsError
+from common.platform.settings import SettingsError
 from deploy import compose
 from deploy.settings_index import service_specs
 
@@ -188,7 +188,7 @@ def test_health_checks_use_the_grpc_health_cli_on_the_real_port(doc):
             continue
         spec = SPECS[kind]
         test = svc["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "common.healthcheck"], name
+        assert test[:4] == ["CMD", "python", "-m", "common.platform.healthcheck"], name
         assert test[4] == f"127.0.0.1:{spec.port(env_of(svc))}", name
         assert test[test.index("--service") + 1] == spec.health_service, name
 
@@ -287,7 +287,7 @@ def test_dockerfile_targets_match_the_services(dockerfile):
         assert f"ENV COSINE_PORT={spec.default_port}" in text
         assert f"EXPOSE {spec.default_port}" in text
         (health,) = [line for line in lines if line.startswith("HEALTHCHECK")]
-        assert '-m common.healthcheck "127.0.0.1:${COSINE_PORT}"' in health and f"--service {spec.health_service}" in health
+        assert '-m common.platform.healthcheck "127.0.0.1:${COSINE_PORT}"' in health and f"--service {spec.health_service}" in health
         assert f'CMD ["python", "-m", "{spec.module}"]' in lines
         assert (ROOT / spec.module.replace(".", "/") / "__main__.py").is_file()
 

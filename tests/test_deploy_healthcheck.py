@@ -1,4 +1,4 @@
-"""`python -m common.healthcheck` (the images' and compose's HEALTHCHECK) against real servers."""
+"""`python -m common.platform.healthcheck` (the images' and compose's HEALTHCHECK) against real servers."""
 
 import subprocess
 import sys
@@ -8,12 +8,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.settings import load_settings
-from common.testing import start_service
+from common.platform.settings import load_settings
+from tests.support.testing import start_service
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common.healthcheck", *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run([sys.executable, "-m", "common.platform.healthcheck", *args], capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.settings import SettingsError
+from common.platform.settings import SettingsError
 from deploy.helm_chart import ChartError, lint, render_objects
 from deploy.settings_index import service_specs
 
@@ -95,12 +95,12 @@ def container_env(objects, container):
 
 def probe_check(probe, tls: bool) -> dict:
     """{"port", "service"} a probe checks: Kubernetes' gRPC probe (plaintext), or the image's
-    health check command over TLS (``python -m common.healthcheck 127.0.0.1:PORT [--service S]``,
+    health check command over TLS (``python -m common.platform.healthcheck 127.0.0.1:PORT [--service S]``,
     which reads the container's COSINE_TLS_* variables). Empty when it is neither."""
     if not tls:
         return probe.get("grpc") or {}
     cmd = (probe.get("exec") or {}).get("command") or []
-    if cmd[:3] != ["python", "-m", "common.healthcheck"] or len(cmd) < 4 or not cmd[3].startswith("127.0.0.1:"):
+    if cmd[:3] != ["python", "-m", "common.platform.healthcheck"] or len(cmd) < 4 or not cmd[3].startswith("127.0.0.1:"):
         return {}
     service = cmd[cmd.index("--service") + 1] if "--service" in cmd else ""
     return {"port": int(cmd[3].rsplit(":", 1)[1]), "service": service}

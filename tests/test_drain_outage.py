@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from common.store import Store
+from common.platform.store import Store
 from cosine_cli.cluster import LocalCluster
 from cosine_cli.commands import seed_profiles
 from cosine_client import AsyncClient, Unavailable

@@ -12,8 +12,8 @@ import urllib.request
 import openai
 import pytest
 
-from common.settings import load_settings
-from common.testing import start_service
+from common.platform.settings import load_settings
+from tests.support.testing import start_service
 from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.commands import seed_profiles
 from cosine_client import Client
@@ -30,7 +30,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['c
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tiny_zoo, tmp_path_factory):
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
 
     out = tmp_path_factory.mktemp("chat-tokenizer")
     tok = load_tokenizer(str(tiny_zoo.target.path))
@@ -127,7 +127,7 @@ def test_max_tokens_and_sampling_parameters(client, prompts):
 
 
 def test_chat_uses_the_template_and_streams(cluster, client, chat_tokenizer):
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
     reply = client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=MAX_NEW, temperature=0)

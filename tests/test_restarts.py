@@ -62,7 +62,7 @@ def test_killed_gateway_streams_resume_through_the_sdk(tiny_zoo, tmp_path, workl
     """SIGKILL of the gateway under streaming load: the supervisor restarts it at the same address
     and each SDK stream resumes after the tokens it already has; the concatenated tokens and text
     are exactly an undisturbed run's."""
-    from common.checkpoints import load_tokenizer
+    from common.runtime.checkpoints import load_tokenizer
 
     c = LocalCluster(spec_for(tiny_zoo, tmp_path))
     c.start(progress=False)

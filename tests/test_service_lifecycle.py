@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.store import Store
+from common.platform.store import Store
 
 SERVICES = ["drafter", "verifier", "router", "gateway"]
 ENV = {**os.environ, "COSINE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
@@ -118,8 +118,8 @@ def test_port_in_use_is_one_line(redis_url):
 
 
 def test_in_process_helper_returns_server_and_port(redis_url, redis_prefix):
-    from common.settings import load_settings
-    from common.testing import start_service
+    from common.platform.settings import load_settings
+    from tests.support.testing import start_service
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
 

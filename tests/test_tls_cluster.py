@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.checkpoints import load_causal_lm, load_tokenizer
-from common.tls import TlsConfig
+from common.runtime.checkpoints import load_causal_lm, load_tokenizer
+from common.platform.tls import TlsConfig
 from cosine.v1 import router_pb2, router_pb2_grpc
 from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.commands import seed_profiles
@@ -81,7 +81,7 @@ def test_sdk_over_mtls_gets_the_targets_greedy_output(cluster, dev_certs, prompt
 
 def test_the_router_reaches_verifier_and_drafters_only_over_mtls(cluster, mtls, tiny_zoo):
     async def status():
-        from common.tls import open_channel
+        from common.platform.tls import open_channel
 
         async with open_channel(cluster.router_address, mtls) as channel:
             return await router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=10)
@@ -92,7 +92,7 @@ def test_the_router_reaches_verifier_and_drafters_only_over_mtls(cluster, mtls, 
     # every service port refuses a plaintext peer, and a TLS peer without a client certificate
     for proc in cluster.procs:
         for tls in (None, TlsConfig(ca=mtls.ca)):
-            from common.tls import open_blocking_channel
+            from common.platform.tls import open_blocking_channel
 
             with open_blocking_channel(proc.address, tls) as channel:
                 with pytest.raises(grpc.RpcError) as info:
@@ -137,8 +137,8 @@ def test_cli_generate_and_status_take_tls_flags(cluster, dev_certs, prompts, ref
 
 def public_gateway(cluster, tiny_zoo, *tls_flags):
     """One more gateway, in process, in front of the cluster's router (same Redis)."""
-    from common.settings import load_settings
-    from common.testing import InProcessService
+    from common.platform.settings import load_settings
+    from tests.support.testing import InProcessService
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
 

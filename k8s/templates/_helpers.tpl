@@ -147,7 +147,7 @@ which reads the container's COSINE_TLS_* variables.
 {{- define "cosine.probeAction" -}}
 {{- if .tls -}}
 exec:
-  command: ["python", "-m", "common.healthcheck", {{ printf "127.0.0.1:%d" (int .port) | quote }}{{ if .service }}, "--service", {{ .service | quote }}{{ end }}, "--timeout", "4"]
+  command: ["python", "-m", "common.platform.healthcheck", {{ printf "127.0.0.1:%d" (int .port) | quote }}{{ if .service }}, "--service", {{ .service | quote }}{{ end }}, "--timeout", "4"]
 timeoutSeconds: 5
 {{- else -}}
 grpc:

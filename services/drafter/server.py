@@ -23,22 +23,22 @@ from typing import Any
 
 import grpc
 
-from common.checkpoints import CheckpointError
-from common.grpc_server import ServerHandle
-from common.live_requests import LiveRequests
+from common.runtime.checkpoints import CheckpointError
+from common.platform.grpc_server import ServerHandle
+from common.platform.live_requests import LiveRequests
 from common.logs import get_logger
-from common.metrics import ServiceMetrics, bind_engine_metrics
-from common.model_thread import ModelThread
-from common.runtime import configure_torch_threads
-from common.service import StartupError
-from common.spec_types import DraftItem, DraftResult, StageTimings
-from common.store import Store
-from common.token_fusion import FusionOutcome, FusionRequest, StepPricing, TokenFusion
+from common.platform.metrics import ServiceMetrics, bind_engine_metrics
+from common.runtime.model_thread import ModelThread
+from common.runtime.threads import configure_torch_threads
+from common.platform.service import StartupError
+from common.spec.types import DraftItem, DraftResult, StageTimings
+from common.platform.store import Store
+from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing, TokenFusion
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.convert import (
     draft_items_from_pb, draft_result_to_pb, fuse_round_from_pb, fusion_outcomes_to_pb, model_info_to_pb,
 )
-from services.drafter.engine import DrafterEngine
+from common.runtime.drafter_engine import DrafterEngine
 from services.drafter.settings import DrafterSettings
 
 SERVICE_NAME = "cosine.v1.Drafter"
@@ -79,7 +79,7 @@ def run_chain_step(engine: DrafterEngine, items: Sequence[DraftItem]) -> tuple[l
 
 def run_fused_round(engines: Mapping[str, DrafterEngine], width: int, pricing: StepPricing,
                     requests: Sequence[FusionRequest]) -> tuple[dict[str, FusionOutcome], list[float]]:
-    """A round of token fusion over drafters hosted here: the router's loop (common/token_fusion.py),
+    """A round of token fusion over drafters hosted here: the router's loop (common/spec/token_fusion.py),
     each step one batched forward per drafter, and no message between steps. Returns each
     request's outcome and each step's seconds."""
     loop = TokenFusion(requests, width, pricing)
@@ -103,7 +103,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return reply
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
-        live = LiveRequests()  # (drafter id, request id) this stream holds caches for (see common/live_requests.py)
+        live = LiveRequests()  # (drafter id, request id) this stream holds caches for (see common/platform/live_requests.py)
         self.app.streams += 1
         try:
             async for step in request_iterator:
@@ -312,7 +312,7 @@ def _domains_of(path: str, name: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from common.service import run_service
+    from common.platform.service import run_service
 
     run_service(DrafterSettings, build_app, prog="services.drafter", argv=argv,
                 description="CoSine drafter: hosts small causal LMs and proposes next-token candidates to the router.")

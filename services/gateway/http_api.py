@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
+from services.gateway.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
 from common.logs import get_logger
 from services.gateway.errors import GatewayError
 from services.gateway.openai_schema import (

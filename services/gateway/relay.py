@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from common.logs import get_logger, request_context
-from common.store import STORE_ERRORS, RequestExists
+from common.platform.store import STORE_ERRORS, RequestExists
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.gateway.errors import GatewayError
 from services.gateway.requests import GenerationRequest, IncrementalDetokenizer, StopMatcher

@@ -12,16 +12,16 @@ from typing import Any
 import grpc
 from google.protobuf import unknown_fields
 
-from common.checkpoints import CheckpointError, load_tokenizer
-from common.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, channel_serving
+from common.runtime.checkpoints import CheckpointError, load_tokenizer
+from common.platform.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, channel_serving
 from common.logs import get_logger
-from common.service import StartupError
-from common.store import STORE_ERRORS, Store
+from common.platform.service import StartupError
+from common.platform.store import STORE_ERRORS, Store
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
 from cosine_client.errors import GATEWAY_ANSWER
-from common.tls import TlsConfig, http_server_ssl, open_channel
-from common.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
-from common.metrics import ServiceMetrics
+from common.platform.tls import TlsConfig, http_server_ssl, open_channel
+from services.gateway.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
+from common.platform.metrics import ServiceMetrics
 from services.gateway.errors import GatewayError
 from services.gateway.http_api import HttpFront
 from services.gateway.metrics import GatewayMetrics
@@ -300,7 +300,7 @@ async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from common.service import run_service
+    from common.platform.service import run_service
 
     run_service(GatewaySettings, build_app, prog="services.gateway", argv=argv,
                 description="CoSine gateway: the public generation API of a CoSine cluster.")

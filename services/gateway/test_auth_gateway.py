@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from common.auth import UNAUTHENTICATED_MESSAGE
-from common.grpc_server import check_health
-from common.settings import load_settings
-from common.testing import start_service
+from services.gateway.auth import UNAUTHENTICATED_MESSAGE
+from common.platform.grpc_server import check_health
+from common.platform.settings import load_settings
+from tests.support.testing import start_service
 from cosine_client import Client, Unauthenticated, Unavailable
 from services.gateway.server import build_app
 from services.gateway.settings import GatewaySettings

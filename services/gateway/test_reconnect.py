@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.settings import load_settings
+from common.platform.settings import load_settings
 from services.gateway.requests import Limits
 from services.gateway.server import GatewayApp
 from services.gateway.settings import GatewaySettings
@@ -66,8 +66,8 @@ def test_a_lost_router_is_reported_as_the_gateways_answer_not_a_broken_connectio
     """A request whose router cannot be reached fails with UNAVAILABLE quoting gRPC's "failed to
     connect" between the gateway and the router. The SDK must not take that for its own connection
     to the gateway breaking (it would send the request again): the gateway marks its own answers."""
-    from common.redis_server import free_port
-    from common.testing import start_service
+    from cosine_cli.redis_server import free_port
+    from tests.support.testing import start_service
     from cosine.v1 import gateway_pb2, gateway_pb2_grpc
     from cosine_client import Client, Unavailable
     from cosine_client.errors import is_transport_failure

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.store import Store
+from common.platform.store import Store
 from services.gateway.relay import RouterRelay
 from services.gateway.requests import GenerationRequest
 

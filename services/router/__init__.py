@@ -12,11 +12,11 @@
 - ``gate.py``: which requests the drafter models draft for (and the probes of those that do not).
 - ``domain.py``: a request's domain (the shared lexicon, ``lexicon.py``, else the drafters' scores)
   and its routing vector (``routing.py``, from the expertise profiles, ``profiles.py``).
-- ``drafting.py``: drafter selection and token or chunk fusion (``common/fusion.py`` builds the
-  trees, ``common/token_fusion.py`` runs token fusion's steps, here or inside a drafter process);
+- ``drafting.py``: drafter selection and token or chunk fusion (``common/spec/fusion.py`` builds the
+  trees, ``common/spec/token_fusion.py`` runs token fusion's steps, here or inside a drafter process);
   ``clients.py`` and ``replicas.py`` reach the drafters.
 - ``lookup_drafting.py``: the lookup drafter's chains (``lookup.py``: from a request's own text;
-  ``common/lookup_corpus.py``: from the corpus the target wrote).
+  ``common/spec/lookup_corpus.py``: from the corpus the target wrote).
 - ``pass_plan.py``: the batch's trees cut to what pays on the measured pass-time curve;
   ``control.py`` prices nodes, draft steps, drafting ahead and pipelining against their cost.
 - ``verdicts.py``: a verdict applied (commit, credit, calibrations, profile updates);

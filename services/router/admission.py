@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.spec_types import InvalidInput, SamplingParams
+from common.spec.types import InvalidInput, SamplingParams
 from services.router.requests import RequestFailed
 
 REQUEST_ID_MAX = 128

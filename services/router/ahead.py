@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 from common.logs import get_logger
 from services.router.control import SpeculationControl
 from services.router.drafting import Drafting

@@ -1,8 +1,8 @@
 """gRPC clients of the router: the drafter pool (membership-driven) and the verifier.
 
-Protobuf stops here: the pool and the verifier client speak :mod:`common.spec_types` to the
+Protobuf stops here: the pool and the verifier client speak :mod:`common.spec.types` to the
 router core. Each drafter process and the verifier are reached over one long-lived bidirectional
-stream (:class:`common.streams.StreamClient`), on a channel opened by :func:`common.tls.open_channel`
+stream (:class:`services.router.streams.StreamClient`), on a channel opened by :func:`common.platform.tls.open_channel`
 (TLS or mTLS when the router's settings say so).
 """
 
@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.grpc_server import CHANNEL_OPTIONS
+from common.platform.grpc_server import CHANNEL_OPTIONS
 from common.logs import get_logger
-from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
-from common.store import Store
-from common.streams import StreamClient
-from common.token_fusion import FusionOutcome, FusionRequest, StepPricing
-from common.tls import TlsConfig, open_channel
+from common.spec.types import DraftItem, DraftResult, Verdict, VerifyItem
+from common.platform.store import Store
+from services.router.streams import StreamClient
+from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing
+from common.platform.tls import TlsConfig, open_channel
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.convert import (
     draft_group_results_from_pb,

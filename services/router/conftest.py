@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.drafter.engine import DrafterEngine
-from services.verifier.engine import VerifierEngine
-from services.verifier.test_greedy_equality import hf_greedy, make_prompts
+from common.runtime.drafter_engine import DrafterEngine
+from common.runtime.verifier_engine import VerifierEngine
+from common.runtime.test_greedy_equality import hf_greedy, make_prompts
 
 MAX_NEW = 24  # new tokens per request of the reference
 

@@ -51,8 +51,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from common.fusion import DraftTree
-from common.token_fusion import StepPricing, confidence_bin
+from common.spec.fusion import DraftTree
+from common.spec.token_fusion import StepPricing, confidence_bin
 from services.router.pass_plan import PassCurve
 
 EXTRAS_PROBE_EVERY = 8  # while extra drafters do not pay, one in this many requests drafted for still takes them

@@ -45,17 +45,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from common.logs import get_logger
-from common.spec_types import TokenTree, Verdict, VerifyItem
+from common.spec.types import TokenTree, Verdict, VerifyItem
 from services.router.admission import SubmitLimits
 from services.router.ahead import OffPathDrafting
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupNodes
-from common.lookup_corpus import CorpusLoader
+from common.spec.lookup_corpus import CorpusLoader
 from services.router.lookup_drafting import LookupDrafting
 from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 from services.router.gate import DraftGate, gate_domain, probe_order
 from services.router.requests import (
     FINISH_CANCELLED,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from common.spec_types import DraftItem
+from common.spec.types import DraftItem
 from services.router.drafting import Drafting, sync_item
 from services.router.lexicon import DomainLexicon
 from services.router.matching import match_draft_results

@@ -1,7 +1,7 @@
 """Drafting strategies of a round (no gRPC here): who drafts each request, token fusion, chunk fusion.
 
 - :meth:`Drafting.select`: the drafters of one request (routing by expertise, or a fixed set).
-- :meth:`Drafting.tokens`: token fusion (the loop is ``common/token_fusion.py``). k steps; at each
+- :meth:`Drafting.tokens`: token fusion (the loop is ``common/spec/token_fusion.py``). k steps; at each
   step every selected drafter proposes its top-n, the routing-weighted best becomes the next node
   and is appended by all of them, runners-up become siblings. Every node is priced by
   :class:`~services.router.control.SpeculationControl` (a node, and a step, are kept only while they
@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from common.logs import get_logger
-from common.spec_types import DraftItem, DraftResult
+from common.spec.types import DraftItem, DraftResult
 from services.router.control import SpeculationControl
-from common.fusion import DraftTree, fuse_chains
-from common.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing, TokenFusion
+from common.spec.fusion import DraftTree, fuse_chains
+from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing, TokenFusion
 from services.router.lookup import LOOKUP_ID
 from services.router.matching import match_draft_results
 from services.router.requests import DrafterPool, Request, RouterConfig
@@ -103,7 +103,7 @@ class Drafting:
         return [d for d in chosen if d in live]
 
     async def tokens(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
-        """Token fusion (``common/token_fusion.py``). A request whose drafters all live in one drafter
+        """Token fusion (``common/spec/token_fusion.py``). A request whose drafters all live in one drafter
         process is fused there, the whole round in one message (``local_fusion``); the others are
         fused here, one message per draft step. Both run the same loop with this round's pricing."""
         live = list(self.drafters.live())

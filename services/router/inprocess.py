@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
-from common.spec_types import DraftItem, DraftResult, Verdict, VerifyItem
-from common.token_fusion import FusionOutcome, FusionRequest, StepPricing
-from services.drafter.engine import DrafterEngine
+from common.spec.types import DraftItem, DraftResult, Verdict, VerifyItem
+from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing
+from common.runtime.drafter_engine import DrafterEngine
 from services.drafter.server import run_chain_step, run_fused_round
 from services.router.requests import Request
-from services.verifier.engine import VerifierEngine
+from common.runtime.verifier_engine import VerifierEngine
 
 
 class LocalDrafterPool:

@@ -5,7 +5,7 @@ greedy continuation often loops. The lookup drafter finds the longest suffix of 
 committed sequence (at most ``max_ngram`` tokens) that occurred earlier in it and proposes the
 tokens that followed that occurrence (continuing through the proposal itself when the occurrence
 runs into the suffix, so a loop of period ``p`` is proposed as a loop; the index is
-``common/lookup_index.py``, which the verifier drafts from too, during a round's plain steps).
+``common/spec/lookup_index.py``, which the verifier drafts from too, during a round's plain steps).
 
 It costs no drafter time, only verify rows, so its nodes are priced by their verify rows alone
 (:meth:`~services.router.control.SpeculationControl.threshold`): a request whose model drafting does
@@ -13,7 +13,7 @@ not pay this round still gets the lookup nodes that do. Its proposals join the r
 more chain beside the drafters' (a node both propose is shared), and the verifier treats them like
 any draft: a deterministic proposal, so acceptance stays the target's own (lossless). A second
 chain may come from the lookup corpus, what the target wrote for other prompts
-(``common/lookup_corpus.py``); the two are siblings where they differ.
+(``common/spec/lookup_corpus.py``); the two are siblings where they differ.
 
 How likely a lookup token is accepted depends on how long the match was and how deep the token
 is (a token after an accepted lookup token is far likelier right). :class:`LookupCalibration` learns
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from common.fusion import DraftTree
-from common.lookup_index import CORPUS, TEXT
+from common.spec.fusion import DraftTree
+from common.spec.lookup_index import CORPUS, TEXT
 
 LOOKUP_ID = "lookup"  # the drafter id lookup nodes are credited to (in stats, metrics and trees)
 CORPUS_MAX_MATCH = 8  # longest corpus match the calibration tells apart

@@ -1,6 +1,6 @@
 """The lookup drafter's part of a round: its chains in each request's tree (no model, no gRPC).
 
-Two sources (see ``lookup.py`` and ``common/lookup_corpus.py``): the request's own text, and the lookup
+Two sources (see ``lookup.py`` and ``common/spec/lookup_corpus.py``): the request's own text, and the lookup
 corpus once loaded from Redis (and reloaded whenever it is seeded anew). Each chain's nodes are
 priced by their verify rows alone, since the lookup drafter costs no drafter time.
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 from services.router.control import SpeculationControl
 from services.router.gate import gate_domain
 from services.router.lookup import CORPUS, CORPUS_MAX_MATCH, TEXT, LookupCalibration, LookupNodes, add_lookup_chain, lookup_only
-from common.lookup_corpus import CorpusLoader, DomainCorpora, keep_corpus_loaded
+from common.spec.lookup_corpus import CorpusLoader, DomainCorpora, keep_corpus_loaded
 from services.router.requests import Counters, Request, RouterConfig
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.spec_types import Verdict
-from common.token_fusion import match_draft_results
+from common.spec.types import Verdict
+from common.spec.token_fusion import match_draft_results
 
 __all__ = ["match_draft_results", "match_verdicts"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from common.metrics import ServiceMetrics
-from common.fusion import DraftTree
+from common.platform.metrics import ServiceMetrics
+from common.spec.fusion import DraftTree
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 

@@ -2,7 +2,7 @@
 
 A verify pass's time is not linear in its rows, and its shape depends on the target's hardware
 and kernels. On a CPU the pass is bound by reading the weights: with the runner's few-row kernels
-(``common/cpu_linear.py``) the default zoo's target, one thread, takes about 43 ms for one row and
+(``common/runtime/cpu_linear.py``) the default zoo's target, one thread, takes about 43 ms for one row and
 for two, 50-58 ms for three to six, 63-68 ms for eight or nine, 94 ms for sixteen (with torch's plain
 ``linear`` it took 62 ms for one row, 117 for three, 95 for six, 110 for ten: uneven, and the first
 drafted row the dearest); on a GPU a pass is flat
@@ -13,7 +13,7 @@ interpolated between bins, extrapolated with the fitted line beyond the largest 
 a larger tree is tried and then measured; passes that prefill a prompt stay out of it). A line
 between two bins misses a step between them, though (the CPU kernels take rows a tile at a time),
 and the bins measured are those the plan keeps. So where the verifier timed its pass by rows when
-it loaded the target (``services/verifier/pass_times.py``), that curve gives the shape between and
+it loaded the target (``common/runtime/pass_times.py``), that curve gives the shape between and
 beyond the bins, and the bins its level (:meth:`PassCurve.predict`); the plan then prices rows from
 the first round on.
 :func:`choose_nodes` then keeps the drafted nodes of the whole batch that maximise
@@ -51,7 +51,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 from services.router.lookup import LOOKUP_ID, LookupNodes
 
 EXACT_ROWS = 8  # passes of up to this many rows have a bin each; larger ones share power-of-two bins
@@ -100,7 +100,7 @@ class PassCurve:
     _table: tuple[list[float], list[float]] | None = field(default=None, repr=False)
 
     def set_prior(self, points: Sequence[tuple[int, float]]) -> None:
-        """The verifier's own pass times by rows (``services/verifier/pass_times.py``): the curve's
+        """The verifier's own pass times by rows (``common/runtime/pass_times.py``): the curve's
         shape between and beyond the bins measured here, scaled to their level (see :meth:`predict`)."""
         xs: list[float] = []
         ys: list[float] = []

@@ -13,11 +13,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from common.logs import get_logger
-from common.spec_types import SamplingParams
+from common.spec.types import SamplingParams
 from services.router.admission import SubmitLimits, check_submission
 from services.router.domain import RequestRouting
 from services.router.gate import DraftGate
-from common.lookup_index import LookupIndex
+from common.spec.lookup_index import LookupIndex
 from services.router.requests import (
     FINISH_CANCELLED,
     Counters,

@@ -18,10 +18,10 @@ import asyncio
 from collections.abc import Sequence
 
 from services.router.lexicon import DomainLexicon
-from common.lookup_corpus import DomainCorpora, corpus_from_store
+from common.spec.lookup_corpus import DomainCorpora, corpus_from_store
 
 from common.logs import get_logger
-from common.store import Store, StoreUnavailable, sum_acceptance
+from common.platform.store import Store, StoreUnavailable, sum_acceptance
 
 log = get_logger("router.profiles")
 
@@ -78,7 +78,7 @@ class ProfileStore:
 
     async def corpus(self, known_version: int) -> tuple[int, DomainCorpora | None] | None:
         """The lookup corpus seeded into Redis, when its version differs from ``known_version``
-        (:func:`~common.lookup_corpus.corpus_from_store`)."""
+        (:func:`~common.spec.lookup_corpus.corpus_from_store`)."""
         return await corpus_from_store(self.store, known_version)
 
     async def learned(self, domain: str, prompt: Sequence[int]) -> None:

@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.spec_types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
-from common.fusion import DraftTree
-from common.lookup_index import LookupIndex
+from common.spec.types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
+from common.spec.fusion import DraftTree
+from common.spec.lookup_index import LookupIndex
 from services.router.routing import RoutingVector
 from services.router.scheduler import SpeculationLength
 
@@ -54,7 +54,7 @@ class VerifierBackend(Protocol):
 
     # A verifier that timed its pass by rows when it loaded the target also has (the router prices
     # rows by the passes it runs alone where it is missing):
-    #   pass_times -> Sequence[(rows, seconds)]: services/verifier/pass_times.py
+    #   pass_times -> Sequence[(rows, seconds)]: common/runtime/pass_times.py
 
 
 ProfileSource = Callable[[Sequence[str], str], Awaitable[dict[str, float]]]
@@ -84,7 +84,7 @@ class RouterConfig:
     draft_ahead: bool = True  # with cost control, drafting and new prompts' scoring run while other requests are verified
     lookup: bool = True  # the lookup drafter proposes from the request's own text (services.router.lookup)
     lookup_max_ngram: int = 4
-    lookup_corpus: bool = True  # and from the lookup corpus, when one is loaded (common.lookup_corpus)
+    lookup_corpus: bool = True  # and from the lookup corpus, when one is loaded (common.spec.lookup_corpus)
     speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
     domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
     gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)

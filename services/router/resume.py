@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.spec_types import Verdict
+from common.spec.types import Verdict
 
 MAX_RESUMES = 30  # with backoff_s: about a minute, long enough for a verifier to restart
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import grpc
 
-from common.grpc_server import ServerHandle
+from common.platform.grpc_server import ServerHandle
 from common.logs import get_logger, request_context
-from common.metrics import ServiceMetrics
-from common.service import StartupError
-from common.store import Store, StoreUnavailable
-from common.tls import TlsConfig
+from common.platform.metrics import ServiceMetrics
+from common.platform.service import StartupError
+from common.platform.store import Store, StoreUnavailable
+from common.platform.tls import TlsConfig
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.convert import sampling_from_pb
 from services.router.admission import SubmitLimits
@@ -202,7 +202,7 @@ async def build_app(settings: RouterSettings, store: Store) -> RouterApp:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from common.service import run_service
+    from common.platform.service import run_service
 
     run_service(RouterSettings, build_app, prog="services.router", argv=argv,
                 description="CoSine router: schedules requests into pipelined rounds, routes them to drafters by "

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from common.spec_types import SamplingParams
+from common.spec.types import SamplingParams
 from services.router.admission import SubmitLimits, check_submission
 from services.router.core import RequestFailed, RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from services.router.control import Calibration, CostModel, SpeculationControl, chain_pays
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 
 
 def test_calibration_learns_the_acceptance_rate_per_confidence():

@@ -13,12 +13,12 @@ import pytest
 import structlog
 import structlog.testing
 
-from common.spec_types import GREEDY, SamplingParams
+from common.spec.types import GREEDY, SamplingParams
 from services.router.core import RouterConfig, RouterCore, common_prefix, sync_item
 from services.router.domain import detect_domains
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.conftest import MAX_NEW
-from services.verifier.test_greedy_equality import hf_greedy, make_prompts
+from common.runtime.test_greedy_equality import hf_greedy, make_prompts
 
 
 

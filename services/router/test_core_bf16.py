@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from common.invariant_bf16 import bf16_available
+from common.runtime.invariant_bf16 import bf16_available
 from services.router.conftest import MAX_NEW
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.test_core import generate_all
-from services.verifier.engine import VerifierEngine
-from services.verifier.sim import plain_generate
-from services.verifier.test_greedy_equality import make_prompts
+from common.runtime.verifier_engine import VerifierEngine
+from common.runtime.sim import plain_generate
+from common.runtime.test_greedy_equality import make_prompts
 
 pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 from services.router.control import EXTRAS_MIN_ROUNDS, EXTRAS_PROBE_EVERY, SpeculationControl
 from services.router.drafting import extras_gain, extras_seconds
 from services.router.lookup import LOOKUP_ID

@@ -1,6 +1,6 @@
 import pytest
 
-from common.fusion import DraftTree, Proposal, credit, fuse, fuse_chains
+from common.spec.fusion import DraftTree, Proposal, credit, fuse, fuse_chains
 from services.router.routing import RoutingVector
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch, round_cost
 

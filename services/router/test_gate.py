@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.spec_types import GREEDY
+from common.spec.types import GREEDY
 from services.router.control import SpeculationControl
 from services.router.gate import FIRST_ACCEPT_START, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SLOTS, DraftGate, probe_order
 from services.router.requests import Request, RouterConfig

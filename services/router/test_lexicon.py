@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from common.spec_types import GREEDY
-from common.store import Store
+from common.spec.types import GREEDY
+from common.platform.store import Store
 from services.router import domain as domain_module
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool

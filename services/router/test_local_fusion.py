@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from common.spec_types import GREEDY
+from common.spec.types import GREEDY
 from services.router.control import SpeculationControl
 from services.router.drafting import Drafting
 from services.router.inprocess import LocalDrafterPool, LocalVerifier

@@ -6,8 +6,8 @@ import pytest
 
 from types import SimpleNamespace
 
-from common.fusion import DraftTree
-from common.spec_types import GREEDY
+from common.spec.fusion import DraftTree
+from common.spec.types import GREEDY
 from services.router.control import SpeculationControl
 from services.router.lookup_drafting import LookupDrafting
 from services.router.requests import Counters, RouterConfig

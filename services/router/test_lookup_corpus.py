@@ -1,11 +1,11 @@
-"""The router drafting from the lookup corpus (``common/lookup_corpus.py``): calibrated apart from a
+"""The router drafting from the lookup corpus (``common/spec/lookup_corpus.py``): calibrated apart from a
 request's own text, and in process with the real engines, losslessly."""
 
 from __future__ import annotations
 
 import asyncio
 
-from common.lookup_corpus import DomainCorpora
+from common.spec.lookup_corpus import DomainCorpora
 from services.router.conftest import MAX_NEW
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool, LocalVerifier

@@ -3,7 +3,7 @@ length, never by position."""
 
 from __future__ import annotations
 
-from common.spec_types import DraftResult, Verdict
+from common.spec.types import DraftResult, Verdict
 from services.router.matching import match_draft_results, match_verdicts
 
 

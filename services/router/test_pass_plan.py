@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from common.spec_types import SamplingParams, VerifyItem
+from common.spec.types import SamplingParams, VerifyItem
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
 from services.router.conftest import MAX_NEW

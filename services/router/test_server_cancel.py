@@ -10,7 +10,7 @@ from cosine.v1 import common_pb2, router_pb2
 from services.router.core import RouterConfig, RouterCore
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.server import RouterServicer
-from services.verifier.engine import VerifierEngine
+from common.runtime.verifier_engine import VerifierEngine
 
 
 class FakeContext:

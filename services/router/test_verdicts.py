@@ -3,10 +3,10 @@ credited, when a request finishes, fails or is marked for a re-prefill."""
 
 from __future__ import annotations
 
-from common.lookup_index import CORPUS, TEXT
-from common.spec_types import GREEDY, StepLookup, Verdict
+from common.spec.lookup_index import CORPUS, TEXT
+from common.spec.types import GREEDY, StepLookup, Verdict
 from services.router.control import SpeculationControl
-from common.fusion import DraftTree
+from common.spec.fusion import DraftTree
 from services.router.gate import DraftGate
 from services.router.lookup import LookupCalibration
 from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Request, RouterConfig

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.logs import get_logger
-from common.spec_types import Verdict
+from common.spec.types import Verdict
 from services.router.control import SpeculationControl
-from common.fusion import DraftTree, credit
+from common.spec.fusion import DraftTree, credit
 from services.router.gate import DraftGate
 from services.router.lookup import CORPUS, LOOKUP_ID, LookupCalibration, LookupNodes, lookup_only, observe_lookup
 from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Event, Request, RequestFailed

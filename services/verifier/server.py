@@ -14,21 +14,21 @@ from typing import Any
 
 import grpc
 
-from common.checkpoints import CheckpointError
-from common.grpc_server import ServerHandle
-from common.live_requests import LiveRequests
+from common.runtime.checkpoints import CheckpointError
+from common.platform.grpc_server import ServerHandle
+from common.platform.live_requests import LiveRequests
 from common.logs import get_logger
-from common.lookup_corpus import DomainCorpora, corpus_from_store, keep_corpus_loaded
-from common.metrics import ServiceMetrics, bind_engine_metrics
-from common.model_thread import ModelThread
-from common.runtime import configure_torch_threads
-from common.service import StartupError
-from common.spec_types import VerifyItem, VerifyOutcome
-from common.store import Store
+from common.spec.lookup_corpus import DomainCorpora, corpus_from_store, keep_corpus_loaded
+from common.platform.metrics import ServiceMetrics, bind_engine_metrics
+from common.runtime.model_thread import ModelThread
+from common.runtime.threads import configure_torch_threads
+from common.platform.service import StartupError
+from common.spec.types import VerifyItem, VerifyOutcome
+from common.platform.store import Store
 from cosine.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.convert import model_info_to_pb, verdict_to_pb, verify_items_from_pb
-from services.verifier.batching import merge_outcomes, repeated_items, split_by_tokens
-from services.verifier.engine import VerifierEngine
+from common.runtime.batching import merge_outcomes, repeated_items, split_by_tokens
+from common.runtime.verifier_engine import VerifierEngine
 from services.verifier.settings import VerifierSettings
 
 SERVICE_NAME = "cosine.v1.Verifier"
@@ -50,7 +50,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         engine = self.app.engine
         if engine is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verifier hosts no target model (start it with --target PATH)")
-        live = LiveRequests()  # request ids this stream holds caches for (see common/live_requests.py)
+        live = LiveRequests()  # request ids this stream holds caches for (see common/platform/live_requests.py)
         try:
             async for batch in request_iterator:
                 received = time.perf_counter_ns()
@@ -170,7 +170,7 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from common.service import run_service
+    from common.platform.service import run_service
 
     run_service(VerifierSettings, build_app, prog="services.verifier", argv=argv,
                 description="CoSine verifier: hosts the target model and verifies batches of token trees losslessly.")

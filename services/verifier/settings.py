@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.service import ServiceSettings
-from common.settings import non_negative, port_check, positive, setting
+from common.platform.service import ServiceSettings
+from common.platform.settings import non_negative, port_check, positive, setting
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from common.store import Store
+from common.platform.store import Store
 from services.verifier.server import VerifierApp
 from services.verifier.settings import VerifierSettings
 

@@ -1,5 +1,5 @@
-from common.spec_types import StageTimings, TokenTree, Verdict, VerifyItem, VerifyOutcome
-from services.verifier.batching import merge_outcomes, repeated_items, split_by_tokens
+from common.spec.types import StageTimings, TokenTree, Verdict, VerifyItem, VerifyOutcome
+from common.runtime.batching import merge_outcomes, repeated_items, split_by_tokens
 
 
 def test_batches_are_split_by_token_budget_in_order():

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, settings
 
-from common.grpc_server import CHANNEL_OPTIONS
+from common.platform.grpc_server import CHANNEL_OPTIONS
 
 from .harness import FuzzReport
 from .stack import FuzzStack

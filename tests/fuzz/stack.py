@@ -13,8 +13,8 @@ from typing import Any
 
 import redis
 
-from common.settings import load_settings
-from common.testing import InProcessService
+from common.platform.settings import load_settings
+from tests.support.testing import InProcessService
 
 # Limits of the fuzzed cluster: small, so that valid requests finish in a few rounds and the
 # limits themselves are easy to cross. The verifier splits batches above 64 tokens.

@@ -1,0 +1,296 @@
+"""A batched forward over a Hugging Face causal LM's weights, on per-request KV caches.
+
+Both engines use it: the drafter with causal chains of new tokens, the verifier with a chain (the
+uncached committed tokens) followed by a token tree. One call runs one forward pass for a whole
+batch of sequences whose caches have different lengths and whose new-token counts differ.
+
+How it works: the new tokens of every sequence are packed into ``[N, hidden]`` activations, so
+embeddings, norms, projections and MLPs run once for the batch with no padding. Only attention
+sees the per-sequence structure: each layer writes the new keys/values into the caches' pending
+slots, then an :class:`~common.runtime.attention.AttentionBackend` attends each new token to its
+sequence's committed cache entries and to its new-token ancestors (tree mask). Position ids are
+``cache length + depth`` (depth in the tree, not index in the array), fed to the model's own rotary
+embedding module, so every RoPE variant transformers implements (default, llama3, linear,
+dynamic, yarn, ...) is computed by the same code as in ``generate``.
+
+The runner reuses the checkpoint's modules (embedding, RMSNorm, q/k/v/o projections with or
+without bias, gated MLP, final norm, lm_head, tied or not) and replaces only the attention and
+cache plumbing; on a CPU in float32 a layer's q/k/v and its gate/up are each one product over
+their stacked weights (:mod:`common.runtime.fused_projections`: the same outputs in fewer calls). Supported
+families: Llama and Qwen2 (GQA included). Anything else is refused at
+load with :class:`UnsupportedArchitecture` before the weights are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.runtime.attention import AttentionBackend, BatchLayout, CpuKernelBackend, cpu_kernel_backend, select_backend
+from common.runtime.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
+from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
+from common.runtime.kv_cache import KVCache, KVPool
+from common.logs import get_logger
+from common.runtime.cpu_linear import use_cpu_linears
+from common.runtime.fused_projections import LayerProducts, stack_layers
+from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, invariant_rows, use_invariant_linears
+from common.spec.types import ModelInfo
+
+log = get_logger(__name__)
+
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
+    """``auto`` is bfloat16 on a CPU whose bfloat16 products are row-invariant (AMX, see
+    ``common/runtime/invariant_bf16.py``: as lossless as float32 and faster at every row count that a verify
+    pass has), float32 anywhere else; any other name is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cpu" and bf16_available() else "float32"
+
+
+def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
+    """The attention backend: ``auto`` on a CPU in bfloat16, where this CPU's bfloat16 products are
+    row-invariant, is the project's kernel (float32 attention on float32 keys/values, every row
+    alone) where it builds, else the row-invariant eager one
+    (:class:`~common.runtime.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
+    if name in ("auto", InvariantAttention.name) and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        rows = invariant_rows()
+        if rows and name == "auto" and (kernel := cpu_kernel_backend(device, dtype, head_dim)) is not None:
+            return kernel
+        if rows:
+            return InvariantAttention(rows)
+        if name != "auto":
+            raise ValueError("attention backend invariant needs a CPU whose bfloat16 products are row-invariant (AMX)")
+    if name == InvariantAttention.name:
+        raise ValueError("attention backend invariant is for bfloat16 on a CPU")
+    return select_backend(name, device, dtype, head_dim)
+
+
+class UnsupportedArchitecture(CheckpointError):
+    """The checkpoint is of a model family the runner does not implement."""
+
+
+def check_architecture(config: dict[str, Any], path: str | Path) -> str:
+    """Return the architecture name of a supported checkpoint config, or raise :class:`UnsupportedArchitecture`."""
+    model_type = config.get("model_type", "")
+    archs = config.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type, model_type)]
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedArchitecture(
+            f"{path}: unsupported architecture {archs[0]!r} (model_type {model_type!r}); "
+            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES.values()))}"
+        )
+    layer_types = config.get("layer_types") or []
+    if "sliding_attention" in layer_types or (config.get("use_sliding_window") and config.get("sliding_window")):
+        raise UnsupportedArchitecture(f"{path}: sliding-window attention layers are not supported")
+    return archs[0]
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence of a batched forward.
+
+    ``token_ids``: the ``t >= 1`` new tokens; ``parents``: per new token, the index of its parent
+    among the new tokens or -1 (hangs off the cache); ``None`` = a causal chain. ``logit_rows``:
+    the new-token rows whose next-token logits are wanted (default: the last one).
+    The pass writes the new tokens' keys/values into ``cache``'s pending slots; the caller then
+    commits what it keeps (``cache.commit``).
+    """
+
+    cache: KVCache
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...] | None = None
+    logit_rows: tuple[int, ...] | None = None
+
+
+class LMRunner:
+    """Batched forward of a Llama/Qwen2 ``*ForCausalLM`` over per-request caches."""
+
+    def __init__(self, model: Any, backend: AttentionBackend, *, name: str = "", tokenizer_fp: str = "",
+                 draft_vocab: DraftVocab | None = None) -> None:
+        cfg = model.config
+        check_architecture(cfg.to_dict(), name or cfg.model_type)
+        param = next(model.parameters())
+        # CPU float32: q/k/v and gate/up as one product each (fused_projections.py), and every
+        # projection with the kernel fast at its row count (cpu_linear.py)
+        self.products = stack_layers(list(model.model.layers)) if param.device.type == "cpu" and param.dtype == torch.float32 else None
+        use_cpu_linears(model if self.products is None else _pass_order(model, self.products))
+        if isinstance(backend, (InvariantAttention, CpuKernelBackend)):  # CPU bfloat16: every row as if alone
+            use_invariant_linears(model)
+        self.model = model
+        self.config = cfg
+        self.backend = backend
+        self.name = name
+        self.tokenizer_fingerprint = tokenizer_fp
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.scale = attn.scaling
+        self.device, self.dtype = param.device, param.dtype
+        # a reduced draft vocabulary: ids in and logits out stay in the target's id space
+        self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, *, dtype: str = "float32", device: str = "cpu", backend: str = "auto"
+    ) -> LMRunner:
+        """Load a checkpoint directory (weights + tokenizer) and pick the attention backend.
+
+        Raises :class:`CheckpointError` (or :class:`UnsupportedArchitecture`) with the path in the
+        message, and ``ValueError`` for an unknown dtype/backend.
+        """
+        dtype = resolve_dtype(dtype, device)
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} (choose {', '.join(DTYPES)})")
+        config = read_config(path)
+        arch = check_architecture(config, path)
+        draft_vocab = load_draft_vocab(path, config)
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        attention = pick_backend(backend, device, DTYPES[dtype], head_dim)
+        tokenizer = load_tokenizer(path)
+        model = load_causal_lm(path, dtype=dtype, device=device)
+        runner = cls(model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer),
+                     draft_vocab=draft_vocab)
+        log.info("model_loaded", path=str(path), architecture=arch, dtype=dtype, device=device,
+                 attention_backend=attention.name, requested_backend=backend)
+        return runner
+
+    # ---- facts -------------------------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        return (self.config.architectures or [SUPPORTED_MODEL_TYPES[self.config.model_type]])[0]
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the id space the runner speaks (the target's, for a reduced draft vocabulary)."""
+        return self.draft_vocab.target_vocab_size if self.draft_vocab is not None else self.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def new_pool(self, token_budget: int | None) -> KVPool:
+        return KVPool(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            dtype=self.backend.cache_dtype or self.dtype, device=self.device, token_budget=token_budget,
+        )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model_name=self.name, architecture=self.architecture, vocab_size=self.vocab_size,
+            tokenizer_fingerprint=self.tokenizer_fingerprint, num_parameters=self.num_parameters,
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            attention_backend=self.backend.name, max_context=self.max_context,
+        )
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
+        """One forward pass for the batch.
+
+        Returns per sequence the float32 logits ``[len(logit_rows), vocab]`` of its requested rows.
+        Every cache must have room for its new tokens (``cache.reserve(t)`` beforehand).
+        """
+        if not seqs:
+            return []
+        parents = []
+        for s in seqs:
+            t = len(s.token_ids)
+            if t == 0:
+                raise ValueError("every sequence of a forward pass needs at least one new token")
+            par = tuple(range(-1, t - 1)) if s.parents is None else tuple(s.parents)
+            if len(par) != t:
+                raise ValueError(f"{t} new tokens but {len(par)} parents")
+            parents.append(par)
+        layout = BatchLayout(past_lens=tuple(s.cache.length for s in seqs), parents=tuple(parents))
+        dev = self.device
+        ids = torch.tensor([tok for s in seqs for tok in s.token_ids], dtype=torch.long, device=dev)
+        if self.draft_vocab is not None:
+            ids = self.draft_vocab.to_draft[ids]
+        pos = torch.tensor([p for b in range(layout.batch) for p in layout.positions(b)], dtype=torch.long, device=dev)
+        N, H, Hkv, D = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+
+        h = self.embed(ids)  # [N, hidden]
+        cos, sin = self.rotary(h.unsqueeze(0), pos.unsqueeze(0))  # [1, N, D]
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
+        plan = self.backend.plan(layout, dev)
+        offsets, lens = layout.offsets, layout.new_lens
+        if self.backend.writes_new_kv:
+            for s, t in zip(seqs, lens):
+                s.cache.will_write(t)  # checks the room the views below need
+
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            if self.products is not None:  # one product and one rotation for q and k together
+                qkv = self.products[li].qkv.linear(x)
+                qk = _rope(qkv[:, : (H + Hkv) * D].view(N, H + Hkv, D), cos, sin)
+                q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(N, Hkv, D)
+            else:
+                q = _rope(attn.q_proj(x).view(N, H, D), cos, sin)
+                k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
+                v = attn.v_proj(x).view(N, Hkv, D)
+            if self.backend.writes_new_kv:  # the backend writes the new keys/values itself, all sequences at once
+                o = self.backend.attend_writing(q, k, v, [s.cache.view(li, t) for s, t in zip(seqs, lens)], plan, self.scale)
+            else:
+                kvs = []
+                for s, off, t in zip(seqs, offsets, lens):
+                    s.cache.write(li, k[off : off + t].transpose(0, 1), v[off : off + t].transpose(0, 1))
+                    kvs.append(s.cache.view(li, t))
+                o = self.backend.attend(q, kvs, plan, self.scale)  # [N, H, D]
+            h = h + attn.o_proj(o.reshape(N, H * D))
+            x = layer.post_attention_layernorm(h)
+            if self.products is not None:
+                gate, up = self.products[li].gate_up(x)
+                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                h = h + layer.mlp(x)
+
+        rows, counts = [], []
+        for s, off, t in zip(seqs, offsets, lens):
+            want = (t - 1,) if s.logit_rows is None else s.logit_rows
+            rows += [off + r for r in want]
+            counts.append(len(want))
+        logits = self.lm_head(self.norm(h[torch.tensor(rows, dtype=torch.long, device=dev)])).float()
+        if self.draft_vocab is not None:
+            logits = self.draft_vocab.full_logits(logits)
+        return list(torch.split(logits, counts))
+
+
+def _pass_order(model: Any, products: Sequence[LayerProducts]) -> torch.nn.ModuleList:
+    """The projections a pass calls, in its order: each layer's stacked q/k/v, o, stacked gate/up and
+    down (their parts are no longer called), then lm_head."""
+    order: list[torch.nn.Module] = []
+    for layer, prod in zip(model.model.layers, products):
+        order += [prod.qkv.linear, layer.self_attn.o_proj, prod.gate_up.linear, layer.mlp.down_proj]
+    return torch.nn.ModuleList([*order, model.lm_head])
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on ``x: [N, heads, D]`` with ``cos, sin: [N, 1, D]`` (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
