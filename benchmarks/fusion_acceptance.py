@@ -19,7 +19,8 @@ from common.runtime.checkpoints import load_tokenizer
 from common.spec.types import GREEDY
 from cosine_cli.workload import mixed_workload
 from common.runtime.drafter_engine import DrafterEngine
-from services.router.core import RouterConfig, RouterCore
+from services.router.core import RouterCore
+from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
 from common.runtime.verifier_engine import VerifierEngine
 from common.runtime.sim import plain_generate
@@ -61,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     async def profiles(drafters, domain):
         return {d: zoo.acceptance[d][domain] for d in drafters if domain in zoo.acceptance.get(d, {})}
 
-    settings: dict[str, tuple[RouterConfig, dict[str, DrafterEngine]]] = {
-        f"single:{n}": (RouterConfig(drafters_per_request=1, tree_width=1, routing=False, adaptive_k=False), {n: e})
+    settings: dict[str, tuple[RouterSettings, dict[str, DrafterEngine]]] = {
+        f"single:{n}": (RouterSettings(drafters_per_request=1, tree_width=1, routing=False, adaptive_k=False), {n: e})
         for n, e in engines.items()
     }
-    settings["routed single (1 drafter, best by expertise)"] = (RouterConfig(drafters_per_request=1, tree_width=1, adaptive_k=False), engines)
-    settings["fused 2 drafters, width 1"] = (RouterConfig(drafters_per_request=2, tree_width=1, adaptive_k=False), engines)
-    settings["fused 2 drafters, width 3"] = (RouterConfig(drafters_per_request=2, tree_width=3, adaptive_k=False), engines)
-    settings["fused 3 drafters, width 3"] = (RouterConfig(drafters_per_request=3, tree_width=3, adaptive_k=False), engines)
+    settings["routed single (1 drafter, best by expertise)"] = (RouterSettings(drafters_per_request=1, tree_width=1, adaptive_k=False), engines)
+    settings["fused 2 drafters, width 1"] = (RouterSettings(drafters_per_request=2, tree_width=1, adaptive_k=False), engines)
+    settings["fused 2 drafters, width 3"] = (RouterSettings(drafters_per_request=2, tree_width=3, adaptive_k=False), engines)
+    settings["fused 3 drafters, width 3"] = (RouterSettings(drafters_per_request=3, tree_width=3, adaptive_k=False), engines)
     rows = {}
     for name, (config, pool) in settings.items():
         t0 = time.perf_counter()

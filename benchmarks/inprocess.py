@@ -123,7 +123,8 @@ class Setup:
         return cls(verifier, engines, zoo.acceptance, zoo.lexicon, zoo.lookup_corpus)
 
     def core(self, fuse_locally: bool = True, round_trip_s: float = 0.0) -> Any:
-        from services.router.core import RouterConfig, RouterCore
+        from services.router.core import RouterCore
+        from services.router.settings import RouterSettings
         from services.router.inprocess import LocalDrafterPool, LocalVerifier
         from services.router.lexicon import DomainLexicon
         from common.spec.lookup_corpus import DomainCorpora
@@ -150,7 +151,7 @@ class Setup:
         async def load_corpus(version: int) -> tuple[int, Any] | None:
             return None if version else (1, corpora)
 
-        return RouterCore(RouterConfig(), LocalDrafterPool(self.drafters, fuse_locally=fuse_locally),
+        return RouterCore(RouterSettings(), LocalDrafterPool(self.drafters, fuse_locally=fuse_locally),
                           LocalVerifier(self.verifier, round_trip_s=round_trip_s),
                           profiles=profiles, load_lexicon=load_lexicon if self.lexicon else None,
                           record_lexicon=record_lexicon if self.lexicon else None,

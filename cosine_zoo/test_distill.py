@@ -43,7 +43,8 @@ def test_rebuild_skips_finished_stages_and_reproduces_figures(tiny_distilled_zoo
 def test_distilled_drafters_serve_losslessly(tiny_distilled_zoo):
     """Router core with the distilled (reduced-vocabulary) drafters: output equals the target's greedy decode."""
     from common.runtime.drafter_engine import DrafterEngine
-    from services.router.core import RouterConfig, RouterCore
+    from services.router.core import RouterCore
+    from services.router.settings import RouterSettings
     from services.router.inprocess import LocalDrafterPool, LocalVerifier
     from services.router.test_core import generate_all
     from common.runtime.verifier_engine import VerifierEngine
@@ -57,7 +58,7 @@ def test_distilled_drafters_serve_losslessly(tiny_distilled_zoo):
     tok = load_tokenizer(zoo.tokenizer_path)
     prompts = {f"{d}-{i}": tok(text)["input_ids"] for d, texts in zoo.prompts.items() for i, text in enumerate(texts[:1])}
     expected = hf_greedy(zoo.target.path, prompts, 16)
-    for config in (RouterConfig(drafters_per_request=2, tree_width=3), RouterConfig(fusion="chunk")):
+    for config in (RouterSettings(drafters_per_request=2, tree_width=3), RouterSettings(fusion="chunk")):
         core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
         assert asyncio.run(generate_all(core, prompts, 16)) == expected
         assert core.counters.rounds > 0

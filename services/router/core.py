@@ -52,7 +52,7 @@ from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupNodes
-from common.spec.lookup_corpus import CorpusLoader
+from services.corpus import CorpusLoader
 from services.router.lookup_drafting import LookupDrafting
 from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item
 from common.spec.fusion import DraftTree
@@ -70,9 +70,9 @@ from services.router.requests import (
     Request,
     RequestFailed,
     RequestStats,
-    RouterConfig,
     VerifierBackend,
 )
+from services.router.settings import RouterSettings
 from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
 from services.router.resume import backoff_s, mark_for_resume
@@ -82,7 +82,7 @@ from services.router.scheduler import PLAIN_STREAK, Candidate, LoadControl, pick
 # the names the servicer, the benchmarks and the tests import from here
 __all__ = [
     "FINISH_CANCELLED", "FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Counters", "DrafterPool", "Event",
-    "ProfileSink", "ProfileSource", "Request", "RequestFailed", "RequestStats", "RouterConfig", "RouterCore",
+    "ProfileSink", "ProfileSource", "Request", "RequestFailed", "RequestStats", "RouterCore",
     "VerifierBackend", "common_prefix", "infer_domain", "sync_item",
 ]
 
@@ -96,7 +96,7 @@ CATCH_UP_TOKENS = 16
 class RouterCore(OffPathDrafting):
     def __init__(
         self,
-        config: RouterConfig,
+        config: RouterSettings,
         drafters: DrafterPool,
         verifier: VerifierBackend,
         profiles: ProfileSource | None = None,
@@ -285,7 +285,7 @@ class RouterCore(OffPathDrafting):
         waited = any(selected.values())  # a drafter model was asked, and this round waited for it
         for rid, got in ahead.items():
             trees[rid], selected[rid] = got.tree, list(got.selected)
-        lookups = {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch} if self.config.lookup and self.config.speculate else {}
+        lookups = {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch} if self.config.lookup_drafts and self.config.speculate else {}
         # a request that left the pool since the latest round began freed a slot that its client (in
         # a closed loop) refills within a round trip: unless the batch is full again, this round
         # decodes one step, so that the next request joins after one pass, not after all the steps

@@ -17,7 +17,8 @@ from common.spec.types import DraftItem
 from services.router.drafting import Drafting, sync_item
 from services.router.lexicon import DomainLexicon
 from services.router.matching import match_draft_results
-from services.router.requests import Counters, ProfileSource, Request, RouterConfig
+from services.router.requests import Counters, ProfileSource, Request
+from services.router.settings import RouterSettings
 from services.router.routing import RoutingVector
 
 
@@ -38,7 +39,7 @@ class RequestRouting:
     """Seeds the routing vectors of new drafting requests (domain signal + expertise profiles) and
     follows drafter membership for the others."""
 
-    def __init__(self, config: RouterConfig, drafting: Drafting, lexicon: DomainLexicon, counters: Counters,
+    def __init__(self, config: RouterSettings, drafting: Drafting, lexicon: DomainLexicon, counters: Counters,
                  profiles: ProfileSource | None, shared: SharedLexicon | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config

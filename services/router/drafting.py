@@ -27,7 +27,8 @@ from common.spec.fusion import DraftTree, fuse_chains
 from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing, TokenFusion
 from services.router.lookup import LOOKUP_ID
 from services.router.matching import match_draft_results
-from services.router.requests import DrafterPool, Request, RouterConfig
+from services.router.requests import DrafterPool, Request
+from services.router.settings import RouterSettings
 
 log = get_logger("router")
 
@@ -84,7 +85,7 @@ def extras_seconds(selected: Mapping[str, Sequence[str]], draft_s: float) -> flo
 class Drafting:
     """Drafts the trees of a round through a :class:`~services.router.requests.DrafterPool`."""
 
-    def __init__(self, config: RouterConfig, drafters: DrafterPool, control: SpeculationControl,
+    def __init__(self, config: RouterSettings, drafters: DrafterPool, control: SpeculationControl,
                  clock: Callable[[], float]) -> None:
         self.config = config
         self.drafters = drafters

@@ -28,7 +28,7 @@ in which fewer first nodes were accepted than drafting needs (up to 64), and fal
 one that paid: a change of load or of text turns drafting back on, and probes never cost much more
 than they find.
 
-Probes are also held to a share of the router's time (``--probe-share``, :attr:`RouterConfig.probe_share`): a probe round's drafter time
+Probes are also held to a share of the router's time (``--probe-share``, :attr:`RouterSettings.probe_share`): a probe round's drafter time
 (mostly the catch-up of each probing request) is charged, and the next probe round waits until that
 time is the share of the time since (:meth:`DraftGate.charge_probes`). Under load the catch-ups are
 long (a request that last drafted a hundred tokens ago) and, where the drafters share the verifier's
@@ -48,7 +48,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.router.control import SpeculationControl
-from services.router.requests import Request, RouterConfig
+from services.router.requests import Request
+from services.router.settings import RouterSettings
 
 PROBE_EVERY, MAX_PROBE_EVERY = 8, 64  # rounds between probe rounds (see the module docstring)
 PROBE_SLOTS = 1  # requests of one domain that probe in one probe round
@@ -81,11 +82,11 @@ class DomainRecord:
 
 
 class DraftGate:
-    def __init__(self, config: RouterConfig, control: SpeculationControl, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: RouterSettings, control: SpeculationControl, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.control = control
         self.clock = clock
-        self.probes_open_at = 0.0  # the clock time from which a probe may be granted (RouterConfig.probe_share)
+        self.probes_open_at = 0.0  # the clock time from which a probe may be granted (RouterSettings.probe_share)
         self._theta = 0.0  # the threshold of the current round's decisions
         # first-node thresholds by (batch size, pipelined, chain) for one round's decisions, which
         # price every request alike but for its chain; cleared by :meth:`new_round`
@@ -105,7 +106,7 @@ class DraftGate:
 
     def record(self, domain: str) -> DomainRecord:
         """The record a request of ``domain`` is gated by (created for a domain's first request)."""
-        if not domain or not self.config.gate_by_domain:
+        if not domain or not self.config.domain_gate:
             return self.overall
         return self.domains.setdefault(domain, DomainRecord())
 
@@ -144,7 +145,7 @@ class DraftGate:
     def charge_probes(self, seconds: float, probes: int, requests: int) -> None:
         """A drafter call of ``seconds`` for ``requests`` requests, ``probes`` of them probing: the
         probes' share of it is charged, and the next probe waits until that is the configured share
-        (:attr:`RouterConfig.probe_share`) of the time since (charges add up when probe rounds' drafting overlaps)."""
+        (:attr:`RouterSettings.probe_share`) of the time since (charges add up when probe rounds' drafting overlaps)."""
         if seconds > 0 and probes > 0:
             charged = seconds * probes / max(requests, probes)
             self.probes_open_at = max(self.probes_open_at, self.clock()) + charged / self.config.probe_share

@@ -13,19 +13,21 @@ from common.spec.fusion import DraftTree
 from services.router.control import SpeculationControl
 from services.router.gate import gate_domain
 from services.router.lookup import CORPUS, CORPUS_MAX_MATCH, TEXT, LookupCalibration, LookupNodes, add_lookup_chain, lookup_only
-from common.spec.lookup_corpus import CorpusLoader, DomainCorpora, keep_corpus_loaded
-from services.router.requests import Counters, Request, RouterConfig
+from common.spec.lookup_corpus import DomainCorpora
+from services.corpus import CorpusLoader, keep_corpus_loaded
+from services.router.requests import Counters, Request
+from services.router.settings import RouterSettings
 
 
 class LookupDrafting:
-    def __init__(self, config: RouterConfig, control: SpeculationControl, counters: Counters,
+    def __init__(self, config: RouterSettings, control: SpeculationControl, counters: Counters,
                  load_corpus: CorpusLoader | None = None):
         self.config = config
         self.control = control
         self.counters = counters
         self.calibration = LookupCalibration(max_ngram=config.lookup_max_ngram)
         self.corpus: DomainCorpora | None = None  # the lookup corpus, once loaded
-        self.load_corpus = load_corpus if config.lookup and config.lookup_corpus else None
+        self.load_corpus = load_corpus if config.lookup_drafts and config.lookup_corpus else None
 
     async def keep_corpus_loaded(self, closed: Callable[[], bool], every_s: float = 2.0) -> None:
         """Load the lookup corpus, and again whenever it is seeded anew, until ``closed()``."""
@@ -53,7 +55,7 @@ class LookupDrafting:
     @property
     def drafts_at_steps(self) -> bool:
         """The verifier drafts at plain steps as the lookup drafter would (``VerifyItem.step_lookup``)."""
-        return self.config.step_lookup and self.config.lookup and self.config.speculate
+        return self.config.step_lookup and self.config.lookup_drafts and self.config.speculate
 
     def forfeits_steps(self, batch: Sequence[Request], trees: Mapping[str, DraftTree],
                        lookups: Mapping[str, Sequence[LookupNodes]]) -> bool:

@@ -25,9 +25,9 @@ from services.router.requests import (
     Event,
     Request,
     RequestFailed,
-    RouterConfig,
     VerifierBackend,
 )
+from services.router.settings import RouterSettings
 from services.router.scheduler import SpeculationLength
 
 log = get_logger("router")
@@ -36,7 +36,7 @@ log = get_logger("router")
 class RequestPool:
     """The pool part of :class:`services.router.core.RouterCore`, which sets these attributes."""
 
-    config: RouterConfig
+    config: RouterSettings
     limits: SubmitLimits | None
     clock: Callable[[], float]
     requests: dict[str, Request]
@@ -57,7 +57,7 @@ class RequestPool:
             raise RequestFailed(f"request_id: request {request_id} is already running", "already_exists")
         if len(self.requests) >= self.config.max_queue:
             raise RequestFailed(f"router queue is full ({self.config.max_queue} requests)", "resource_exhausted")
-        guess = domain_hint or (self.routing.guess(prompt) if self.config.gate_by_domain else "")
+        guess = domain_hint or (self.routing.guess(prompt) if self.config.domain_gate else "")
         req = Request(
             request_id=request_id, prompt=tuple(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
             stop_ids=frozenset(stop_ids), domain=domain_hint, domain_guess=guess,

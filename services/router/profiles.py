@@ -18,7 +18,8 @@ import asyncio
 from collections.abc import Sequence
 
 from services.router.lexicon import DomainLexicon
-from common.spec.lookup_corpus import DomainCorpora, corpus_from_store
+from common.spec.lookup_corpus import DomainCorpora
+from services.corpus import corpus_from_store
 
 from common.logs import get_logger
 from common.platform.store import Store, StoreUnavailable, sum_acceptance
@@ -78,7 +79,7 @@ class ProfileStore:
 
     async def corpus(self, known_version: int) -> tuple[int, DomainCorpora | None] | None:
         """The lookup corpus seeded into Redis, when its version differs from ``known_version``
-        (:func:`~common.spec.lookup_corpus.corpus_from_store`)."""
+        (:func:`~services.corpus.corpus_from_store`)."""
         return await corpus_from_store(self.store, known_version)
 
     async def learned(self, domain: str, prompt: Sequence[int]) -> None:

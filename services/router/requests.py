@@ -61,52 +61,6 @@ ProfileSource = Callable[[Sequence[str], str], Awaitable[dict[str, float]]]
 ProfileSink = Callable[[list[tuple[str, str, float, float]]], Awaitable[None]]
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    min_k: int = 1
-    max_k: int = 8
-    initial_k: int = 4
-    tree_width: int = 3
-    drafters_per_request: int = 2
-    fusion: str = "chunk"  # chunk | token (measured: chunk is as fast at one client and faster under load; README)
-    local_fusion: bool = True  # token fusion of a request inside the drafter process that hosts all its drafters
-    routing: bool = True
-    explore_threshold: float = 0.5
-    rounds_in_flight: int = 2
-    max_batch_requests: int = 16
-    verify_token_budget: int = 1024
-    max_queue: int = 1024
-    adaptive_k: bool = True
-    all_drafters: bool = False  # every live drafter drafts every request (SpecInfer-style)
-    cost_control: bool = True  # verify/draft only the nodes that pay (services.router.control)
-    draft_pricing: bool = True  # a request drafts only when its first node also repays the drafters' time
-    pipeline_control: bool = True  # a second round in flight only while drafting outlasts the verifier's pass
-    draft_ahead: bool = True  # with cost control, drafting and new prompts' scoring run while other requests are verified
-    lookup: bool = True  # the lookup drafter proposes from the request's own text (services.router.lookup)
-    lookup_max_ngram: int = 4
-    lookup_corpus: bool = True  # and from the lookup corpus, when one is loaded (common.spec.lookup_corpus)
-    speculate: bool = True  # False: plain decoding of the target (no drafter is ever called)
-    domain_detection: str = "lexicon"  # lexicon (learned from drafter scores, then no passes) | drafters (always score)
-    gate_by_domain: bool = True  # the draft gate keeps its records per domain (services.router.gate)
-    probe_share: float = 0.03  # the most of the router's time probes' drafting may take (services.router.gate)
-    plain_steps: int = 4  # a round that drafts nothing: tokens the verifier decodes before it answers (scheduler.plain_steps)
-    step_lookup: bool = True  # with lookup on, the verifier drafts from the request's text at each plain step (VerifyItem.step_lookup)
-
-    @classmethod
-    def from_settings(cls, s: Any) -> RouterConfig:
-        return cls(
-            min_k=s.min_k, max_k=s.max_k, initial_k=s.initial_k, tree_width=s.tree_width,
-            drafters_per_request=s.drafters_per_request, fusion=s.fusion, local_fusion=s.local_fusion, routing=s.routing,
-            explore_threshold=s.explore_threshold, rounds_in_flight=s.rounds_in_flight,
-            max_batch_requests=s.max_batch_requests, verify_token_budget=s.verify_token_budget, max_queue=s.max_queue,
-            adaptive_k=s.adaptive_k, all_drafters=s.all_drafters, cost_control=s.cost_control, draft_pricing=s.draft_pricing,
-            pipeline_control=s.pipeline_control, draft_ahead=s.draft_ahead, lookup=s.lookup_drafts, lookup_max_ngram=s.lookup_max_ngram,
-            lookup_corpus=s.lookup_corpus,
-            speculate=s.speculate, domain_detection=s.domain_detection, gate_by_domain=s.domain_gate,
-            probe_share=s.probe_share, plain_steps=s.plain_steps, step_lookup=s.step_lookup,
-        )
-
-
 @dataclass
 class RequestStats:
     rounds: int = 0  # the verify passes it was in (a round's plain steps count one each)

@@ -18,7 +18,8 @@ from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.convert import sampling_from_pb
 from services.router.admission import SubmitLimits
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
-from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterConfig, RouterCore
+from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterCore
+from services.router.settings import RouterSettings
 from services.router.metrics import RouterMetrics
 from services.router.profiles import ProfileStore
 from services.router.settings import RouterSettings
@@ -170,7 +171,7 @@ class RouterApp:
         self.pool.start()
         prior_weight = self.settings.profile_prior_weight
         profiles = ProfileStore(self.store)  # a Redis outage costs priors for a while, never a request
-        self.core = RouterCore(RouterConfig.from_settings(self.settings), self.pool, verifier, metrics=self.spec_metrics,
+        self.core = RouterCore(self.settings, self.pool, verifier, metrics=self.spec_metrics,
                                profiles=profiles.priors, record=profiles.record,
                                load_lexicon=profiles.lexicon if self.settings.shared_lexicon else None,
                                record_lexicon=profiles.learned if self.settings.shared_lexicon else None,

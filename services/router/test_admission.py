@@ -10,7 +10,8 @@ import pytest
 
 from common.spec.types import SamplingParams
 from services.router.admission import SubmitLimits, check_submission
-from services.router.core import RequestFailed, RouterConfig, RouterCore
+from services.router.core import RequestFailed, RouterCore
+from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool
 
 LIMITS = SubmitLimits(vocab_size=100, max_context=32)
@@ -56,7 +57,7 @@ def test_valid_submissions_pass_and_limits_are_optional():
 
 def test_a_refused_submission_never_enters_the_pool():
     async def body():
-        core = RouterCore(RouterConfig(), LocalDrafterPool({}), verifier=None, limits=LIMITS)
+        core = RouterCore(RouterSettings(), LocalDrafterPool({}), verifier=None, limits=LIMITS)
         with pytest.raises(RequestFailed):
             core.submit("r", [1, 500], 4, SamplingParams())
         assert core.requests == {}

@@ -14,7 +14,8 @@ import structlog
 import structlog.testing
 
 from common.spec.types import GREEDY, SamplingParams
-from services.router.core import RouterConfig, RouterCore, common_prefix, sync_item
+from services.router.core import RouterCore, common_prefix, sync_item
+from services.router.settings import RouterSettings
 from services.router.domain import detect_domains
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.conftest import MAX_NEW
@@ -49,18 +50,18 @@ async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new:
 
 
 CONFIGS = {
-    "token-fusion-2-drafters": RouterConfig(drafters_per_request=2, fusion="token", tree_width=3, rounds_in_flight=2),
-    "token-fusion-width-1": RouterConfig(drafters_per_request=1, fusion="token", tree_width=1, rounds_in_flight=1, max_batch_requests=2),
-    "chunk-fusion": RouterConfig(drafters_per_request=2, fusion="chunk", rounds_in_flight=2),
-    "all-drafters-no-routing": RouterConfig(all_drafters=True, routing=False, adaptive_k=False, initial_k=3),
-    "tight-budget": RouterConfig(drafters_per_request=3, fusion="token", verify_token_budget=8, max_k=8, initial_k=6),
-    "no-cost-control": RouterConfig(drafters_per_request=2, fusion="token", tree_width=3, cost_control=False),
-    "chunk-no-cost-control": RouterConfig(drafters_per_request=2, fusion="chunk", cost_control=False),
-    "no-speculation": RouterConfig(speculate=False),
+    "token-fusion-2-drafters": RouterSettings(drafters_per_request=2, fusion="token", tree_width=3, rounds_in_flight=2),
+    "token-fusion-width-1": RouterSettings(drafters_per_request=1, fusion="token", tree_width=1, rounds_in_flight=1, max_batch_requests=2),
+    "chunk-fusion": RouterSettings(drafters_per_request=2, fusion="chunk", rounds_in_flight=2),
+    "all-drafters-no-routing": RouterSettings(all_drafters=True, routing=False, adaptive_k=False, initial_k=3),
+    "tight-budget": RouterSettings(drafters_per_request=3, fusion="token", verify_token_budget=8, max_k=8, initial_k=6),
+    "no-cost-control": RouterSettings(drafters_per_request=2, fusion="token", tree_width=3, cost_control=False),
+    "chunk-no-cost-control": RouterSettings(drafters_per_request=2, fusion="chunk", cost_control=False),
+    "no-speculation": RouterSettings(speculate=False),
     # the drafters alone under cost control; the draft gate prices the drafters' time too, and with the
     # tiny test models a drafter step can cost more than a verify pass, so on a loaded machine the gate
     # may rightly turn drafting off and leave nothing speculative to check: here it prices rows only
-    "no-lookup": RouterConfig(drafters_per_request=2, tree_width=3, lookup=False, draft_pricing=False),
+    "no-lookup": RouterSettings(drafters_per_request=2, tree_width=3, lookup_drafts=False, draft_pricing=False),
 }
 
 
@@ -83,7 +84,7 @@ def test_router_output_equals_target_greedy(name, engines, reference):
             assert core.counters.draft_tokens > 0 and core.counters.accepted_tokens > 0
     else:  # plain decoding: no drafter was ever asked, and the lookup drafter proposed nothing
         assert core.counters.draft_tokens == 0 and not any(pool.calls.values())
-    if not CONFIGS[name].lookup or not CONFIGS[name].speculate:
+    if not CONFIGS[name].lookup_drafts or not CONFIGS[name].speculate:
         assert core.counters.lookup_tokens == 0
     # every cache was freed
     assert verifier.active_requests == 0
@@ -99,7 +100,7 @@ def test_rounds_with_two_drafters_per_request_price_the_second(engines, referenc
     # probes on every interval: the tiny engines' catch-ups cost several rounds each, and the share
     # of time a router lets probes take would leave this short run one probe; a round a token (no
     # plain steps), so that rounds come often enough to probe
-    config = RouterConfig(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup=False, probe_share=1.0, plain_steps=1)
+    config = RouterSettings(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup_drafts=False, probe_share=1.0, plain_steps=1)
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
     assert core.counters.draft_tokens > 0
@@ -110,7 +111,7 @@ def test_dead_drafter_does_not_fail_its_requests(engines, reference):
     verifier, drafters = engines
     prompts, expected = reference
     pool = LocalDrafterPool(drafters, fail_after={"near": 2, "self": 3})
-    core = RouterCore(RouterConfig(drafters_per_request=2), pool, LocalVerifier(verifier))
+    core = RouterCore(RouterSettings(drafters_per_request=2), pool, LocalVerifier(verifier))
     got = asyncio.run(generate_all(core, prompts, MAX_NEW))
     assert got == expected
     assert set(pool.failed) == {"near", "self"}
@@ -123,7 +124,7 @@ def test_dead_drafter_does_not_fail_its_requests(engines, reference):
 def test_no_drafter_falls_back_to_plain_decoding(engines, reference):
     verifier, _ = engines
     prompts, expected = reference
-    core = RouterCore(RouterConfig(lookup=False), LocalDrafterPool({}), LocalVerifier(verifier))
+    core = RouterCore(RouterSettings(lookup_drafts=False), LocalDrafterPool({}), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert core.counters.draft_tokens == 0
 
@@ -133,7 +134,7 @@ def test_every_round_logs_its_rows_prompt_rows_and_committed_tokens_at_debug_lev
     every committed token is counted once, and a pass has at least a row per request."""
     verifier, drafters = engines
     prompts, expected = reference
-    core = RouterCore(RouterConfig(drafters_per_request=2, fusion="chunk"), LocalDrafterPool(drafters), LocalVerifier(verifier))
+    core = RouterCore(RouterSettings(drafters_per_request=2, fusion="chunk"), LocalDrafterPool(drafters), LocalVerifier(verifier))
     saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
     try:
@@ -162,7 +163,7 @@ def test_the_lookup_drafter_alone_speeds_up_repetitive_text_losslessly(engines, 
     phrases = make_prompts(4, verifier.runner.vocab_size, seed=5)
     prompts = {rid: (p[:5] * 4) for rid, p in phrases.items()}
     expected = hf_greedy(llama_target, prompts, MAX_NEW)
-    core = RouterCore(RouterConfig(rounds_in_flight=rounds_in_flight, cost_control=False, plain_steps=1), LocalDrafterPool({}),
+    core = RouterCore(RouterSettings(rounds_in_flight=rounds_in_flight, cost_control=False, plain_steps=1), LocalDrafterPool({}),
                       LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert core.counters.lookup_accepted > 0
@@ -177,7 +178,7 @@ def test_with_no_drafter_model_live_nothing_is_routed_ahead_and_plain_steps_stil
     (no plain steps) and marked every pass as run beside drafter work. Output is the target's own."""
     verifier, _ = engines
     prompts, expected = reference
-    core = RouterCore(RouterConfig(rounds_in_flight=1, plain_steps=4), LocalDrafterPool({}), LocalVerifier(verifier))
+    core = RouterCore(RouterSettings(rounds_in_flight=1, plain_steps=4), LocalDrafterPool({}), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert core.counters.routed_ahead == 0
     assert core.counters.plain_step_passes > 0
@@ -206,14 +207,14 @@ def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_f
     overhead = {}
     for name, delay_s in (("near", 0.0), ("far", 0.03)):
         told.clear()
-        config = RouterConfig(rounds_in_flight=1, plain_steps=4, step_lookup=False)
+        config = RouterSettings(rounds_in_flight=1, plain_steps=4, step_lookup=False)
         core = RouterCore(config, LocalDrafterPool({}), LocalVerifier(verifier, round_trip_s=delay_s))
         assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
         assert len(told) > 1 and max(steps for _, steps in told) == 4
         overhead[name] = told[-1][0]
     assert overhead["far"] >= 0.025 and 0 < overhead["near"] < overhead["far"]
     told.clear()
-    core = RouterCore(RouterConfig(rounds_in_flight=1, plain_steps=4), LocalDrafterPool({}), LocalVerifier(verifier))
+    core = RouterCore(RouterSettings(rounds_in_flight=1, plain_steps=4), LocalDrafterPool({}), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert told and all(steps == 1 for _, steps in told) and core.counters.plain_step_passes > 0
 
@@ -255,7 +256,7 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
         # routed inline (not while it decodes plainly: here scoring outlasts the whole request)
         # a token a round in both runs, so both have the same rounds and probes (plain steps would fold
         # the rounds of a request that stopped drafting, and its probes with them)
-        config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing, draft_ahead=False,
+        config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing, draft_ahead=False,
                               fusion="token", plain_steps=1)
         core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
         assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
@@ -282,7 +283,7 @@ def test_probes_of_a_request_the_gate_turned_down_take_at_most_their_share_of_th
 
     def run(probe_share: float) -> tuple[list[int], float, float]:
         pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
-        config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_ahead=False, fusion="token",
+        config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_ahead=False, fusion="token",
                               probe_share=probe_share)
         core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
         t0 = time.monotonic()
@@ -335,7 +336,7 @@ def test_a_second_round_is_in_flight_only_while_drafting_outlasts_verifying(engi
     pool = SlowDrafterPool({"small" if slow_verifier else "self": drafters["small" if slow_verifier else "self"]},
                            delay_s=0.0 if slow_verifier else 0.04)
     backend = SlowVerifier(verifier, delay_s=0.04 if slow_verifier else 0.0)
-    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=2, draft_pricing=False, draft_ahead=False)
+    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=2, draft_pricing=False, draft_ahead=False)
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     later = backend.in_flight[6:]
@@ -357,7 +358,7 @@ def test_drafting_requests_draft_while_the_rest_of_their_round_is_verified(engin
     prompts, expected = reference
     pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, draft_ahead=ahead)
+    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, draft_ahead=ahead)
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     turned_down = set(sorted(prompts)[::2])
     gate = core.gate.drafts
@@ -386,7 +387,7 @@ def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engi
     prompts, expected = reference
     pool = SlowDrafterPool(drafters, delay_s=0.05 if max_new == MAX_NEW else 0.5)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
+    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, max_new, drain=True))
     assert got == {rid: toks[:max_new] for rid, toks in expected.items()}
@@ -419,7 +420,7 @@ def test_new_requests_first_pass_does_not_wait_for_their_drafters_to_read_their_
 
     pool = RecordingPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterConfig(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
+    config = RouterSettings(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, MAX_NEW, drain=True))
     assert got == expected
@@ -454,7 +455,7 @@ def test_drafters_left_behind_by_plain_rounds_catch_up_beside_a_pass(engines, re
     pool = RecordingPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
     # (the lookup drafter's rounds without steps, so each plain token is a round of its own as the gate sees it)
-    config = RouterConfig(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False,
+    config = RouterSettings(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False,
                           fusion="token", step_lookup=False)
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     gate = core.gate.drafts
@@ -481,7 +482,7 @@ def test_a_lone_new_request_is_scored_before_its_first_pass(engines, reference):
     rid = sorted(prompts)[0]
     pool = SlowDrafterPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterConfig(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
+    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
     assert core.counters.routed_ahead == 0 and core.counters.domains_by_drafters == 1
@@ -498,7 +499,7 @@ def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference)
     text = {rid: prompts[rid] + expected[rid] for rid in prompts}
 
     async def body():
-        core = RouterCore(RouterConfig(), LocalDrafterPool({"near": drafters["near"], "small": drafters["small"]}), LocalVerifier(verifier))
+        core = RouterCore(RouterSettings(), LocalDrafterPool({"near": drafters["near"], "small": drafters["small"]}), LocalVerifier(verifier))
         reqs = [core.submit(rid, t, 4, GREEDY) for rid, t in text.items()]
         await detect_domains(core.drafting, reqs, ["near", "small"])
         for r in reqs:
@@ -513,7 +514,7 @@ def test_cancel_frees_caches(engines, reference):
     prompts, _ = reference
 
     async def body():
-        core = RouterCore(RouterConfig(), LocalDrafterPool(drafters), LocalVerifier(verifier))
+        core = RouterCore(RouterSettings(), LocalDrafterPool(drafters), LocalVerifier(verifier))
         core.start()
         req = core.submit("c1", prompts["r1"], 200, GREEDY)
         await asyncio.wait_for(req.events.get(), 60)  # first round done
@@ -566,7 +567,7 @@ def test_verifier_restart_resumes_every_request_with_identical_output(engines, r
     verifier, drafters = engines
     prompts, expected = reference
     backend = RestartingVerifier(verifier)
-    core = RouterCore(RouterConfig(drafters_per_request=2), LocalDrafterPool(drafters), backend)
+    core = RouterCore(RouterSettings(drafters_per_request=2), LocalDrafterPool(drafters), backend)
     got = asyncio.run(generate_all(core, prompts, MAX_NEW))
     assert backend.n > 6  # both failures happened while requests were running
     assert got == expected
@@ -581,8 +582,8 @@ def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(en
     prompts, expected = reference
     rids = sorted(prompts)
     sampled = set(rids[1::2])
-    config = RouterConfig(drafters_per_request=2, fusion="token", tree_width=2, rounds_in_flight=1, draft_ahead=False,
-                          lookup=False, probe_share=1.0, plain_steps=1)
+    config = RouterSettings(drafters_per_request=2, fusion="token", tree_width=2, rounds_in_flight=1, draft_ahead=False,
+                          lookup_drafts=False, probe_share=1.0, plain_steps=1)
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     prior = sum(core.control.sampled_calibration.seen)
 

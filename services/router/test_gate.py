@@ -7,7 +7,8 @@ import pytest
 from common.spec.types import GREEDY
 from services.router.control import SpeculationControl
 from services.router.gate import FIRST_ACCEPT_START, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_SLOTS, DraftGate, probe_order
-from services.router.requests import Request, RouterConfig
+from services.router.requests import Request
+from services.router.settings import RouterSettings
 
 
 def request(rid: str, first_accept: float, domain: str = "", guess: str = "") -> Request:
@@ -23,18 +24,18 @@ def loaded_control() -> SpeculationControl:
 
 
 def test_a_request_drafts_only_while_its_first_node_pays_and_is_probed_on_the_interval():
-    gate = DraftGate(RouterConfig(), loaded_control())
+    gate = DraftGate(RouterSettings(), loaded_control())
     good, poor = request("good", 0.99), request("poor", 0.01)
     assert gate.drafts(good, 16, round_index=3, pipelined=False)
     assert not gate.drafts(poor, 16, round_index=3, pipelined=False) and not poor.probing
     assert gate.drafts(poor, 16, round_index=PROBE_EVERY, pipelined=False) and poor.probing
     # without cost control everyone drafts; without speculation nobody does
-    assert DraftGate(RouterConfig(cost_control=False), loaded_control()).drafts(poor, 16, 3, False)
-    assert not DraftGate(RouterConfig(speculate=False), loaded_control()).drafts(good, 16, PROBE_EVERY, False)
+    assert DraftGate(RouterSettings(cost_control=False), loaded_control()).drafts(poor, 16, 3, False)
+    assert not DraftGate(RouterSettings(speculate=False), loaded_control()).drafts(good, 16, PROBE_EVERY, False)
 
 
 def test_the_first_node_record_counts_a_draft_the_pass_left_out_as_a_rejection():
-    gate = DraftGate(RouterConfig(), loaded_control())
+    gate = DraftGate(RouterSettings(), loaded_control())
     r = request("r", 0.5)
     gate.observe(r, drafted=True, verified_model_nodes=True, first_accepted_is_model=True)
     assert r.first_accept == pytest.approx(0.65)
@@ -46,7 +47,7 @@ def test_the_first_node_record_counts_a_draft_the_pass_left_out_as_a_rejection()
 
 
 def test_probe_rounds_back_off_while_they_find_nothing_and_reset_once_they_pay():
-    gate = DraftGate(RouterConfig(), loaded_control())
+    gate = DraftGate(RouterSettings(), loaded_control())
     intervals = []
     round_index = 0
     for _ in range(5):  # probe rounds whose first nodes are all rejected
@@ -70,7 +71,7 @@ def test_probe_rounds_back_off_while_they_find_nothing_and_reset_once_they_pay()
 
 
 def test_a_new_request_starts_from_what_drafting_did_for_the_recent_ones():
-    gate = DraftGate(RouterConfig(), loaded_control())
+    gate = DraftGate(RouterSettings(), loaded_control())
     start = gate.first_accept_prior
     for i in range(60):  # under this load the drafters' first nodes keep missing
         gate.observe(request(f"m{i}", 0.5), drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
@@ -87,7 +88,7 @@ def test_misses_on_one_domain_do_not_turn_drafting_off_for_another(by_domain):
     """A mixed stream: the drafters' first nodes keep missing on chat and hit on arithmetic. Per
     domain, a new arithmetic request starts from arithmetic's record and drafts, a new chat request
     does not; with one record for every request, the chat misses turn the arithmetic newcomer off too."""
-    gate = DraftGate(RouterConfig(gate_by_domain=by_domain), loaded_control())
+    gate = DraftGate(RouterSettings(domain_gate=by_domain), loaded_control())
     for i in range(40):
         chat = request(f"c{i}", 0.5, domain="chat")
         gate.observe(chat, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
@@ -107,7 +108,7 @@ def test_misses_on_one_domain_do_not_turn_drafting_off_for_another(by_domain):
 
 def test_probes_back_off_per_domain():
     """Probes that keep missing on chat space out chat's probes only; code's stay every 8 rounds."""
-    gate = DraftGate(RouterConfig(), loaded_control())
+    gate = DraftGate(RouterSettings(), loaded_control())
     for round_index in (8, 16, 32):
         batch = [request(f"c{round_index}-{i}", 0.01, domain="chat") for i in range(4)]
         batch += [request(f"k{round_index}-{i}", 0.01, guess="code") for i in range(4)]
@@ -129,7 +130,7 @@ def test_a_probe_round_probes_one_request_a_domain_and_the_requests_take_turns()
     """Sixteen turned-down requests of two domains: each probe round drafts for one of each domain
     (a probe catches a request's drafters up on everything committed since it last drafted, so all
     of them at once would stall the batch), the least recently probed one, until every one had its turn."""
-    gate = DraftGate(RouterConfig(), loaded_control())
+    gate = DraftGate(RouterSettings(), loaded_control())
     batch = [request(f"c{i}", 0.01, guess="chat") for i in range(8)] + [request(f"k{i}", 0.01, guess="code") for i in range(8)]
     turns: list[list[str]] = []
     for round_index in range(PROBE_EVERY, 9 * PROBE_EVERY, PROBE_EVERY):
@@ -149,7 +150,7 @@ def test_probes_take_at_most_their_share_of_the_time_and_domains_still_probe_tog
     whatever the round intervals say, and a closed window does not use up a domain's slot: on the
     first probe round after it, every domain probes again, together."""
     now = [100.0]
-    gate = DraftGate(RouterConfig(probe_share=0.03), loaded_control(), clock=lambda: now[0])
+    gate = DraftGate(RouterSettings(probe_share=0.03), loaded_control(), clock=lambda: now[0])
 
     def probes(round_index: int) -> list[str]:
         batch = [request(f"{d}{round_index}", 0.01, guess=d) for d in ("chat", "code")]

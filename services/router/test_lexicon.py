@@ -11,7 +11,8 @@ import pytest
 from common.spec.types import GREEDY
 from common.platform.store import Store
 from services.router import domain as domain_module
-from services.router.core import RouterConfig, RouterCore
+from services.router.core import RouterCore
+from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool
 from services.router.lexicon import DomainLexicon
 from services.router.profiles import ProfileStore
@@ -95,7 +96,7 @@ def test_router_scores_with_drafters_only_until_the_lexicon_agrees(scored):
     rng = random.Random(4)
     for detection in ("lexicon", "drafters"):
         scored.clear()
-        core = RouterCore(RouterConfig(domain_detection=detection), LocalDrafterPool({}), None)
+        core = RouterCore(RouterSettings(domain_detection=detection), LocalDrafterPool({}), None)
         reqs = [core.submit(f"{detection}-{i}", prompt(("code", "prose")[i % 2], rng), 4, GREEDY) for i in range(60)]
 
         async def detect_one_by_one():
@@ -128,7 +129,7 @@ def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(scored
     async def body():
         store = Store.from_url(redis_url, prefix=redis_prefix)
         profiles = ProfileStore(store)
-        core = RouterCore(RouterConfig(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
+        core = RouterCore(RouterSettings(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
         await store.seed_lexicon(seed)
         reqs = [core.submit(f"r{i}", prompt(("code", "prose")[i % 2], rng), 4, GREEDY) for i in range(24)]
         vague = core.submit("vague", [104, 105], 4, GREEDY)  # only tokens every domain uses: no margin
@@ -177,7 +178,7 @@ def test_a_submitted_request_is_gated_by_the_lexicons_guess_until_it_is_routed()
     """At submission the lexicon's best guess (no drafter pass) picks the draft gate's record the
     request starts from; a domain hint wins; with an empty lexicon there is no guess."""
     rng = random.Random(5)
-    core = RouterCore(RouterConfig(), LocalDrafterPool({}), None)
+    core = RouterCore(RouterSettings(), LocalDrafterPool({}), None)
     early = core.submit("early", prompt("code", rng), 4, GREEDY)
     assert early.domain_guess == "" and early.first_accept == core.gate.first_accept_prior
     for _ in range(4):
@@ -189,7 +190,7 @@ def test_a_submitted_request_is_gated_by_the_lexicons_guess_until_it_is_routed()
     assert prose.first_accept == 0.05 and code.first_accept == core.gate.record("code").first_accept > 0.5
     hinted = core.submit("hinted", prompt("code", rng), 4, GREEDY, domain_hint="prose")
     assert hinted.domain_guess == "prose" and hinted.first_accept == 0.05
-    unkeyed = RouterCore(RouterConfig(gate_by_domain=False), LocalDrafterPool({}), None)
+    unkeyed = RouterCore(RouterSettings(domain_gate=False), LocalDrafterPool({}), None)
     unkeyed.routing.lexicon = core.routing.lexicon
     assert unkeyed.submit("x", prompt("prose", rng), 4, GREEDY).domain_guess == ""
 
@@ -205,7 +206,7 @@ def test_a_router_reads_the_shared_lexicon_when_it_starts(redis_url, redis_prefi
         store = Store.from_url(redis_url, prefix=redis_prefix)
         await store.seed_lexicon(seed)
         profiles = ProfileStore(store)
-        core = RouterCore(RouterConfig(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
+        core = RouterCore(RouterSettings(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
         before = core.routing.guess(prompt("prose", rng))
         core.start()
         for _ in range(100):

@@ -12,7 +12,8 @@ from common.spec.types import GREEDY
 from services.router.control import SpeculationControl
 from services.router.drafting import Drafting
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
-from services.router.requests import Request, RouterConfig
+from services.router.requests import Request
+from services.router.settings import RouterSettings
 from services.router.core import RouterCore
 from services.router.conftest import MAX_NEW
 from services.router.test_core import generate_all
@@ -32,8 +33,8 @@ class StepCountingPool(LocalDrafterPool):
 
 
 @pytest.mark.parametrize("config", [
-    RouterConfig(drafters_per_request=2, tree_width=3, rounds_in_flight=2, fusion="token"),
-    RouterConfig(drafters_per_request=3, tree_width=2, cost_control=False, fusion="token"),
+    RouterSettings(drafters_per_request=2, tree_width=3, rounds_in_flight=2, fusion="token"),
+    RouterSettings(drafters_per_request=3, tree_width=2, cost_control=False, fusion="token"),
 ], ids=["priced", "unpriced"])
 def test_local_fusion_answers_each_round_in_one_call_and_stays_lossless(engines, reference, config):
     verifier, drafters = engines
@@ -70,7 +71,7 @@ def test_a_tree_does_not_depend_on_where_it_was_fused(engines, reference, cost_c
     the same drafters and the same mirrors of the drafters' caches."""
     _, drafters = engines
     prompts, _ = reference
-    config = RouterConfig(drafters_per_request=3, tree_width=3, max_k=6, cost_control=cost_control, routing=False, fusion="token")
+    config = RouterSettings(drafters_per_request=3, tree_width=3, max_k=6, cost_control=cost_control, routing=False, fusion="token")
     out = {}
     for local in (False, True):
         control = fed_control() if cost_control else SpeculationControl(enabled=False)
@@ -112,7 +113,7 @@ def test_a_fused_rounds_steps_are_priced_at_the_wall_time_the_round_waited(engin
 
     control = SpeculationControl(enabled=False)
     pool = SlowMessages(drafters, fuse_locally=True)
-    drafting = Drafting(RouterConfig(drafters_per_request=2, routing=False, cost_control=False, fusion="token"), pool, control, time.monotonic)
+    drafting = Drafting(RouterSettings(drafters_per_request=2, routing=False, cost_control=False, fusion="token"), pool, control, time.monotonic)
     rid, prompt = sorted(prompts.items())[0]
     batch = [Request(request_id="wall", prompt=tuple(prompt), max_new_tokens=MAX_NEW, sampling=GREEDY, stop_ids=frozenset())]
     trees, _ = asyncio.run(drafting.tokens(batch, {"wall": 3}))

@@ -6,7 +6,8 @@ import pytest
 
 from common.spec.fusion import DraftTree
 from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
-from services.router.core import RouterConfig, RouterCore
+from services.router.core import RouterCore
+from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool
 from services.router.pass_plan import PassCurve, choose_nodes, plan_pass
 
@@ -223,8 +224,8 @@ class TimedVerifier(UntimedVerifier):
 
 
 def test_the_router_prices_rows_by_the_verifier_s_timing_before_any_pass_of_its_own():
-    core = RouterCore(RouterConfig(), LocalDrafterPool({}), TimedVerifier())
+    core = RouterCore(RouterSettings(), LocalDrafterPool({}), TimedVerifier())
     assert core.control.pass_seconds(8) == pytest.approx(0.024)
     assert core.control.pass_seconds(9) == pytest.approx(0.031)  # the step, not a line from 8 to 16
-    untimed = RouterCore(RouterConfig(), LocalDrafterPool({}), UntimedVerifier())
+    untimed = RouterCore(RouterSettings(), LocalDrafterPool({}), UntimedVerifier())
     assert untimed.control.pass_seconds(8) is None  # every node verified until passes are measured

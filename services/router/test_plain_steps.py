@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from common.spec.types import SamplingParams, VerifyItem
-from services.router.core import RouterConfig, RouterCore
+from services.router.core import RouterCore
+from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
 from services.router.conftest import MAX_NEW
 from services.router.scheduler import PLAIN_STREAK, plain_steps
@@ -48,7 +49,7 @@ def test_plain_decoding_in_steps_equals_the_targets_greedy_decode(engines, refer
     verifier, _ = engines
     prompts, expected = reference
     recording = RecordingVerifier(verifier)
-    core = RouterCore(RouterConfig(speculate=False, plain_steps=4), LocalDrafterPool({}), recording)
+    core = RouterCore(RouterSettings(speculate=False, plain_steps=4), LocalDrafterPool({}), recording)
     assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
     asked = [item.plain_steps for batch in recording.items for item in batch]
     assert max(asked) == 4 and core.counters.plain_step_passes > 0
@@ -62,7 +63,7 @@ def test_a_sampled_request_gets_the_same_tokens_in_steps_and_a_round_a_token(eng
     sampling = SamplingParams(temperature=0.9, seed=11)
     outs = []
     for steps in (1, 4):
-        core = RouterCore(RouterConfig(speculate=False, plain_steps=steps), LocalDrafterPool({}), LocalVerifier(verifier))
+        core = RouterCore(RouterSettings(speculate=False, plain_steps=steps), LocalDrafterPool({}), LocalVerifier(verifier))
         outs.append(asyncio.run(_run(core, {rid: prompts[rid] for rid in sorted(prompts)[:2]}, sampling)))
     assert outs[0] == outs[1]
 
@@ -72,7 +73,7 @@ def test_a_stop_token_ends_a_request_inside_its_steps(engines, reference) -> Non
     prompts, expected = reference
     rid = sorted(prompts)[0]
     stop = expected[rid][5]
-    core = RouterCore(RouterConfig(speculate=False, plain_steps=8), LocalDrafterPool({}), LocalVerifier(verifier))
+    core = RouterCore(RouterSettings(speculate=False, plain_steps=8), LocalDrafterPool({}), LocalVerifier(verifier))
     out = asyncio.run(_run(core, {rid: prompts[rid]}, SamplingParams(), stop))
     assert out[rid] == expected[rid][: expected[rid].index(stop) + 1]
     assert verifier.active_requests == 0
@@ -85,7 +86,7 @@ def test_an_overloaded_pool_serves_first_come_first_served_in_steps(engines, ref
     verifier, _ = engines
     prompts, expected = reference
     recording = RecordingVerifier(verifier)
-    core = RouterCore(RouterConfig(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
+    core = RouterCore(RouterSettings(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
                       LocalDrafterPool({}), recording)
     assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
     first: dict[str, int] = {}
@@ -118,7 +119,7 @@ def test_a_slot_freed_by_a_finished_request_is_refilled_after_one_step(engines, 
     prompts, expected = reference
     (long_id, long_prompt), *shorts = list(prompts.items())[:4]
     recording = SlowVerifier(verifier)
-    core = RouterCore(RouterConfig(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
+    core = RouterCore(RouterSettings(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
                       LocalDrafterPool({}), recording)
     short_new = 6
 
@@ -159,7 +160,7 @@ def test_the_verifier_drafts_from_each_request_s_text_in_its_steps_and_the_outpu
     verifier, _ = engines
     prompts, expected = reference
     recording = RecordingVerifier(verifier)
-    core = RouterCore(RouterConfig(rounds_in_flight=1, plain_steps=8), LocalDrafterPool({}), recording)
+    core = RouterCore(RouterSettings(rounds_in_flight=1, plain_steps=8), LocalDrafterPool({}), recording)
     assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
     items = [item for batch in recording.items for item in batch]
     stepped = [item for item in items if item.plain_steps > 1]
@@ -173,9 +174,9 @@ def test_the_verifier_drafts_from_each_request_s_text_in_its_steps_and_the_outpu
 def test_no_step_lookup_when_it_is_off_or_the_lookup_drafter_is(engines, reference) -> None:
     verifier, _ = engines
     prompts, expected = reference
-    for config in (RouterConfig(rounds_in_flight=1, plain_steps=8, step_lookup=False),
-                   RouterConfig(rounds_in_flight=1, plain_steps=8, lookup=False),
-                   RouterConfig(speculate=False, plain_steps=8)):
+    for config in (RouterSettings(rounds_in_flight=1, plain_steps=8, step_lookup=False),
+                   RouterSettings(rounds_in_flight=1, plain_steps=8, lookup_drafts=False),
+                   RouterSettings(speculate=False, plain_steps=8)):
         recording = RecordingVerifier(verifier)
         core = RouterCore(config, LocalDrafterPool({}), recording)
         assert asyncio.run(_run(core, prompts, SamplingParams())) == expected

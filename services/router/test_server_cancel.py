@@ -7,7 +7,8 @@ import asyncio
 from types import SimpleNamespace
 
 from cosine.v1 import common_pb2, router_pb2
-from services.router.core import RouterConfig, RouterCore
+from services.router.core import RouterCore
+from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.server import RouterServicer
 from common.runtime.verifier_engine import VerifierEngine
@@ -22,7 +23,7 @@ def test_closing_the_stream_at_a_yield_cancels_the_request(llama_target):
     verifier = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa")
 
     async def body() -> None:
-        core = RouterCore(RouterConfig(), LocalDrafterPool({}), LocalVerifier(verifier))
+        core = RouterCore(RouterSettings(), LocalDrafterPool({}), LocalVerifier(verifier))
         core.start()
         try:
             servicer = RouterServicer(SimpleNamespace(core=core, verifier_ready=True))

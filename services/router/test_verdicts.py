@@ -9,14 +9,15 @@ from services.router.control import SpeculationControl
 from common.spec.fusion import DraftTree
 from services.router.gate import DraftGate
 from services.router.lookup import LookupCalibration
-from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Request, RouterConfig
+from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Request
+from services.router.settings import RouterSettings
 from services.router.verdicts import GOING_ON, VerdictApplication
 
 STOP = 2
 
 
 def make(max_new: int = 16) -> tuple[VerdictApplication, Request]:
-    config = RouterConfig()
+    config = RouterSettings()
     control = SpeculationControl(enabled=True)
     apply = VerdictApplication(control, DraftGate(config, control), LookupCalibration(), Counters())
     req = Request("r", (5, 6, 7), max_new, GREEDY, frozenset({STOP}), domain="code")

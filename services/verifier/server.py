@@ -18,7 +18,8 @@ from common.runtime.checkpoints import CheckpointError
 from common.platform.grpc_server import ServerHandle
 from common.platform.live_requests import LiveRequests
 from common.logs import get_logger
-from common.spec.lookup_corpus import DomainCorpora, corpus_from_store, keep_corpus_loaded
+from common.spec.lookup_corpus import DomainCorpora
+from services.corpus import corpus_from_store, keep_corpus_loaded
 from common.platform.metrics import ServiceMetrics, bind_engine_metrics
 from common.runtime.model_thread import ModelThread
 from common.runtime.threads import configure_torch_threads
