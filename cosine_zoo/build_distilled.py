@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from common.logs import get_logger
 from cosine_zoo import distill, evaluate, instructions
-from cosine_zoo.build import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
+from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
 from cosine_zoo.corpus import DOMAINS, build_corpus, make_prompts, prompt_from
 from cosine_zoo.manifest import FORMAT, Zoo, load_zoo, write_lexicon, write_lookup_corpus, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile

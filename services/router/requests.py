@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from common.spec.types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
 from common.spec.fusion import DraftTree
