@@ -35,7 +35,7 @@ proto: $(PB_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt $(PB_STAMP)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,bench]'
+	$(PIP) -e '.[dev,bench,zoo]'
 	touch $@
 
 # Debian's redis-server, installed when missing (tests and `cosine up` start private ones).
