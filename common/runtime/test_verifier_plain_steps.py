@@ -8,7 +8,8 @@ from pathlib import Path
 from common.spec.lookup_corpus import DomainCorpora
 from common.spec.lookup_index import CORPUS, TEXT
 from common.spec.types import SamplingParams, StepLookup, TokenTree, VerifyItem
-from common.runtime.verifier_engine import VerifierEngine, _Chain, _held, _tried
+from common.runtime.step_lookups import StepChain, held_depth, chain_outcomes
+from common.runtime.verifier_engine import VerifierEngine
 from common.runtime.test_verifier_engine import PROMPT, engine, greedy_continuation, hf  # noqa: F401 (fixtures)
 
 
@@ -135,9 +136,9 @@ def test_steps_draft_from_the_verifier_s_lookup_corpus_in_the_request_s_domain(e
 
 def test_a_step_s_chains_report_how_far_each_was_tried_and_accepted() -> None:
     tree = TokenTree.merged([[5, 6, 7], [5, 6, 9, 1]], limit=4)  # the second chain held as far as 5, 6, 9
-    chains = tuple(_Chain(src, 3, chain[:_held(tree, chain)]) for src, chain in ((CORPUS, [5, 6, 7]), (TEXT, [5, 6, 9, 1])))
+    chains = tuple(StepChain(src, 3, chain[:held_depth(tree, chain)]) for src, chain in ((CORPUS, [5, 6, 7]), (TEXT, [5, 6, 9, 1])))
     assert [c.tokens for c in chains] == [[5, 6, 7], [5, 6, 9]]
-    assert _tried(chains, [5, 6, 9]) == (StepLookup(CORPUS, 3, 3, 2), StepLookup(TEXT, 3, 3, 3))
-    assert _tried(chains, [5]) == (StepLookup(CORPUS, 3, 2, 1), StepLookup(TEXT, 3, 2, 1))  # both second tokens tried, wrong
-    assert _tried(chains, []) == (StepLookup(CORPUS, 3, 1, 0), StepLookup(TEXT, 3, 1, 0))
-    assert _tried((_Chain(TEXT, 2, []),), [4]) == ()
+    assert chain_outcomes(chains, [5, 6, 9]) == (StepLookup(CORPUS, 3, 3, 2), StepLookup(TEXT, 3, 3, 3))
+    assert chain_outcomes(chains, [5]) == (StepLookup(CORPUS, 3, 2, 1), StepLookup(TEXT, 3, 2, 1))  # both second tokens tried, wrong
+    assert chain_outcomes(chains, []) == (StepLookup(CORPUS, 3, 1, 0), StepLookup(TEXT, 3, 1, 0))
+    assert chain_outcomes((StepChain(TEXT, 2, []),), [4]) == ()

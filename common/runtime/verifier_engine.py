@@ -53,7 +53,6 @@ from common.spec.types import (
     ModelInfo,
     SpecError,
     StageTimings,
-    StepLookup,
     TokenTree,
     UnknownRequest,
     Verdict,
@@ -64,6 +63,7 @@ from common.spec.types import (
 from common.spec.acceptance import RuleFactory, default_rule_factory
 from common.runtime.batching import repeated_items
 from common.runtime.pass_times import measure_pass_times
+from common.runtime.step_lookups import StepChain, earned_chain, held_depth, chain_outcomes
 
 log = get_logger(__name__)
 
@@ -268,10 +268,10 @@ class VerifierEngine(RequestEngine[RequestState]):
                                             committed_len=len(state.tokens), step_passes=verdict.step_passes + 1,
                                             step_drafted=verdict.step_drafted + len(tree),
                                             step_accepted=verdict.step_accepted + len(accepted),
-                                            step_lookups=(*verdict.step_lookups, *_tried(chains, accepted)))
+                                            step_lookups=(*verdict.step_lookups, *chain_outcomes(chains, accepted)))
         return forward_ns, rows
 
-    def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> tuple[TokenTree, tuple[_Chain, ...]]:
+    def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> tuple[TokenTree, tuple[StepChain, ...]]:
         """What the lookup drafter proposes for a request's plain step (``VerifyItem.step_lookup``,
         ``step_corpus``): the tokens that followed the longest earlier match of its suffix in its
         own text and in the corpus, each as many as its match length earns, at most ``room``, and
@@ -284,24 +284,24 @@ class VerifierEngine(RequestEngine[RequestState]):
         passes under but the steps could not see.
 
         Also returns each chain as far as the tree holds it, with its source and match length, for
-        the verdict's ``step_lookups`` (:func:`_tried`)."""
+        the verdict's ``step_lookups`` (:func:`chain_outcomes`)."""
         if room < 1:
             return EMPTY_TREE, ()
         chains: list[tuple[str, int, list[int]]] = []
         corpus = self.corpus
         if corpus is not None and item.step_corpus and max(item.step_corpus):
-            chains.append((CORPUS, *_earned(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus)))
+            chains.append((CORPUS, *earned_chain(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus)))
         if item.step_lookup and max(item.step_lookup):
             if state.lookup is None or state.lookup.max_ngram != len(item.step_lookup):
                 state.lookup = LookupIndex(max_ngram=len(item.step_lookup))
-            chains.append((TEXT, *_earned(state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup)))
+            chains.append((TEXT, *earned_chain(state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup)))
         cut = [(source, match, chain[:next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))])
                for source, match, chain in chains]
         cut = [c for c in cut if c[2]]
         if not cut:
             return EMPTY_TREE, ()
         tree = TokenTree.merged([chain for _, _, chain in cut], limit=max(len(chain) for _, _, chain in cut))
-        return tree, tuple(_Chain(source, match, chain[:_held(tree, chain)]) for source, match, chain in cut)
+        return tree, tuple(StepChain(source, match, chain[:held_depth(tree, chain)]) for source, match, chain in cut)
 
     def _plan(self, index: int, item: VerifyItem) -> _Planned:
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""
@@ -376,47 +376,6 @@ class VerifierEngine(RequestEngine[RequestState]):
             node_accepted=tuple(flags),
             committed_len=len(state.tokens),
         )
-
-
-@dataclass(frozen=True)
-class _Chain:
-    """One lookup chain of a plain step's tree: its source, its match length and its tokens in the tree."""
-
-    source: str
-    match: int
-    tokens: list[int]
-
-
-def _earned(proposal: tuple[list[int], int], depths: Sequence[int]) -> tuple[int, list[int]]:
-    """(match length, a lookup proposal cut to the depth that length earns: ``depths[match - 1]``)."""
-    chain, match = proposal
-    return match, (chain[:depths[min(match, len(depths)) - 1]] if match else [])
-
-
-def _held(tree: TokenTree, chain: Sequence[int]) -> int:
-    """How many of ``chain``'s first tokens are a path of ``tree`` from its roots."""
-    children = tree.children
-    node, held = -1, 0
-    for token in chain:
-        node = next((c for c in children[node] if tree.tokens[c] == token), None)
-        if node is None:
-            break
-        held += 1
-    return held
-
-
-def _tried(chains: Sequence[_Chain], accepted: Sequence[int]) -> tuple[StepLookup, ...]:
-    """What each chain of a step did (``Verdict.step_lookups``): a token was tried when every one
-    before it in the chain was accepted, and accepted when the accepted path went through it."""
-    out = []
-    for c in chains:
-        if not c.tokens:
-            continue
-        hits = 0
-        while hits < min(len(c.tokens), len(accepted)) and c.tokens[hits] == accepted[hits]:
-            hits += 1
-        out.append(StepLookup(c.source, c.match, min(len(c.tokens), hits + 1), hits))
-    return tuple(out)
 
 
 def _step_input(state: RequestState, tree: TokenTree) -> SeqInput:
