@@ -197,7 +197,6 @@ class VerifierEngine(RequestEngine[RequestState]):
                 continue
             if self.observe_logits is not None and not len(p.item.tree):
                 self.observe_logits(p.item.request_id, lg)
-        t3 = time.perf_counter_ns()
         step_ns, step_rows = self._plain_steps(planned, verdicts)
         t4 = time.perf_counter_ns()
         timings = StageTimings(prefill_ns=t1 - t0, forward_ns=t2 - t1 + step_ns, decode_ns=t4 - t2 - step_ns, total_ns=t4 - t0)

@@ -19,7 +19,6 @@ from services.convert import sampling_from_pb
 from services.router.admission import SubmitLimits
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
 from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterCore
-from services.router.settings import RouterSettings
 from services.router.metrics import RouterMetrics
 from services.router.profiles import ProfileStore
 from services.router.settings import RouterSettings
