@@ -20,8 +20,8 @@ named with ``--workloads``: under load its throughput is its one-client figure a
 only the queue in front of it, minutes of the run that measure nothing new. An ablation of cosine
 (``cosine_no_control`` and the other ``cosine_*`` systems) likewise runs only the workloads its
 headline ratios against cosine are read at (``report.HEADLINE``: one client, high load, ...), unless
-workloads are named: on a CPU without AVX-512 the five default ablations on every workload took 860 s
-of a 1,930 s run. The report lists what each system skipped and why, under ``scenario.skipped``.
+workloads are named: the five default ablations on every workload took nearly half of a run. The
+report lists what each system skipped and why, under ``scenario.skipped``.
 """
 
 from __future__ import annotations
