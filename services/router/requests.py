@@ -68,7 +68,7 @@ class RouterConfig:
     initial_k: int = 4
     tree_width: int = 3
     drafters_per_request: int = 2
-    fusion: str = "chunk"  # chunk | token (measured: chunk is as fast at one client and faster under load; README)
+    fusion: str = "chunk"  # chunk | token (chunk: one drafter call a round; docs/design.md, *Fusion*)
     local_fusion: bool = True  # token fusion of a request inside the drafter process that hosts all its drafters
     routing: bool = True
     explore_threshold: float = 0.5
