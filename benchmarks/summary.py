@@ -1,10 +1,10 @@
-"""Print a `cosine bench` report as the Markdown tables the README and docs/benchmarks.md show.
+"""Print a `cosine bench` report as the Markdown tables docs/benchmarks.md shows.
 
     python -m benchmarks.summary bench-out/report.json
 
-The systems table, the goals and the closed loops' sustained ratios (the README's), then the
-per-workload table (docs/benchmarks.md's *Results*) and the cores each part of the serving path
-kept busy at 16 clients and high load.
+The systems table, the goals and the closed loops' sustained ratios, then the per-workload table
+(docs/benchmarks.md's *Results*) and the cores each part of the serving path kept busy at 16
+clients and high load.
 
 Every figure comes from the report (one run); nothing is carried over from another run.
 """

@@ -5,8 +5,8 @@ integration tests and the benchmark.
 Thread budget: the verifier gets a torch thread per core, and the drafter processes share half of
 the cores (at least one thread each), so they overlap the verifier's threads. A verify pass is what
 every round waits for, and on a CPU it is bound by reading the target's weights, which one thread
-cannot do at the machine's speed (SmolLM2-135M on 2 cores: a decode step takes 30 ms with two
-threads, 43 ms with one); the drafters' steps are short and mostly run while the verifier waits.
+cannot do at the machine's speed (a decode step is markedly slower with one thread than with two on
+two cores); the drafters' steps are short and mostly run while the verifier waits.
 Each process gets ``--torch-threads`` accordingly.
 
 TLS: with ``ClusterSpec.tls`` every process gets the same certificate, key and CA (and

@@ -11,9 +11,9 @@ itself goes down (and with it this whole local cluster).
 Why not Redis's usual ``everysec``: while its background sync of the previous second is running,
 Redis holds new writes back for up to two seconds and answers the clients meanwhile, so a server
 killed in that moment loses writes it acknowledged (a test that kills Redis saw exactly this on a
-slow disk). ``always`` closes that too, but syncs in Redis's only thread before each answer: on two
-busy cores a write then waited 8 ms (median, ``redis-benchmark -t set -c 4`` beside a two-thread
-matrix product) against 0.02-0.03 ms with ``no`` or ``everysec``.
+slow disk). ``always`` closes that too, but syncs in Redis's only thread before each answer: on busy
+cores a write then waits for the disk, hundreds of times longer than with ``no`` or ``everysec``
+(``redis-benchmark -t set -c 4`` beside a matrix product measures it).
 """
 
 from __future__ import annotations

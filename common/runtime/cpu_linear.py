@@ -23,28 +23,22 @@ are six, and the fastest is measured for each row count when a model is loaded:
   Q4_1); a quarter of the bytes a pass, the panel kernel's products bit for bit. Offered only where
   some projection has codes; a projection without them takes the panel kernel.
 
-How far apart they are, for all of SmolLM2-135M's projections in a pass, two torch threads: on one
-2-core x86 machine MKL's few-row kernels were slow and uneven (53 ms for one row, 94 for two, 112
-for three on one thread) and ``transposed`` took 18 ms for one or two rows, ``packed`` 20-23 ms for
-three to six; on another (a CPU with AMX) ``linear`` took 22-25 ms for one to three rows and
-``transposed`` 57, and ``packed`` was the fastest from four rows on (29-31 ms to six, 41 at sixteen).
-A fixed choice made on one machine costs the other a factor of two on a decode step. On that second
-machine ``streamed`` later took four to eight rows in two thirds of the best other kernel's time
-(the machine slower that hour: 29-38 ms against 42-58) and sixteen in 42 against 63, and ``panel``
-took one to sixteen rows in 22-30 ms, 32 in 46 and 48 in 60, against ``streamed``'s 25-43, 65 and 83.
+Which is fastest differs between CPUs, and not by a little: on one 2-core x86 machine MKL's few-row
+kernels were slow and uneven and ``transposed`` was the fastest at one or two rows; on another (a CPU
+with AMX) ``transposed`` was the slowest at one row and ``packed`` the fastest from four rows on. A
+fixed choice made on one machine cost the other a factor of two on a decode step, so the choice is
+measured on the machine at hand.
 
-:func:`use_cpu_linears` switches a CPU float32 model's ``nn.Linear`` modules to :class:`CpuLinear` in
-place (the weights, their names and the state dict stay as they are) and measures the kernels on
+:func:`use_cpu_linears` switches a CPU float32 model's ``nn.Linear`` modules to :class:`CpuLinear`
+in place (the weights, their names and the state dict stay as they are) and measures the kernels on
 the model's own weights (:func:`measure_kernels`: every projection in the order a pass reads it, at
 row counts from one to 64, the kernels interleaved and the fastest of three tries kept, so a noisy
-neighbour slows them alike; 9-12 s for SmolLM2-135M on two cores, a third of a second for a drafter,
-once per process for models of the same shapes). The packed and panel copies each cost as much
-memory again as the projections' weights; a copy the measured table never picks is freed, and a
-copy is made anew when a weight is changed in place (``load_state_dict``) or replaced. Where oneDNN
-is missing (or fails a first check against ``linear``), it is not among the candidates; likewise
-the project's own kernels. Results equal
-``linear``'s up to float rounding (the summation order differs), as any change of batch size
-already does.
+neighbour slows them alike; once per process for models of the same shapes). The packed and panel
+copies each cost as much memory again as the projections' weights; a copy the measured table never
+picks is freed, and a copy is made anew when a weight is changed in place (``load_state_dict``) or
+replaced. Where oneDNN is missing (or fails a first check against ``linear``), it is not among the
+candidates; likewise the project's own kernels. Results equal ``linear``'s up to float rounding (the
+summation order differs), as any change of batch size already does.
 """
 
 from __future__ import annotations

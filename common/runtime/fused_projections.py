@@ -1,9 +1,9 @@
 """The projections of a layer that read the same input, stacked into one product on a CPU.
 
 A verify pass of a few rows on a CPU pays a fixed cost for every projection it calls, whatever its
-size: the module call, the kernel's dispatch and the wake-up of its threads (about 30 us on two
-cores, against 8.6 ms for all of SmolLM2-135M's projections of one row with the block-code kernel:
-211 calls, 6-7 ms of a 27 ms pass). Attention's q, k and v read the same normed input, and so do the
+size: the module call, the kernel's dispatch and the wake-up of its threads. With the block-code
+kernel a row of SmolLM2-135M's projections is cheap enough that its 211 calls a pass take a large
+share of the pass. Attention's q, k and v read the same normed input, and so do the
 MLP's gate and up: one product over their weights stacked by output rows gives every output exactly
 what its own product gave (each output is its own dot product, summed in the kernel's order over
 the same weight row), in four calls a layer instead of seven, and k and v, 192 outputs each, no

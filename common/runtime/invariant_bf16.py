@@ -29,17 +29,15 @@ bound and gives every row the same sums:
 
 Norms, rotary embedding, activations and residual adds are per-row elementwise and invariant
 already. The bounds and the zero blocks are probed on the machine at hand, under the torch threads
-set at load (:func:`invariant_rows`, a tenth of a second; :func:`linear_rows` on the model's own
-shapes, about 2 s for SmolLM2-135M); where the products are not invariant to :data:`MIN_ROWS` rows
-(no AMX, or a oneDNN without the property) bfloat16 is not offered for the target (``dtype auto``
-picks float32 there). Test: ``common/runtime/test_invariant_bf16.py`` (random batches of random trees,
-every node against its path decoded alone).
+set at load (:func:`invariant_rows`; :func:`linear_rows` on the model's own shapes); where the
+products are not invariant to :data:`MIN_ROWS` rows (no AMX, or a oneDNN without the property)
+bfloat16 is not offered for the target (``dtype auto`` picks float32 there). Test:
+``common/runtime/test_invariant_bf16.py`` (random batches of random trees, every node against its
+path decoded alone).
 
-Why bother: on a 2-core AMX Xeon, SmolLM2-135M's projections for 16 rows take 14 ms in bfloat16
-against 37 in float32, and for 64 rows 19 against 70; a whole pass of one sequence with 16 new
-tokens took 41 ms against 69 in float32, twelve sequences with 10 each 94 against 185, while a
-decode step of one token costs about the same in both (34-39 ms). A verify pass then costs about
-what a decode step does, which is what speculation needs.
+Why bother: with AMX, a bfloat16 product of many rows costs far less than the float32 one, while a
+decode step of one token costs about the same in both dtypes. A verify pass of many rows then costs
+little more than a decode step, which is what speculation needs (figures in docs/runtime.md).
 """
 
 from __future__ import annotations

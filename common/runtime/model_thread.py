@@ -1,13 +1,12 @@
 """The one thread a serving process runs its models on: loading, warm-up and every pass.
 
 With more than one torch thread, a CPU process must make all its parallel model work from a single
-thread. Measured with PyTorch's CPU build (OpenMP threading) on 2 cores, two torch threads: once one
-thread has run parallel work, parallel work from a second thread runs far slower. A decode step of
-SmolLM2-135M takes 30 ms from the thread that loaded the model and 56 ms from another one, more
-than the 43 ms of a single torch thread; a bare loop of matrix products, 24 ms from a fresh thread
-and 42 ms from a thread after the main one ran the same loop once (``OMP_WAIT_POLICY`` does not
-cure it). A service that loads its model with ``asyncio.to_thread`` and runs its passes on an
-executor of its own falls into exactly that, and more threads then make it slower, not faster.
+thread. With PyTorch's CPU build (OpenMP threading) and two or more torch threads, once one thread
+has run parallel work, parallel work from a second thread runs far slower: a decode step from another
+thread than the one that loaded the model was slower than with a single torch thread, and a bare loop
+of matrix products showed the same (``OMP_WAIT_POLICY`` does not cure it). A service that loads its
+model with ``asyncio.to_thread`` and runs its passes on an executor of its own falls into exactly
+that, and more threads then make it slower, not faster.
 
 :class:`ModelThread` is a single-worker executor with the loop-side helper the services need; the
 verifier and the drafter load their models on it and run every pass on it.

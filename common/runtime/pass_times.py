@@ -1,13 +1,13 @@
 """The verify pass's seconds by rows, timed once when the target is loaded.
 
 The router keeps a drafted node only when its expected tokens repay what its row adds to the pass
-(``services/router/pass_plan.py``), and it learns the pass time by rows from the passes it runs.
-It learns only the sizes it runs, though, and a pass's time is not smooth in its rows: the CPU
-kernels take rows a tile at a time, so one row past a tile costs a whole tile (SmolLM2-135M on a
-2-core AVX-512 CPU, one request with a 100-token context: 23.9 ms for eight rows, 28.1 for nine;
-44.8 for sixteen requests' rows, 53.4 for seventeen). A size it never ran was priced by a line
-between the sizes around it, which missed such a step: the first drafted rows beyond a full tile
-looked a third as dear as they are. On a GPU the curve is flat for hundreds of rows, then rises.
+(``services/router/pass_plan.py``), and it learns the pass time by rows from the passes it runs. It
+learns only the sizes it runs, though, and a pass's time is not smooth in its rows: the CPU kernels
+take rows a tile at a time, so one row past a tile costs a whole tile (on an AVX-512 CPU, whose
+kernels take eight rows a tile, a ninth row costs several times what the eighth did). A size it
+never ran was priced by a line between the sizes around it, which missed such a step: the first
+drafted rows beyond a full tile looked a third as dear as they are. On a GPU the curve is flat for
+hundreds of rows, then rises.
 
 :func:`measure_pass_times` times a pass of one request with a chain of ``rows`` tokens on a short
 cache, for every row count up to 20 and a few beyond, the counts interleaved over two tries and

@@ -4,59 +4,47 @@ with its CPU attention kernel (``csrc/cache_attention.cpp``: the ``cpu_kernel`` 
 
 - *streamed*: a few rows times a weight, the weight read once. A verify pass on a CPU is bound by
   reading the weights up to a dozen or so rows, so a pass of eight rows should cost about what a
-  pass of one costs. MKL's and oneDNN's kernels do not get there: on the 2-core AVX-512 machine of
-  the benchmark figures, SmolLM2-135M's projections took 24-31 ms for one to three rows with
-  ``linear`` and 42-58 ms for four to eight with the best of ``linear`` and the packed product, so a
-  pass jumped by half at its fourth row and a round could afford two draft tokens. This kernel
-  streams blocks of three weight rows once (prefetched ahead) and multiplies each block by the input
-  rows eight at a time with the accumulators in AVX-512 registers: 29-38 ms for four to eight rows
-  there, 42 ms for sixteen (packed: 63).
-- *panel*: written for passes past a few rows, which are bound by arithmetic (on that machine it
-  was also the fastest down to one row, so every row count took it). The weight is packed
-  once into column panels (``[N/16, K, 16]``, a copy as large as the weight); each accumulator is a
-  vector of 16 outputs, an input element is broadcast into three panels at once (no horizontal sums),
-  and a thread walks its panels in chunks of 128 inner steps that stay in L1 while every group of
-  eight rows adds its products. On that machine SmolLM2-135M's projections took 25 ms for eight rows
-  with it against the streamed kernel's 34 and MKL's 54, and 60 for 48 rows against 83 and 89.
+  pass of one costs; MKL's and oneDNN's few-row kernels do not get there (a pass jumped at its
+  fourth row). This kernel streams blocks of three weight rows once (prefetched ahead) and
+  multiplies each block by the input rows eight at a time (four on AVX2) with the accumulators in
+  registers.
+- *panel*: written for passes past a few rows, which are bound by arithmetic (where it was
+  measured it was also the fastest down to one row). The weight is packed once into column panels
+  (``[N/16, K, 16]``, a copy as large as the weight); each accumulator is a vector of 16 outputs, an
+  input element is broadcast into three panels at once (no horizontal sums), and a thread walks its
+  panels in chunks of 128 inner steps that stay in L1 while every group of eight rows adds its
+  products.
 - *block_panel*: the panel kernel on a weight held as 8-bit codes with a float16 scale and offset
   per block of 32 inputs (GGUF's Q8_0 and Q4_1 forms, found exactly in a float32 weight by
-  :mod:`common.runtime.block_weights`). Up to 16 rows the codes are dequantized in registers as the tile
-  steps through them, past that into a chunk that stays in L1; either way each output is summed with
-  the panel kernel's fused multiply-adds in its order on the same weights, so the products are the
-  panel kernel's bit for bit. SmolLM2-135M's projections on the AMD EPYC of the float32 figures: 6.4
-  ms for one row against the panel kernel's 13.9, 13.4 for eight against 19.1, the same from 32. The
-  AVX2 build's register tile is four rows of one panel (16 registers: 8 accumulators, the block's
-  scales and offsets, a step's weights and a broadcast); on an AVX2-only EPYC it took one row in 8.6
-  ms (that machine's memory bandwidth), four in 11.7, eight in 22.8, sixteen in 45, against 23.3,
-  29.4, 34.2 and 55.9 when it dequantized every step into the chunk buffer. Five or six rows take
-  one tile of ten or twelve accumulators, the block's scales and offsets read from L1 by the
-  instructions that dequantize (its steps in assembly: in intrinsics the compiler stored the
-  accumulators at every step): 0.80-0.83 of the time of a tile of four and one of one or two, whose
-  short chains of multiply-adds waited on their latency. From nine rows to 48
-  the tile's four rows dequantize each block once and the other rows read its weights from L1, six
-  at a time, instead of a tile per four rows dequantizing again: 0.81-0.92 of the time at 9-32
-  rows, level at 12.
+  :mod:`common.runtime.block_weights`): a quarter of the bytes a pass. Up to 16 rows the codes are
+  dequantized in registers as the tile steps through them, past that into a chunk that stays in L1;
+  either way each output is summed with the panel kernel's fused multiply-adds in its order on the
+  same weights, so the products are the panel kernel's bit for bit. The AVX2 build's register tile
+  is four rows of one panel (16 registers: 8 accumulators, the block's scales and offsets, a step's
+  weights and a broadcast), since dequantizing every step into the chunk buffer left a pass of one
+  row far from the machine's memory bandwidth. Five or six rows take one tile of ten or twelve
+  accumulators, the block's scales and offsets read from L1 by the instructions that dequantize
+  (its steps in assembly: in intrinsics the compiler stored the accumulators at every step), where a
+  tile of four and one of one or two would wait on their short chains of multiply-adds. From nine
+  rows to 48 the tile's four rows dequantize each block once and the other rows read its weights
+  from L1, six at a time, instead of a tile per four rows dequantizing again.
 
 Every kernel splits its work into items (blocks of weight rows, panels, a sequence's key/value head)
 that its threads claim (``claim_for`` in ``csrc/vec.h``): each thread takes its own contiguous share
 from the front and, once done, takes items from the back of whichever share has most left. A
 serving process shares its cores with the router, the gateway and the drafters; with a fixed split
-every kernel call waited for a thread another process had preempted. On the AVX2-only EPYC, all of
-SmolLM2-135M's projections, paired against the fixed split in one process: 0.89-0.93 of the time
-at five rows, 0.90-0.95 at eight, 0.87-0.97 at 14 and 0.91-0.97 at 24 (the lower figures with
-another process taking short bursts of a core), level at one row. Which thread computes an item
+every kernel call waited for a thread another process had preempted. Which thread computes an item
 never changes its bits.
 
-The extension is built from source the first time a process asks for it on a machine (about 30 s
-with the machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a
-name that follows the source, the flags, the CPU's flags and torch, so a cache shared with another
-kind of CPU is never loaded) and checked against ``linear`` on a small case. It compiles for the
-instruction set the CPU has: AVX-512, or AVX2 with FMA (``isa()`` says which), whose kernels hold
-fewer accumulators in their 16 registers (four input rows a streamed block, six rows of one panel a
-panel micro-tile) with the same packing. The AVX2 build measured on the benchmark machine (an
-AVX-512 CPU running it, ``-mno-avx512f``; not an AVX2-only CPU) is in docs/benchmarks.md. Without
-either, a compiler, ninja or a successful build neither kernel is offered (:func:`extension` returns
-None, logged once), and :mod:`common.runtime.cpu_linear` measures the other kernels as before. Results
+The extension is built from source the first time a process asks for it on a machine (with the
+machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a name that
+follows the source, the flags, the CPU's flags and torch, so a cache shared with another kind of CPU
+is never loaded) and checked against ``linear`` on a small case. It compiles for the instruction set
+the CPU has: AVX-512, or AVX2 with FMA (``isa()`` says which), whose kernels hold fewer accumulators
+in their 16 registers (four input rows a streamed block, six rows of one panel a panel micro-tile)
+with the same packing. Without either, a compiler, ninja or a successful build neither kernel is
+offered (:func:`extension` returns None, logged once), and :mod:`common.runtime.cpu_linear` measures
+the other kernels as before. Results
 equal ``linear``'s up to float rounding (the summation order differs), as any other kernel's do;
 both kernels sum each output in the same order whatever the number of rows.
 """
@@ -139,7 +127,7 @@ def extension() -> ModuleType | None:
     return build()
 
 
-STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that was killed (one takes about 30 s)
+STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that was killed (a build takes far less)
 
 
 def clear_stale_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> bool:

@@ -279,8 +279,8 @@ class VerifierEngine(RequestEngine[RequestState]):
         The tree holds no more nodes than the deeper chain may have: the corpus's chain first (on
         the smol zoo it is right more often), then the text's where it differs, while room is
         left. Both chains whole would double a step's rows, and on a CPU the pass-time curve has
-        steps (8 rows to 9 cost the AVX-512 Xeon 4 ms) that the router's plan keeps its own
-        passes under but the steps could not see.
+        steps (a row past a full tile of the kernels costs a whole tile) that the router's plan
+        keeps its own passes under but the steps could not see.
 
         Also returns each chain as far as the tree holds it, with its source and match length, for
         the verdict's ``step_lookups`` (:func:`chain_outcomes`)."""

@@ -94,7 +94,7 @@ def nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
     The prefix is found among the ``NUCLEUS_TRIES`` most probable tokens (``topk``, sorted) when
     their mass reaches ``top_p`` before the last of them, and by sorting the whole vocabulary only
     otherwise: an LM's nucleus is usually a few dozen tokens, and sorting SmolLM2's 49k
-    probabilities took 3-4 ms a position, about as long as the forward pass spends on a request row.
+    probabilities at every sampled position cost about as much as the forward pass spends on a request row.
     """
     vocab = p.shape[-1]
     for k in (*(n for n in NUCLEUS_TRIES if n < vocab), vocab):
@@ -112,8 +112,8 @@ def sample_index(weights: torch.Tensor, generator: torch.Generator | None) -> in
     """Draw index ``i`` with probability ``weights[i] / weights.sum()`` (1-D, non-negative, some > 0).
 
     Inverse CDF: one uniform against the running sum. ``torch.multinomial`` draws an exponential for
-    every entry of the vocabulary instead, about a millisecond a sample for SmolLM2's 49k tokens on
-    one core; this is a cumulative sum and a binary search. A zero weight is never drawn: its running
+    every entry of the vocabulary instead, which is slow for SmolLM2's 49k tokens; this is a
+    cumulative sum and a binary search. A zero weight is never drawn: its running
     sum equals its predecessor's, which the search has already passed.
     """
     cdf = torch.cumsum(weights, dim=-1)

@@ -219,7 +219,7 @@ class Drafting:
         # priced at about k messages, and a probe's catch-up is priced in too. Both overstate what a
         # round's drafting costs; pricing a step at a time, without catch-ups, was measured: the gate
         # then let the drafter models draft where the lookup drafter already proposed the same tokens,
-        # and cosine / autoregressive fell (docs/benchmarks.md, *the chunk priced a step at a time*)
+        # and cosine / autoregressive fell (on an AVX2-only CPU, in short alternated runs)
         if per_drafter:
             self.control.observe_draft_step(self.clock() - t_call, first_of=sum(1 for s in selected.values() if s))
         chains: dict[str, dict[str, tuple[list[int], list[float]]]] = {r.request_id: {} for r in batch}

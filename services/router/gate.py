@@ -23,7 +23,7 @@ last probe is oldest (the router offers a round's requests least recently probed
 requests of a domain take turns. One probe tells whether the domain's drafting pays again as well
 as all of them would, and a probe costs a drafter catch-up of every token committed since the
 request last drafted: sixteen requests probing at once held a 16-client batch's verifier to passes
-of one or two requests for a second. The interval starts at 8 rounds, doubles after each probe round
+of one or two requests for many passes. The interval starts at 8 rounds, doubles after each probe round
 in which fewer first nodes were accepted than drafting needs (up to 64), and falls back to 8 after
 one that paid: a change of load or of text turns drafting back on, and probes never cost much more
 than they find.
@@ -32,10 +32,10 @@ Probes are also held to a share of the router's time (``--probe-share``, :attr:`
 (mostly the catch-up of each probing request) is charged, and the next probe round waits until that
 time is the share of the time since (:meth:`DraftGate.charge_probes`). Under load the catch-ups are
 long (a request that last drafted a hundred tokens ago) and, where the drafters share the verifier's
-cores, slow the passes beside them as much as they take: five domains probing at once cost a
-16-client batch about 240 ms of drafting and a pass three times its length, every 64 rounds. With
+cores, slow the passes beside them as much as they take: five domains probing at once under a
+16-client load stretched the pass beside them to several times its length, every 64 rounds. With
 the share, the domains still take turns and still probe together, but never spend more than a few
-percent of the time finding out; at one client, where a catch-up costs tens of milliseconds, probes
+percent of the time finding out; at one client, where a catch-up is short, probes
 stay as frequent as their intervals allow.
 
 The lookup drafter is not gated: it costs no drafter time (see ``lookup.py``).

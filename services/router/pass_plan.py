@@ -2,11 +2,10 @@
 
 A verify pass's time is not linear in its rows, and its shape depends on the target's hardware
 and kernels. On a CPU the pass is bound by reading the weights: with the runner's few-row kernels
-(``common/runtime/cpu_linear.py``) the default zoo's target, one thread, takes about 43 ms for one row and
-for two, 50-58 ms for three to six, 63-68 ms for eight or nine, 94 ms for sixteen (with torch's plain
-``linear`` it took 62 ms for one row, 117 for three, 95 for six, 110 for ten: uneven, and the first
-drafted row the dearest); on a GPU a pass is flat
-up to a few hundred rows. A line through such passes (``CostModel``) misprices both ends.
+(``common/runtime/cpu_linear.py``) a pass costs about the same for one row and two, then rises in
+steps where the kernels start a new tile of rows (with torch's plain ``linear`` it was uneven, and
+the first drafted row the dearest); on a GPU a pass is flat up to a few hundred rows. A line through
+such passes (``CostModel``) misprices both ends.
 
 :class:`PassCurve` keeps the measured pass time by rows instead (one running mean per bin of rows,
 interpolated between bins, extrapolated with the fitted line beyond the largest measured pass, so
@@ -32,11 +31,9 @@ paying that round trip once for all of them. A drafted node forfeits those steps
 round's measured overhead ``o`` and the ``s`` plain steps the round would take without drafts, the
 rounds compared are: drafted, progress ``1 + expected tokens`` for each request in ``pass time + o``;
 plain, ``s`` tokens for each request in ``s * plain pass time + o``. With ``s`` = 1 and ``o`` = 0 this
-is the objective above. On the 2-core AVX-512 Xeon through the services a round trip costs about
-2.5 ms beside passes of 20-60 ms: at four sampled clients (T=0.8) rounds now go plain where their
-lookup rows were near break-even (plain steps in 134-156 passes of a 64-request run against 19-90),
-for the same tokens/s; the larger the round trip (a verifier across a network), the more a round
-of plain steps is worth.
+is the objective above. Through the services on one machine a round trip is a small fraction of a
+pass, so rounds go plain where their drafted rows are near break-even; the larger the round trip (a
+verifier across a network), the more a round of plain steps is worth.
 Nodes are taken greedily, the one adding the most to its request's log progress first, and the
 count with the best objective is kept. A node's expected tokens are the product of its calibrated
 acceptance rates along its path, and a node is only taken after its parent, so the kept nodes are
@@ -73,19 +70,16 @@ class PassCurve:
     A bin counts while it was measured within the last ``stale_after`` passes. The pass plan keeps
     only the rows the curve says pay, so a bin measured in a slow moment would never be measured
     again and would keep its rows (and, the curve never falling, every larger pass) out of every
-    plan: at a fresh router, passes three times slower for its first seconds left the two-to-eight-row
-    bins at 90-220 ms where one row took 30, and one request after another decoded 1.1-1.4 tokens a
-    pass instead of 1.65 (in process, the default zoo's target, 2 threads). Once stale, a bin's rows
+    plan: at a fresh router, passes several times slower for its first seconds left the few-row bins
+    far above their true cost, and one request after another decoded far fewer tokens a pass than it
+    could. Once stale, a bin's rows
     are priced by the bins around it (or the fitted line beyond them), so the plan tries them again,
     and its next pass starts it afresh.
 
-    Sixteen passes, not more: a workload of four clients is about a hundred rounds. In four of eight
-    short bench runs that started with it on a fresh router (64 passes then), the first drafted
-    passes ran slow (five rows 157 ms, twelve 132, where four plain rows took 65), and the plan kept
-    most drafted rows out for most of the workload: 0.35-0.68 tokens accepted a round instead of about
-    1.0. A bin that truly costs what it measured is tried again every sixteen passes at most; at one
-    client, where the plan avoids four to seven rows for what they really cost, that showed in no
-    figure (1.86 and 1.92 tokens a round against 1.77 and 1.85).
+    Sixteen passes, not more: a workload of four clients is about a hundred rounds, and with a longer
+    window a slow first drafted pass kept most drafted rows out of the plan for most of the workload.
+    A bin that truly costs what it measured is tried again every sixteen passes at most, which costs
+    nothing measurable where the plan avoids those rows for what they really cost.
     """
 
     smoothing: float = 0.2
