@@ -52,7 +52,7 @@ def mixed_sources(target: Path, near: Path, vocab: int, backend: str = "sdpa") -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_mixed_batch_equals_hf_greedy(family: str, request: pytest.FixtureRequest) -> None:
     target: Path = request.getfixturevalue(f"{family}_target")
     near: Path = request.getfixturevalue(f"{family}_near")
