@@ -33,14 +33,16 @@ from typing import Any
 
 import torch
 
-from common.runtime.attention import AttentionBackend, BatchLayout, CpuKernelBackend, cpu_kernel_backend, select_backend
+from common.runtime.attention import AttentionBackend, BatchLayout
+from common.runtime.attention_selection import pick_backend
+from common.runtime.cpu_attention import CpuKernelBackend
 from common.runtime.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
 from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
 from common.runtime.kv_cache import KVCache, KVPool
 from common.logs import get_logger
 from common.runtime.cpu_linear import use_cpu_linears
 from common.runtime.fused_projections import LayerProducts, stack_layers
-from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, invariant_rows, use_invariant_linears
+from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
 from common.spec.types import ModelInfo
 
 log = get_logger(__name__)
@@ -56,24 +58,6 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if torch.device(device).type == "cpu" and bf16_available() else "float32"
-
-
-def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
-    """The attention backend: ``auto`` on a CPU in bfloat16, where this CPU's bfloat16 products are
-    row-invariant, is the project's kernel (float32 attention on float32 keys/values, every row
-    alone) where it builds, else the row-invariant eager one
-    (:class:`~common.runtime.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
-    if name in ("auto", InvariantAttention.name) and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        rows = invariant_rows()
-        if rows and name == "auto" and (kernel := cpu_kernel_backend(device, dtype, head_dim)) is not None:
-            return kernel
-        if rows:
-            return InvariantAttention(rows)
-        if name != "auto":
-            raise ValueError("attention backend invariant needs a CPU whose bfloat16 products are row-invariant (AMX)")
-    if name == InvariantAttention.name:
-        raise ValueError("attention backend invariant is for bfloat16 on a CPU")
-    return select_backend(name, device, dtype, head_dim)
 
 
 class UnsupportedArchitecture(CheckpointError):

@@ -1,6 +1,6 @@
 """The project's own CPU projection kernels (``csrc/streamed_linear.cpp``), built into one extension
 with its CPU attention kernel (``csrc/cache_attention.cpp``: the ``cpu_kernel`` backend of
-:mod:`common.runtime.attention`).
+:mod:`common.runtime.cpu_attention`).
 
 - *streamed*: a few rows times a weight, the weight read once. A verify pass on a CPU is bound by
   reading the weights up to a dozen or so rows, so a pass of eight rows should cost about what a
@@ -81,7 +81,7 @@ from common.runtime.threads import cache_dir
 log = get_logger("streamed_linear")
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
-ATTENTION_SOURCE = SOURCE.with_name("cache_attention.cpp")  # the same extension's attention (common/runtime/attention.py)
+ATTENTION_SOURCE = SOURCE.with_name("cache_attention.cpp")  # the same extension's attention (cpu_attention.py)
 VEC_HEADER = SOURCE.with_name("vec.h")  # the vector type and row dispatch both sources include
 K_MULTIPLE = 16  # the streamed kernel's inner dimension steps by one AVX-512 register of float32 (two AVX2 ones)
 PANEL_WIDTH = 16  # the panel kernel's outputs come in panels of one AVX-512 register of float32 (two AVX2 ones)

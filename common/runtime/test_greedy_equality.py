@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.runtime.attention import cpu_kernel_available
+from common.runtime.cpu_attention import cpu_kernel_available
 from common.runtime.checkpoints import load_causal_lm
 from common.runtime.drafter_engine import DrafterEngine
 from common.runtime.verifier_engine import VerifierEngine

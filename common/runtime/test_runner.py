@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.runtime.attention import CpuKernelBackend, FlashAttnBackend, SdpaBackend, cpu_kernel_available, reference_varlen
+from common.runtime.attention import FlashAttnBackend, SdpaBackend, reference_varlen
+from common.runtime.cpu_attention import CpuKernelBackend, cpu_kernel_available
 from common.runtime.checkpoints import CheckpointError, load_causal_lm
 from common.runtime.runner import LMRunner, SeqInput, UnsupportedArchitecture
 from cosine_zoo.random_checkpoints import make_checkpoint
