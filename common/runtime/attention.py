@@ -128,7 +128,8 @@ class AttentionBackend:
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
+    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: Any,
+                       scale: float) -> torch.Tensor:
         """:meth:`attend`, after writing the packed new keys/values ``k, v: [N, Hkv, D]`` into the last
         ``t_b`` entries of each ``kvs[b]`` (for a backend with :attr:`writes_new_kv`)."""
         raise NotImplementedError
@@ -169,11 +170,13 @@ class GroupPlan:
         if self.mask is None:
             return None
         if self.additive is None or self.additive.dtype != dtype:
-            self.additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self.additive = additive.masked_fill_(~self.mask, float("-inf"))
         return self.additive
 
 
-def dense_plans(layout: BatchLayout, device: torch.device, together: bool, only: frozenset[int] | None = None) -> tuple[GroupPlan, ...]:
+def dense_plans(layout: BatchLayout, device: torch.device, together: bool,
+                only: frozenset[int] | None = None) -> tuple[GroupPlan, ...]:
     """How the sequences of a pass are attended: each alone on its cache in place, or (``together``)
     padded together with the others of its count of new tokens, one call per count.
 
@@ -184,13 +187,10 @@ def dense_plans(layout: BatchLayout, device: torch.device, together: bool, only:
     ancestors-or-self). Padding copies the keys and values of the group's sequences into fresh
     tensors in every layer, and masks each one's padding.
 
-    On the CPU, alone is faster: a plain pass of 16 requests of the default zoo's target, 2 threads,
-    80 ms against 83 padded at 300 tokens of context and 115 against 268 at 600; a verify pass of 12
-    requests with a 4-node chain each at 300 tokens, 176.5 ms against 193.6. On a GPU every call is
-    a kernel launch and the copies are cheap, so together is faster past a few sequences: on an H100,
-    SmolLM2-135M's shape at 300 tokens of context, float32, 16 plain requests took 71.2 ms a pass
-    against 99.2 alone, 64 plain requests 178.2 against 403.9, and 64 requests with trees of five
-    sizes 216.0 against 494.0 (bfloat16: 49.9 against 71.3, 135.9 against 196.5, 155.6 against 209.7).
+    On the CPU alone is faster, and more so the longer the context: the copies padding makes grow
+    with it, and a call per sequence costs little. On a GPU every call is a kernel launch and the
+    copies are cheap, so together is faster past a few sequences, plain requests and trees alike.
+    The measurements behind the choice are in the project's performance notes.
 
     ``only``: plan just those sequences (the others are attended elsewhere).
     """
@@ -323,7 +323,8 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         mask = torch.ones((tq, tk), dtype=torch.bool, device=q.device)
         if causal:
             mask = torch.arange(tk, device=q.device)[None, :] <= torch.arange(tq, device=q.device)[:, None] + (tk - tq)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale, enable_gqa=qi.shape[0] != ki.shape[0])
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
+                                           enable_gqa=qi.shape[0] != ki.shape[0])
         out[cq[i] : cq[i + 1]] = o.transpose(0, 1)
     return out
 

@@ -1,6 +1,6 @@
 """Which attention backend a runner gets: chosen once at start-up from the device, the dtype and
-the head size, or asked for by name (the services' attention setting), and refused with a ``ValueError``
-where the named one cannot run here. The backends themselves: :mod:`common.runtime.attention`
+the head size, or asked for by name (the services' attention setting), and refused with a
+``ValueError`` where the named one cannot run here. The backends themselves: :mod:`common.runtime.attention`
 (``eager``, ``sdpa``, ``flash_attn``), :mod:`common.runtime.cpu_attention` (``cpu_kernel``) and
 :mod:`common.runtime.invariant_bf16` (``invariant``).
 """
@@ -29,8 +29,9 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, he
         if backend is not None:
             return backend
         if name == "cpu_kernel":
-            raise ValueError(f"attention backend cpu_kernel needs float32 or bfloat16 on a CPU with AVX-512 or AVX2, the project's kernels built "
-                             f"and head_dim a multiple of 16 (device={device}, dtype={dtype}, head_dim={head_dim}); use sdpa or eager")
+            raise ValueError(f"attention backend cpu_kernel needs float32 or bfloat16 on a CPU with AVX-512 or AVX2, "
+                             f"the project's kernels built and head_dim a multiple of 16 (device={device}, "
+                             f"dtype={dtype}, head_dim={head_dim}); use sdpa or eager")
     if name == "auto":
         name = "flash_attn" if flash_attn_available(device, dtype) else "sdpa"
     if name == "eager":

@@ -39,20 +39,21 @@ class CpuKernelBackend(SdpaBackend):
     float32 on the CPU, ``head_dim`` a multiple of 16.
 
     Why: ``sdpa`` and the per-sequence tensor operations around it (writing the cache, slicing the
-    rows, putting them back) cost about 60 us per sequence and layer on the CPU, two milliseconds per
-    request in a pass of SmolLM2-135M; the kernel's one call reads each key and value row once for
-    the query heads that share it. Each query row is computed alone in a fixed order (float32
-    softmax), so a sequence's result does not depend on the batch around it.
+    rows, putting them back) cost a fixed overhead per sequence and layer on the CPU, which for a
+    small model is a large share of a request's pass; the kernel's one call a layer pays it once for
+    the whole pass, and reads each key and value row once for the query heads that share it. Each
+    query row is computed alone in a fixed order (float32 softmax), so a sequence's result does not
+    depend on the batch around it.
 
-    A bfloat16 model (on a CPU with AMX, its projections row-invariant: ``common/runtime/invariant_bf16.py``)
-    keeps its keys and values in float32 (bfloat16 values, exact in float32) and is attended in
-    float32, its output rounded to bfloat16 once: a row's result is still the row's alone, and the
-    same kernel serves both dtypes. There every sequence goes to the kernel (``short=None``), a prompt
-    too: whether a prompt's rows met ``sdpa`` or the kernel would depend on what else its pass held
-    (a prompt alone, or a prompt and a draft tree), and ``sdpa``'s sums differ from the kernel's in
-    the last bits, which bfloat16's rounding turns into different tokens (in float32, only at exact
-    ties). The kernel's cost grows with a prompt's length squared (32 rows at a time), so ``sdpa``
-    keeps float32's prompts."""
+    A bfloat16 model (on a CPU with AMX, its projections row-invariant:
+    :mod:`common.runtime.invariant_bf16`) keeps its keys and values in float32 (bfloat16 values,
+    exact in float32) and is attended in float32, its output rounded to bfloat16 once: a row's result
+    is still the row's alone, and the same kernel serves both dtypes. There every sequence goes to the
+    kernel (``short=None``), a prompt too: whether a prompt's rows met ``sdpa`` or the kernel would
+    depend on what else its pass held (a prompt alone, or a prompt and a draft tree), and ``sdpa``'s
+    sums differ from the kernel's in the last bits, which bfloat16's rounding turns into different
+    tokens (in float32, only at exact ties). The kernel's cost grows with a prompt's length squared
+    (32 rows at a time), so ``sdpa`` keeps float32's prompts."""
 
     name = "cpu_kernel"
     writes_new_kv = True
@@ -83,12 +84,13 @@ class CpuKernelBackend(SdpaBackend):
         k, v = (torch.cat([kv[i][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)]) for i in (0, 1))
         return self.attend_writing(q, k, v, kvs, plan, scale)
 
-    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
+    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan,
+                       scale: float) -> torch.Tensor:
         dtype = q.dtype  # float32, or bfloat16 attended in float32
         q = q.float().contiguous()
         out = torch.empty_like(q)
-        self.kernel(q, k.float().contiguous(), v.float().contiguous(), [kv[0] for kv in kvs], [kv[1] for kv in kvs], plan.offsets,
-                    plan.lens, plan.attend, plan.mask, plan.mask_offsets, scale, out)
+        self.kernel(q, k.float().contiguous(), v.float().contiguous(), [kv[0] for kv in kvs], [kv[1] for kv in kvs],
+                    plan.offsets, plan.lens, plan.attend, plan.mask, plan.mask_offsets, scale, out)
         for p in plan.long:
             rows = slice(None) if p.rows is None else p.rows
             out[rows] = self.attend_group(q[rows], [kvs[b] for b in p.seqs], p, scale)
