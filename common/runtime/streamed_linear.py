@@ -93,10 +93,16 @@ StreamedLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_name(extra_flags: tuple[str, ...] = ()) -> str:
-    """The extension's name: changes with the source, the compile flags, this CPU's flags and torch."""
+    """The extension's name: changes with the source, the compile flags, this CPU's flags and torch,
+    and with where the sources and torch are. The build's commands name the sources and torch's
+    headers by path, so two checkouts (or two environments) sharing one cache under one name would
+    each find the other's commands in the build directory and compile again on every load; with the
+    paths in the name each keeps its own build, and a cached build only loads."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, ATTENTION_SOURCE, VEC_HEADER)))
     digest.update(" ".join(FLAGS + extra_flags).encode())
     digest.update(torch.__version__.encode())
+    for where in (SOURCE.parent, Path(torch.__file__).parent):
+        digest.update(str(where.resolve()).encode() + b"\0")
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:

@@ -163,6 +163,13 @@ def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waite
 def test_the_build_name_follows_the_source_and_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     name = build_name()
     assert name.startswith("cosine_streamed_linear_") and name == build_name()
+    # the same sources in another checkout: a build of its own (the build's commands name the sources by path)
+    (tmp_path / "checkout").mkdir()
+    for source in (streamed_linear.SOURCE, streamed_linear.ATTENTION_SOURCE, streamed_linear.VEC_HEADER):
+        (tmp_path / "checkout" / source.name).write_bytes(source.read_bytes())
+    for attr in ("SOURCE", "ATTENTION_SOURCE", "VEC_HEADER"):
+        monkeypatch.setattr(streamed_linear, attr, tmp_path / "checkout" / getattr(streamed_linear, attr).name)
+    assert build_name() != name
     changed = tmp_path / "streamed_linear.cpp"
     changed.write_text(streamed_linear.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(streamed_linear, "SOURCE", changed)
