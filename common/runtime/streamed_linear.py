@@ -47,18 +47,24 @@ at five rows, 0.90-0.95 at eight, 0.87-0.97 at 14 and 0.91-0.97 at 24 (the lower
 another process taking short bursts of a core), level at one row. Which thread computes an item
 never changes its bits.
 
-The extension is built from source the first time a process asks for it on a machine (about 30 s
-with the machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a
-name that follows the source, the flags, the CPU's flags and torch, so a cache shared with another
-kind of CPU is never loaded) and checked against ``linear`` on a small case. It compiles for the
-instruction set the CPU has: AVX-512, or AVX2 with FMA (``isa()`` says which), whose kernels hold
-fewer accumulators in their 16 registers (four input rows a streamed block, six rows of one panel a
-panel micro-tile) with the same packing. The AVX2 build measured on the benchmark machine (an
-AVX-512 CPU running it, ``-mno-avx512f``; not an AVX2-only CPU) is in docs/benchmarks.md. Without
-either, a compiler, ninja or a successful build neither kernel is offered (:func:`extension` returns
-None, logged once), and :mod:`common.runtime.cpu_linear` measures the other kernels as before. Results
-equal ``linear``'s up to float rounding (the summation order differs), as any other kernel's do;
-both kernels sum each output in the same order whatever the number of rows.
+The extension is built from source once per machine, with the machine's C++ compiler and
+``-march=native``, and cached in ``$COSINE_CACHE_DIR/kernels`` under a name that follows the source,
+the flags, the CPU's flags and torch, so a cache shared with another kind of CPU is never loaded;
+every load is checked against ``linear`` on a small case. ``cosine kernels build`` (run by ``make
+setup``) builds it ahead and says what it built for which instruction set, or why it is left out;
+a cached build only loads. Where that did not happen, the first process that asks for the kernels
+builds them itself (a first request then waits for the compiler) or, where they cannot be had,
+logs why once and goes on without them.
+
+It compiles for the instruction set the CPU has: AVX-512, or AVX2 with FMA (``isa()`` says which),
+whose kernels hold fewer accumulators in their 16 registers (four input rows a streamed block, six
+rows of one panel a panel micro-tile) with the same packing. The AVX2 build measured on the
+benchmark machine (an AVX-512 CPU running it, ``-mno-avx512f``; not an AVX2-only CPU) is in
+docs/benchmarks.md. Without either, a compiler, ninja or a successful build neither kernel is
+offered (:func:`extension` returns None, logged once), and :mod:`common.runtime.cpu_linear` measures
+the other kernels as before. Results equal ``linear``'s up to float rounding (the summation order
+differs), as any other kernel's do; both kernels sum each output in the same order whatever the
+number of rows.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -136,6 +143,16 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def build_directory(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Where the build for this source, these flags, this CPU and this torch is cached."""
+    return cache_dir() / "kernels" / build_name(extra_flags)
+
+
+def is_cached(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether that build is in the cache already: loading it then compiles nothing."""
+    return any(build_directory(extra_flags).glob("*.so"))
+
+
 @functools.cache
 def extension() -> ModuleType | None:
     """The built extension (``isa``, ``streamed_linear``, ``pack_panels``, ``panel_linear``,
@@ -168,20 +185,43 @@ def clear_stale_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> boo
     return True
 
 
+@dataclass(frozen=True)
+class KernelBuild:
+    """What :func:`build_kernels` did: ``module`` the checked extension, or None with ``reason``
+    saying why it is left out; ``cached``: it was loaded from an earlier build in ``build_dir``
+    (nothing compiled). ``build_dir`` is None where the kernels are not offered at all."""
+
+    module: ModuleType | None
+    reason: str | None = None
+    build_dir: Path | None = None
+    cached: bool = False
+
+    @property
+    def isa(self) -> str | None:
+        return None if self.module is None else str(self.module.isa())
+
+
 def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
     """Build (or load from the cache) and check the extension with ``extra_flags`` after
     :data:`FLAGS` (:data:`AVX2_FLAGS`: the AVX2 kernels on an AVX-512 CPU); None where it cannot be had."""
+    return build_kernels(extra_flags).module
+
+
+def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild:
+    """:func:`build`, saying what it did: built, loaded from the cache, or left out and why. A failed
+    build or check is logged once and returned as a reason, never raised: it only costs the
+    candidates, never the service."""
     reason = unavailable_reason()
     if reason is not None:
         log.info("own cpu kernels not offered", reason=reason)
-        return None
+        return KernelBuild(None, reason)
     from torch.utils.cpp_extension import load
 
     where = ninja_dir()
     if where is not None and shutil.which("ninja") is None:  # torch runs `ninja` by name
         os.environ["PATH"] = f"{where}{os.pathsep}{os.environ.get('PATH', '')}"
     name = build_name(extra_flags)
-    build_dir = cache_dir() / "kernels" / name
+    build_dir = build_directory(extra_flags)
     t0 = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -189,20 +229,37 @@ def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             log.info("building the own cpu kernels (once per machine, about 30 s)", build_dir=str(build_dir))
-        module = load(name=name, sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)], extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
+        module = load(name=name, sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)],
+                      extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
                       build_directory=str(build_dir), verbose=False)
-        gen = torch.Generator().manual_seed(0)
-        weight, x = torch.randn(48, 48, generator=gen), torch.randn(11, 48, generator=gen)
-        want = torch.nn.functional.linear(x, weight)
-        for what, got in (("streamed", module.streamed_linear(x, weight[:29])), ("panel", module.panel_linear(x, module.pack_panels(weight)))):
-            if not torch.allclose(got, want[:, : got.shape[1]], rtol=1e-4, atol=1e-4):
-                raise RuntimeError(f"the {what} kernel disagrees with torch's linear on a small case")
+        check(module)
     except Exception as exc:  # a failed build or check only costs the candidates, never the service
         log.warning("own cpu kernels unavailable; using torch's", error=str(exc)[-500:], build_dir=str(build_dir))
-        return None
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        return KernelBuild(None, f"the build failed ({last[-300:]})", build_dir)
     if fresh:
         log.info("own cpu kernels built", isa=module.isa(), seconds=round(time.perf_counter() - t0, 1))
-    return module
+    return KernelBuild(module, None, build_dir, cached=not fresh)
+
+
+def check(module: ModuleType) -> None:
+    """Raise RuntimeError unless the streamed and panel kernels agree with ``linear`` on a small case."""
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 48, generator=gen), torch.randn(11, 48, generator=gen)
+    want = torch.nn.functional.linear(x, weight)
+    for what, got in (("streamed", module.streamed_linear(x, weight[:29])),
+                      ("panel", module.panel_linear(x, module.pack_panels(weight)))):
+        if not torch.allclose(got, want[:, : got.shape[1]], rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"the {what} kernel disagrees with torch's linear on a small case")
+
+
+def describe(result: KernelBuild) -> str:
+    """One line for an operator: what was built or loaded, for which instruction set, and where; or
+    that the kernels are left out, why, and what serves instead."""
+    if result.module is None:
+        return f"the project's CPU kernels are left out: {result.reason}; the services use torch's kernels instead"
+    how = "loaded from the cache in" if result.cached else "built into"
+    return f"the project's CPU kernels for {result.isa}: {how} {result.build_dir}"
 
 
 def streamed_kernel() -> StreamedLinear | None:

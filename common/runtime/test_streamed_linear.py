@@ -137,6 +137,31 @@ def test_a_failed_build_leaves_the_kernel_out_and_says_why(monkeypatch: pytest.M
     assert str(tmp_path) in str(said.lines[-1][1]["build_dir"])
 
 
+def test_where_the_kernels_cannot_be_had_a_first_use_goes_on_without_them_after_one_line(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    def never(**_: object) -> None:
+        raise AssertionError("no build is tried where the kernels cannot be had")
+
+    said = building_with(monkeypatch, tmp_path, never)
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda: "no C++ compiler (c++) on PATH")
+    assert fresh_extension() is None
+    assert said.lines == [("own cpu kernels not offered", {"reason": "no C++ compiler (c++) on PATH"})]
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_a_failed_build_is_described_in_one_line_with_its_last_error_line(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path) -> None:
+    def broken(**_: object) -> None:
+        raise RuntimeError("Error building extension\ng++: internal compiler error")
+
+    building_with(monkeypatch, tmp_path, broken)
+    result = streamed_linear.build_kernels()
+    assert result.module is None and result.build_dir == streamed_linear.build_directory()
+    assert streamed_linear.describe(result) == (
+        "the project's CPU kernels are left out: the build failed (g++: internal compiler error); "
+        "the services use torch's kernels instead")
+
+
 @pytest.mark.parametrize("age_s", [3600.0, 5.0])
 def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waited_for(monkeypatch: pytest.MonkeyPatch, tmp_path,
                                                                                        age_s: float) -> None:
