@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.cosine-installed
 PROTOS := $(wildcard protos/cosine/v1/*.proto)
 PB_STAMP := pb/.generated
 
-.PHONY: setup proto redis-server test fuzz run bench clean help
+.PHONY: setup proto redis-server kernels test fuzz run bench clean help
 
 help:
 	@echo "make run    - set up, start the local cluster and serve a demo workload"
@@ -16,9 +16,10 @@ help:
 	@echo "make fuzz   - set up and fuzz every service's gRPC and HTTP inputs at length (over 15,000 cases)"
 	@echo "make bench  - set up, build the default zoo if absent, run every system and write bench-out/report.json + plots"
 	@echo "make proto  - regenerate the gRPC/protobuf code (pb/) from protos/"
+	@echo "make kernels - build and cache the project's C++ CPU kernels for this CPU (part of setup)"
 	@echo "make clean  - remove the virtual environment and generated code"
 
-setup: $(STAMP) redis-server
+setup: $(STAMP) redis-server kernels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,12 @@ $(STAMP): pyproject.toml constraints.txt $(PB_STAMP)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,bench,zoo]'
 	touch $@
+
+# The project's C++ CPU kernels, built for this CPU and cached so that no request waits for the
+# compiler; a cached build only loads. Where they cannot be built, one line says why and the
+# services use torch's kernels (the command still succeeds).
+kernels: $(STAMP)
+	@$(BIN)/cosine kernels build
 
 # Debian's redis-server, installed when missing (tests and `cosine up` start private ones).
 redis-server:

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "cosine_cli.commands",
     "cosine_cli.tls",
     "cosine_cli.chaos",
+    "cosine_cli.kernels",
     "benchmarks.bench",
 )
 

@@ -1,4 +1,4 @@
-"""Randomly initialised Llama / Qwen2 checkpoints written to disk, for tests and benchmarks.
+"""Randomly initialised Llama / Mistral / Qwen2 checkpoints written to disk, for tests and benchmarks.
 
 No download: the model is built from a config with random weights and the tokenizer is a
 word-level vocabulary built in memory (``<t0> <t1> ...``). Both are saved with
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2")
 
 
 def make_tokenizer(vocab_size: int) -> Any:
@@ -28,7 +28,7 @@ def make_tokenizer(vocab_size: int) -> Any:
 
 def make_config(family: str = "llama", **overrides: Any) -> Any:
     """A small config of ``family``; ``overrides`` replace any field (e.g. ``rope_parameters``)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     base: dict[str, Any] = dict(
         vocab_size=512,
@@ -47,6 +47,9 @@ def make_config(family: str = "llama", **overrides: Any) -> Any:
     base.update(overrides)
     if family == "llama":
         return LlamaConfig(**base)
+    if family == "mistral":
+        base.setdefault("sliding_window", None)  # transformers' default (4096) is narrower than the context
+        return MistralConfig(**base)
     if family == "qwen2":
         base.setdefault("use_sliding_window", False)
         return Qwen2Config(**base)

@@ -1,27 +1,28 @@
-"""Attention backends for batched forwards over per-request KV caches with arbitrary tree masks.
-
-One interface, four implementations, chosen once at start-up (:func:`select_backend`):
-
-- ``eager``: matmul + masked softmax in fp32; the reference.
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask.
-- ``cpu_kernel``: the project's own CPU kernel (``csrc/cache_attention.cpp``, built with the
-  projection kernels of :mod:`common.runtime.streamed_linear`) for every sequence of a pass with a few new
-  tokens, all in one call a layer; a prompt's many new tokens go to ``sdpa``. The CPU default in
-  float32 where the kernels can be built (else ``sdpa``).
-- ``flash_attn``: flash-attn's varlen kernel (CUDA, fp16/bf16). The kernel only knows causal
-  masks, so every sequence's new tokens are expanded into root-to-leaf paths: each path is one
-  varlen sequence ``past + path`` with a bottom-right aligned causal mask. A node shared by several
-  paths is computed once per path (identical values: it sees the same keys each time).
-
-Both dense backends attend each sequence alone, on its cache in place, with its own mask, on the
-CPU, and pad the sequences of a pass together per count of new tokens on a GPU
-(:func:`dense_plans`).
+"""Attention for batched forwards over per-request KV caches with arbitrary tree masks: what every
+backend computes, the interface they share, and the backends on library kernels.
 
 What every backend computes, per sequence ``b`` of the batch: the new tokens (``t_b`` of them) attend
 to the ``L_b`` committed cache entries and to the new tokens that are their ancestors-or-self (a
 chain for ordinary causal decoding, a tree for verification). The layout of one forward pass is
 described once by :class:`BatchLayout`; each backend turns it into a plan (masks, index tensors)
 reused by every layer.
+
+One interface (:class:`AttentionBackend`), four implementations, chosen once at start-up
+(:mod:`common.runtime.attention_selection`):
+
+- ``eager``: matmul + masked softmax in fp32; the reference.
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask.
+- ``flash_attn``: flash-attn's varlen kernel (CUDA, fp16/bf16). The kernel only knows causal
+  masks, so every sequence's new tokens are expanded into root-to-leaf paths: each path is one
+  varlen sequence ``past + path`` with a bottom-right aligned causal mask. A node shared by several
+  paths is computed once per path (identical values: it sees the same keys each time).
+- ``cpu_kernel``: the project's own CPU kernel (:mod:`common.runtime.cpu_attention`), for every
+  sequence of a pass with a few new tokens, all in one call a layer; a prompt's many new tokens go
+  to ``sdpa``. The CPU default in float32 where the kernels can be built (else ``sdpa``).
+
+Both dense backends (``eager``, ``sdpa``) attend each sequence alone, on its cache in place, with its
+own mask, on the CPU, and pad the sequences of a pass together per count of new tokens on a GPU
+(:func:`dense_plans`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from common.logs import get_logger
-from common.runtime.streamed_linear import extension
-
-log = get_logger(__name__)
-
-BACKENDS = ("eager", "sdpa", "cpu_kernel", "flash_attn")
 
 KV = tuple[torch.Tensor, torch.Tensor]  # ([Hkv, L_b + t_b, D], [Hkv, L_b + t_b, D])
 
@@ -134,7 +128,8 @@ class AttentionBackend:
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
+    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: Any,
+                       scale: float) -> torch.Tensor:
         """:meth:`attend`, after writing the packed new keys/values ``k, v: [N, Hkv, D]`` into the last
         ``t_b`` entries of each ``kvs[b]`` (for a backend with :attr:`writes_new_kv`)."""
         raise NotImplementedError
@@ -175,11 +170,13 @@ class GroupPlan:
         if self.mask is None:
             return None
         if self.additive is None or self.additive.dtype != dtype:
-            self.additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self.additive = additive.masked_fill_(~self.mask, float("-inf"))
         return self.additive
 
 
-def dense_plans(layout: BatchLayout, device: torch.device, together: bool, only: frozenset[int] | None = None) -> tuple[GroupPlan, ...]:
+def dense_plans(layout: BatchLayout, device: torch.device, together: bool,
+                only: frozenset[int] | None = None) -> tuple[GroupPlan, ...]:
     """How the sequences of a pass are attended: each alone on its cache in place, or (``together``)
     padded together with the others of its count of new tokens, one call per count.
 
@@ -190,13 +187,10 @@ def dense_plans(layout: BatchLayout, device: torch.device, together: bool, only:
     ancestors-or-self). Padding copies the keys and values of the group's sequences into fresh
     tensors in every layer, and masks each one's padding.
 
-    On the CPU, alone is faster: a plain pass of 16 requests of the default zoo's target, 2 threads,
-    80 ms against 83 padded at 300 tokens of context and 115 against 268 at 600; a verify pass of 12
-    requests with a 4-node chain each at 300 tokens, 176.5 ms against 193.6. On a GPU every call is
-    a kernel launch and the copies are cheap, so together is faster past a few sequences: on an H100,
-    SmolLM2-135M's shape at 300 tokens of context, float32, 16 plain requests took 71.2 ms a pass
-    against 99.2 alone, 64 plain requests 178.2 against 403.9, and 64 requests with trees of five
-    sizes 216.0 against 494.0 (bfloat16: 49.9 against 71.3, 135.9 against 196.5, 155.6 against 209.7).
+    On the CPU alone is faster, and more so the longer the context: the copies padding makes grow
+    with it, and a call per sequence costs little. On a GPU every call is a kernel launch and the
+    copies are cheap, so together is faster past a few sequences, plain requests and trees alike.
+    The measurements behind the choice are in the project's performance notes.
 
     ``only``: plan just those sequences (the others are attended elsewhere).
     """
@@ -297,104 +291,6 @@ class SdpaBackend(DenseBackend):
         return ungroup(o)
 
 
-# ---- the project's CPU kernel -----------------------------------------------------------------
-
-SHORT = 32  # new tokens up to which a sequence is attended by the kernel; a longer one (a prompt) by sdpa
-
-
-@dataclass
-class KernelPlan:
-    """One pass of :class:`CpuKernelBackend`: every sequence's rows (the kernel writes every one's new
-    keys and values), which ones it attends (``attend``, their ancestor masks flattened one after the
-    other), and the long ones planned as ``sdpa`` plans them."""
-
-    offsets: list[int]
-    lens: list[int]
-    attend: list[bool]
-    mask: torch.Tensor  # bool, sum of t_b * t_b over the attended sequences
-    mask_offsets: list[int]
-    long: tuple[GroupPlan, ...]
-
-
-class CpuKernelBackend(SdpaBackend):
-    """Every sequence with at most :data:`SHORT` new tokens (a decode step, a draft tree) attended in
-    one call a layer by the project's kernel (``csrc/cache_attention.cpp``), which also writes every
-    sequence's new keys and values into its cache; the others (prompts) attended alone by ``sdpa``.
-    float32 on the CPU, ``head_dim`` a multiple of 16.
-
-    Why: ``sdpa`` and the per-sequence tensor operations around it (writing the cache, slicing the
-    rows, putting them back) cost about 60 us per sequence and layer on the CPU, two milliseconds per
-    request in a pass of SmolLM2-135M; the kernel's one call reads each key and value row once for
-    the query heads that share it. Each query row is computed alone in a fixed order (float32
-    softmax), so a sequence's result does not depend on the batch around it.
-
-    A bfloat16 model (on a CPU with AMX, its projections row-invariant: ``common/runtime/invariant_bf16.py``)
-    keeps its keys and values in float32 (bfloat16 values, exact in float32) and is attended in
-    float32, its output rounded to bfloat16 once: a row's result is still the row's alone, and the
-    same kernel serves both dtypes. There every sequence goes to the kernel (``short=None``), a prompt
-    too: whether a prompt's rows met ``sdpa`` or the kernel would depend on what else its pass held
-    (a prompt alone, or a prompt and a draft tree), and ``sdpa``'s sums differ from the kernel's in
-    the last bits, which bfloat16's rounding turns into different tokens (in float32, only at exact
-    ties). The kernel's cost grows with a prompt's length squared (32 rows at a time), so ``sdpa``
-    keeps float32's prompts."""
-
-    name = "cpu_kernel"
-    writes_new_kv = True
-    cache_dtype = torch.float32
-
-    def __init__(self, kernel: Callable[..., None], short: int | None = SHORT) -> None:
-        super().__init__(together=False)
-        self.kernel = kernel
-        self.short = short  # None: every sequence by the kernel (bfloat16: a prompt's rows too, see above)
-
-    def plan(self, layout: BatchLayout, device: torch.device) -> KernelPlan:
-        lens = list(layout.new_lens)
-        short = self.short if self.short is not None else max(lens, default=0)
-        attend = [0 < t <= short for t in lens]
-        masks, mask_offsets, at = [], [], 0
-        for b, t in enumerate(lens):
-            mask_offsets.append(at)
-            if attend[b]:
-                masks.append(layout.ancestor_mask(b).reshape(-1) if t > 1 else torch.ones(1, dtype=torch.bool))
-                at += t * t
-        mask = torch.cat(masks) if masks else torch.ones(0, dtype=torch.bool)
-        long = frozenset(b for b, t in enumerate(lens) if t > short)
-        return KernelPlan(list(layout.offsets), lens, attend, mask, mask_offsets,
-                          dense_plans(layout, device, together=False, only=long) if long else ())
-
-    def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
-        """With the new keys/values already in ``kvs`` (each sequence's last ``t_b`` entries)."""
-        k, v = (torch.cat([kv[i][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)]) for i in (0, 1))
-        return self.attend_writing(q, k, v, kvs, plan, scale)
-
-    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
-        dtype = q.dtype  # float32, or bfloat16 attended in float32
-        q = q.float().contiguous()
-        out = torch.empty_like(q)
-        self.kernel(q, k.float().contiguous(), v.float().contiguous(), [kv[0] for kv in kvs], [kv[1] for kv in kvs], plan.offsets,
-                    plan.lens, plan.attend, plan.mask, plan.mask_offsets, scale, out)
-        for p in plan.long:
-            rows = slice(None) if p.rows is None else p.rows
-            out[rows] = self.attend_group(q[rows], [kvs[b] for b in p.seqs], p, scale)
-        return out.to(dtype)
-
-
-def cpu_kernel_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> CpuKernelBackend | None:
-    """The kernel's backend where it can run (see :func:`cpu_kernel_available`, and ``head_dim`` a
-    multiple of 16): short sequences only in float32, every sequence in bfloat16."""
-    kernel = cpu_kernel_available(device, dtype) if head_dim % 16 == 0 else None
-    return None if kernel is None else CpuKernelBackend(kernel, SHORT if dtype == torch.float32 else None)
-
-
-def cpu_kernel_available(device: torch.device | str, dtype: torch.dtype) -> Callable[..., None] | None:
-    """The kernel where it can run: float32 or bfloat16 (attended in float32) on a CPU whose projection
-    kernels build (AVX-512 or AVX2)."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    module = extension()
-    return None if module is None else module.cache_attention
-
-
 # ---- flash-attn varlen ---------------------------------------------------------------------------
 
 
@@ -427,7 +323,8 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         mask = torch.ones((tq, tk), dtype=torch.bool, device=q.device)
         if causal:
             mask = torch.arange(tk, device=q.device)[None, :] <= torch.arange(tq, device=q.device)[:, None] + (tk - tq)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale, enable_gqa=qi.shape[0] != ki.shape[0])
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
+                                           enable_gqa=qi.shape[0] != ki.shape[0])
         out[cq[i] : cq[i + 1]] = o.transpose(0, 1)
     return out
 
@@ -481,9 +378,6 @@ class FlashAttnBackend(AttentionBackend):
         return out
 
 
-# ---- selection -----------------------------------------------------------------------------------
-
-
 def flash_attn_available(device: torch.device | str, dtype: torch.dtype) -> bool:
     return (
         torch.device(device).type == "cuda"
@@ -491,34 +385,3 @@ def flash_attn_available(device: torch.device | str, dtype: torch.dtype) -> bool
         and dtype in (torch.float16, torch.bfloat16)
         and importlib.util.find_spec("flash_attn") is not None
     )
-
-
-def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
-    """``auto`` = ``flash_attn`` when importable on a CUDA device with a half dtype, ``cpu_kernel``
-    in float32 on a CPU where it builds (``head_dim`` a multiple of 16), else ``sdpa``; ``cpu_kernel``
-    by name also in bfloat16.
-
-    Raises ``ValueError`` for an unknown name or an explicit ``flash_attn`` or ``cpu_kernel`` that
-    cannot run here.
-    """
-    if name == "cpu_kernel" or (name == "auto" and dtype == torch.float32):  # bfloat16's auto: common.runtime.runner.pick_backend
-        backend = cpu_kernel_backend(device, dtype, head_dim)
-        if backend is not None:
-            return backend
-        if name == "cpu_kernel":
-            raise ValueError(f"attention backend cpu_kernel needs float32 or bfloat16 on a CPU with AVX-512 or AVX2, the project's kernels built "
-                             f"and head_dim a multiple of 16 (device={device}, dtype={dtype}, head_dim={head_dim}); use sdpa or eager")
-    if name == "auto":
-        name = "flash_attn" if flash_attn_available(device, dtype) else "sdpa"
-    if name == "eager":
-        return EagerBackend()
-    if name == "sdpa":
-        return SdpaBackend()
-    if name == "flash_attn":
-        if not flash_attn_available(device, dtype):
-            raise ValueError(
-                "attention backend flash_attn needs the flash-attn package, a CUDA device and "
-                f"float16/bfloat16 weights (device={device}, dtype={dtype}); use sdpa or eager"
-            )
-        return FlashAttnBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, {', '.join(BACKENDS)})")

@@ -17,8 +17,11 @@ The runner reuses the checkpoint's modules (embedding, RMSNorm, q/k/v/o projecti
 without bias, gated MLP, final norm, lm_head, tied or not) and replaces only the attention and
 cache plumbing; on a CPU in float32 a layer's q/k/v and its gate/up are each one product over
 their stacked weights (:mod:`common.runtime.fused_projections`: the same outputs in fewer calls). Supported
-families: Llama and Qwen2 (GQA included). Anything else is refused at
-load with :class:`UnsupportedArchitecture` before the weights are read.
+families: Llama, Mistral and Qwen2 (GQA included). Every new token attends every cached token of
+its sequence, so a sliding window is exact only when it is at least the model's context (Mistral's
+``sliding_window`` None or ``>= max_position_embeddings``: the engines never let a sequence grow
+past that context); anything else, a narrower window included, is refused at load with
+:class:`UnsupportedArchitecture` before the weights are read.
 """
 
 from __future__ import annotations
@@ -30,19 +33,21 @@ from typing import Any
 
 import torch
 
-from common.runtime.attention import AttentionBackend, BatchLayout, CpuKernelBackend, cpu_kernel_backend, select_backend
+from common.runtime.attention import AttentionBackend, BatchLayout
+from common.runtime.attention_selection import pick_backend
+from common.runtime.cpu_attention import CpuKernelBackend
 from common.runtime.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
 from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
 from common.runtime.kv_cache import KVCache, KVPool
 from common.logs import get_logger
 from common.runtime.cpu_linear import use_cpu_linears
 from common.runtime.fused_projections import LayerProducts, stack_layers
-from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, invariant_rows, use_invariant_linears
+from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
 from common.spec.types import ModelInfo
 
 log = get_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -53,24 +58,6 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if torch.device(device).type == "cpu" and bf16_available() else "float32"
-
-
-def pick_backend(name: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64) -> AttentionBackend:
-    """The attention backend: ``auto`` on a CPU in bfloat16, where this CPU's bfloat16 products are
-    row-invariant, is the project's kernel (float32 attention on float32 keys/values, every row
-    alone) where it builds, else the row-invariant eager one
-    (:class:`~common.runtime.invariant_bf16.InvariantAttention`); otherwise :func:`select_backend`."""
-    if name in ("auto", InvariantAttention.name) and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        rows = invariant_rows()
-        if rows and name == "auto" and (kernel := cpu_kernel_backend(device, dtype, head_dim)) is not None:
-            return kernel
-        if rows:
-            return InvariantAttention(rows)
-        if name != "auto":
-            raise ValueError("attention backend invariant needs a CPU whose bfloat16 products are row-invariant (AMX)")
-    if name == InvariantAttention.name:
-        raise ValueError("attention backend invariant is for bfloat16 on a CPU")
-    return select_backend(name, device, dtype, head_dim)
 
 
 class UnsupportedArchitecture(CheckpointError):
@@ -89,7 +76,28 @@ def check_architecture(config: dict[str, Any], path: str | Path) -> str:
     layer_types = config.get("layer_types") or []
     if "sliding_attention" in layer_types or (config.get("use_sliding_window") and config.get("sliding_window")):
         raise UnsupportedArchitecture(f"{path}: sliding-window attention layers are not supported")
+    if model_type == "mistral":
+        _check_mistral_window(config, path)
     return archs[0]
+
+
+def _check_mistral_window(config: dict[str, Any], path: str | Path) -> None:
+    """Mistral applies ``sliding_window`` to every layer: query position ``i`` sees keys ``j`` with
+    ``i - j < window``. Positions stay below ``max_position_embeddings`` (the engines' context), so a
+    window of at least that is full attention, which is what the runner computes; a narrower one is
+    refused. A field the config file leaves out has transformers' default for the family (a
+    4096-token window), so it is read from there, not taken as absent."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model("mistral")
+    window = config["sliding_window"] if "sliding_window" in config else defaults.sliding_window
+    context = int(config.get("max_position_embeddings") or defaults.max_position_embeddings)
+    if window is not None and int(window) < context:
+        raise UnsupportedArchitecture(
+            f"{path}: sliding_window {window} is narrower than the context of {context} tokens "
+            "(max_position_embeddings); the runner attends every cached token, so only a window of at least "
+            "the context, or none (null), is exact"
+        )
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ class SeqInput:
 
 
 class LMRunner:
-    """Batched forward of a Llama/Qwen2 ``*ForCausalLM`` over per-request caches."""
+    """Batched forward of a Llama/Mistral/Qwen2 ``*ForCausalLM`` over per-request caches."""
 
     def __init__(self, model: Any, backend: AttentionBackend, *, name: str = "", tokenizer_fp: str = "",
                  draft_vocab: DraftVocab | None = None) -> None:

@@ -1,6 +1,6 @@
 """The project's own CPU projection kernels (``csrc/streamed_linear.cpp``), built into one extension
 with its CPU attention kernel (``csrc/cache_attention.cpp``: the ``cpu_kernel`` backend of
-:mod:`common.runtime.attention`).
+:mod:`common.runtime.cpu_attention`).
 
 - *streamed*: a few rows times a weight, the weight read once. A verify pass on a CPU is bound by
   reading the weights up to a dozen or so rows, so a pass of eight rows should cost about what a
@@ -36,17 +36,22 @@ serving process shares its cores with the router, the gateway and the drafters; 
 every kernel call waited for a thread another process had preempted. Which thread computes an item
 never changes its bits.
 
-The extension is built from source the first time a process asks for it on a machine (with the
-machine's C++ compiler, ``-march=native``; cached in ``$COSINE_CACHE_DIR/kernels`` under a name that
-follows the source, the flags, the CPU's flags and torch, so a cache shared with another kind of CPU
-is never loaded) and checked against ``linear`` on a small case. It compiles for the instruction set
-the CPU has: AVX-512, or AVX2 with FMA (``isa()`` says which), whose kernels hold fewer accumulators
-in their 16 registers (four input rows a streamed block, six rows of one panel a panel micro-tile)
-with the same packing. Without either, a compiler, ninja or a successful build neither kernel is
-offered (:func:`extension` returns None, logged once), and :mod:`common.runtime.cpu_linear` measures
-the other kernels as before. Results
-equal ``linear``'s up to float rounding (the summation order differs), as any other kernel's do;
-both kernels sum each output in the same order whatever the number of rows.
+The extension is built from source once per machine, with the machine's C++ compiler and
+``-march=native``, and cached in ``$COSINE_CACHE_DIR/kernels`` under a name that follows the source,
+the flags, the CPU's flags and torch, so a cache shared with another kind of CPU is never loaded;
+every load is checked against ``linear`` on a small case. ``cosine kernels build`` (run by ``make
+setup``) builds it ahead and says what it built for which instruction set, or why it is left out;
+a cached build only loads. Where that did not happen, the first process that asks for the kernels
+builds them itself (a first request then waits for the compiler) or, where they cannot be had,
+logs why once and goes on without them.
+
+It compiles for the instruction set the CPU has: AVX-512, or AVX2 with FMA (``isa()`` says which),
+whose kernels hold fewer accumulators in their 16 registers (four input rows a streamed block, six
+rows of one panel a panel micro-tile) with the same packing. Without either, a compiler, ninja or a
+successful build neither kernel is offered (:func:`extension` returns None, logged once), and
+:mod:`common.runtime.cpu_linear` measures the other kernels as before. Results equal ``linear``'s up
+to float rounding (the summation order differs), as any other kernel's do; both kernels sum each
+output in the same order whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -69,7 +75,7 @@ from common.runtime.threads import cache_dir
 log = get_logger("streamed_linear")
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
-ATTENTION_SOURCE = SOURCE.with_name("cache_attention.cpp")  # the same extension's attention (common/runtime/attention.py)
+ATTENTION_SOURCE = SOURCE.with_name("cache_attention.cpp")  # the same extension's attention (cpu_attention.py)
 VEC_HEADER = SOURCE.with_name("vec.h")  # the vector type and row dispatch both sources include
 K_MULTIPLE = 16  # the streamed kernel's inner dimension steps by one AVX-512 register of float32 (two AVX2 ones)
 PANEL_WIDTH = 16  # the panel kernel's outputs come in panels of one AVX-512 register of float32 (two AVX2 ones)
@@ -81,10 +87,16 @@ StreamedLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_name(extra_flags: tuple[str, ...] = ()) -> str:
-    """The extension's name: changes with the source, the compile flags, this CPU's flags and torch."""
+    """The extension's name: changes with the source, the compile flags, this CPU's flags and torch,
+    and with where the sources and torch are. The build's commands name the sources and torch's
+    headers by path, so two checkouts (or two environments) sharing one cache under one name would
+    each find the other's commands in the build directory and compile again on every load; with the
+    paths in the name each keeps its own build, and a cached build only loads."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, ATTENTION_SOURCE, VEC_HEADER)))
     digest.update(" ".join(FLAGS + extra_flags).encode())
     digest.update(torch.__version__.encode())
+    for where in (SOURCE.parent, Path(torch.__file__).parent):
+        digest.update(str(where.resolve()).encode() + b"\0")
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
@@ -116,6 +128,16 @@ def unavailable_reason() -> str | None:
     if missing:
         return f"its sources {', '.join(missing)} are missing"
     return None
+
+
+def build_directory(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Where the build for this source, these flags, this CPU and this torch is cached."""
+    return cache_dir() / "kernels" / build_name(extra_flags)
+
+
+def is_cached(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether that build is in the cache already: loading it then compiles nothing."""
+    return any(build_directory(extra_flags).glob("*.so"))
 
 
 @functools.cache
@@ -150,20 +172,43 @@ def clear_stale_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> boo
     return True
 
 
+@dataclass(frozen=True)
+class KernelBuild:
+    """What :func:`build_kernels` did: ``module`` the checked extension, or None with ``reason``
+    saying why it is left out; ``cached``: it was loaded from an earlier build in ``build_dir``
+    (nothing compiled). ``build_dir`` is None where the kernels are not offered at all."""
+
+    module: ModuleType | None
+    reason: str | None = None
+    build_dir: Path | None = None
+    cached: bool = False
+
+    @property
+    def isa(self) -> str | None:
+        return None if self.module is None else str(self.module.isa())
+
+
 def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
     """Build (or load from the cache) and check the extension with ``extra_flags`` after
     :data:`FLAGS` (:data:`AVX2_FLAGS`: the AVX2 kernels on an AVX-512 CPU); None where it cannot be had."""
+    return build_kernels(extra_flags).module
+
+
+def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild:
+    """:func:`build`, saying what it did: built, loaded from the cache, or left out and why. A failed
+    build or check is logged once and returned as a reason, never raised: it only costs the
+    candidates, never the service."""
     reason = unavailable_reason()
     if reason is not None:
         log.info("own cpu kernels not offered", reason=reason)
-        return None
+        return KernelBuild(None, reason)
     from torch.utils.cpp_extension import load
 
     where = ninja_dir()
     if where is not None and shutil.which("ninja") is None:  # torch runs `ninja` by name
         os.environ["PATH"] = f"{where}{os.pathsep}{os.environ.get('PATH', '')}"
     name = build_name(extra_flags)
-    build_dir = cache_dir() / "kernels" / name
+    build_dir = build_directory(extra_flags)
     t0 = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -171,20 +216,37 @@ def build(extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             log.info("building the own cpu kernels (once per machine, about 30 s)", build_dir=str(build_dir))
-        module = load(name=name, sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)], extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
+        module = load(name=name, sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)],
+                      extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
                       build_directory=str(build_dir), verbose=False)
-        gen = torch.Generator().manual_seed(0)
-        weight, x = torch.randn(48, 48, generator=gen), torch.randn(11, 48, generator=gen)
-        want = torch.nn.functional.linear(x, weight)
-        for what, got in (("streamed", module.streamed_linear(x, weight[:29])), ("panel", module.panel_linear(x, module.pack_panels(weight)))):
-            if not torch.allclose(got, want[:, : got.shape[1]], rtol=1e-4, atol=1e-4):
-                raise RuntimeError(f"the {what} kernel disagrees with torch's linear on a small case")
+        check(module)
     except Exception as exc:  # a failed build or check only costs the candidates, never the service
         log.warning("own cpu kernels unavailable; using torch's", error=str(exc)[-500:], build_dir=str(build_dir))
-        return None
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        return KernelBuild(None, f"the build failed ({last[-300:]})", build_dir)
     if fresh:
         log.info("own cpu kernels built", isa=module.isa(), seconds=round(time.perf_counter() - t0, 1))
-    return module
+    return KernelBuild(module, None, build_dir, cached=not fresh)
+
+
+def check(module: ModuleType) -> None:
+    """Raise RuntimeError unless the streamed and panel kernels agree with ``linear`` on a small case."""
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 48, generator=gen), torch.randn(11, 48, generator=gen)
+    want = torch.nn.functional.linear(x, weight)
+    for what, got in (("streamed", module.streamed_linear(x, weight[:29])),
+                      ("panel", module.panel_linear(x, module.pack_panels(weight)))):
+        if not torch.allclose(got, want[:, : got.shape[1]], rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"the {what} kernel disagrees with torch's linear on a small case")
+
+
+def describe(result: KernelBuild) -> str:
+    """One line for an operator: what was built or loaded, for which instruction set, and where; or
+    that the kernels are left out, why, and what serves instead."""
+    if result.module is None:
+        return f"the project's CPU kernels are left out: {result.reason}; the services use torch's kernels instead"
+    how = "loaded from the cache in" if result.cached else "built into"
+    return f"the project's CPU kernels for {result.isa}: {how} {result.build_dir}"
 
 
 def streamed_kernel() -> StreamedLinear | None:

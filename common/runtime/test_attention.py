@@ -14,8 +14,8 @@ from common.runtime.attention import (
     SdpaBackend,
     pad_kv,
     reference_varlen,
-    select_backend,
 )
+from common.runtime.attention_selection import select_backend
 
 # committed cache of 5, then: 2 uncached tokens (chain), and a tree under the last of them:
 #   u0 -> u1 -> {a(2) -> {c(4), d(5) -> e(6)}, b(3)}

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from common.runtime.attention import SHORT, BatchLayout, CpuKernelBackend, SdpaBackend, cpu_kernel_available
+from common.runtime.attention import BatchLayout, SdpaBackend
+from common.runtime.cpu_attention import SHORT, CpuKernelBackend, cpu_kernel_available
 from common.runtime.kv_cache import KVPool
 from common.runtime.test_attention import TREE_PARENTS, brute_force
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.runtime.attention import cpu_kernel_available
+from common.runtime.cpu_attention import cpu_kernel_available
 from common.runtime.checkpoints import load_causal_lm
 from common.runtime.drafter_engine import DrafterEngine
 from common.runtime.verifier_engine import VerifierEngine
@@ -52,7 +52,7 @@ def mixed_sources(target: Path, near: Path, vocab: int, backend: str = "sdpa") -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_mixed_batch_equals_hf_greedy(family: str, request: pytest.FixtureRequest) -> None:
     target: Path = request.getfixturevalue(f"{family}_target")
     near: Path = request.getfixturevalue(f"{family}_near")

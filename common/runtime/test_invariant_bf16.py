@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from common.runtime import invariant_bf16
-from common.runtime.attention import CpuKernelBackend
+from common.runtime.attention_selection import pick_backend
+from common.runtime.cpu_attention import CpuKernelBackend
 from common.runtime.invariant_bf16 import InvariantAttention, InvariantLinear, bf16_available, pad_keys, use_invariant_linears
-from common.runtime.runner import LMRunner, SeqInput, pick_backend, resolve_dtype
+from common.runtime.runner import LMRunner, SeqInput, resolve_dtype
 from cosine_zoo.random_checkpoints import make_checkpoint
 
 needs_bf16 = pytest.mark.skipif(not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.runtime.attention import CpuKernelBackend, FlashAttnBackend, SdpaBackend, cpu_kernel_available, reference_varlen
+from common.runtime.attention import FlashAttnBackend, SdpaBackend, reference_varlen
+from common.runtime.cpu_attention import CpuKernelBackend, cpu_kernel_available
 from common.runtime.checkpoints import CheckpointError, load_causal_lm
 from common.runtime.runner import LMRunner, SeqInput, UnsupportedArchitecture
 from cosine_zoo.random_checkpoints import make_checkpoint
@@ -22,6 +23,8 @@ VARIANTS = {
     "llama-linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})),
     "qwen2-gqa-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2-mqa": ("qwen2", dict(num_key_value_heads=1)),
+    "mistral-gqa-no-window": ("mistral", dict(sliding_window=None)),
+    "mistral-mqa-window-as-wide-as-the-context": ("mistral", dict(num_key_value_heads=1, sliding_window=1024)),
 }
 
 
@@ -132,9 +135,12 @@ def test_backends_agree_on_a_mixed_tree_batch(checkpoints: dict[str, Path]) -> N
 
 def test_unsupported_architecture_is_refused_at_load(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(UnsupportedArchitecture, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+    refusal = "unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"
+    with pytest.raises(UnsupportedArchitecture, match=refusal) as refused:
         LMRunner.from_checkpoint(tmp_path)
     assert issubclass(UnsupportedArchitecture, CheckpointError)
+    for family in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        assert family in str(refused.value)
 
 
 def test_sliding_window_is_refused(tmp_path: Path) -> None:
@@ -143,6 +149,17 @@ def test_sliding_window_is_refused(tmp_path: Path) -> None:
          "layer_types": ["sliding_attention", "full_attention"]}))
     with pytest.raises(UnsupportedArchitecture, match="sliding-window"):
         LMRunner.from_checkpoint(tmp_path)
+
+
+def test_a_mistral_window_narrower_than_the_context_is_refused_at_load(tmp_path: Path) -> None:
+    narrow = make_checkpoint(tmp_path / "narrow", "mistral", seed=0, sliding_window=512)  # context: 1024
+    with pytest.raises(UnsupportedArchitecture, match="sliding_window 512 is narrower than the context of 1024"):
+        LMRunner.from_checkpoint(narrow)
+    # a config that leaves the window out has transformers' default one (4096, under the default context)
+    (tmp_path / "unsaid").mkdir()
+    (tmp_path / "unsaid" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    with pytest.raises(UnsupportedArchitecture, match="sliding_window 4096 is narrower"):
+        LMRunner.from_checkpoint(tmp_path / "unsaid")
 
 
 def test_missing_checkpoint_is_a_checkpoint_error(tmp_path: Path) -> None:

@@ -137,6 +137,31 @@ def test_a_failed_build_leaves_the_kernel_out_and_says_why(monkeypatch: pytest.M
     assert str(tmp_path) in str(said.lines[-1][1]["build_dir"])
 
 
+def test_where_the_kernels_cannot_be_had_a_first_use_goes_on_without_them_after_one_line(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    def never(**_: object) -> None:
+        raise AssertionError("no build is tried where the kernels cannot be had")
+
+    said = building_with(monkeypatch, tmp_path, never)
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda: "no C++ compiler (c++) on PATH")
+    assert fresh_extension() is None
+    assert said.lines == [("own cpu kernels not offered", {"reason": "no C++ compiler (c++) on PATH"})]
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_a_failed_build_is_described_in_one_line_with_its_last_error_line(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path) -> None:
+    def broken(**_: object) -> None:
+        raise RuntimeError("Error building extension\ng++: internal compiler error")
+
+    building_with(monkeypatch, tmp_path, broken)
+    result = streamed_linear.build_kernels()
+    assert result.module is None and result.build_dir == streamed_linear.build_directory()
+    assert streamed_linear.describe(result) == (
+        "the project's CPU kernels are left out: the build failed (g++: internal compiler error); "
+        "the services use torch's kernels instead")
+
+
 @pytest.mark.parametrize("age_s", [3600.0, 5.0])
 def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waited_for(monkeypatch: pytest.MonkeyPatch, tmp_path,
                                                                                        age_s: float) -> None:
@@ -163,6 +188,13 @@ def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waite
 def test_the_build_name_follows_the_source_and_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     name = build_name()
     assert name.startswith("cosine_streamed_linear_") and name == build_name()
+    # the same sources in another checkout: a build of its own (the build's commands name the sources by path)
+    (tmp_path / "checkout").mkdir()
+    for source in (streamed_linear.SOURCE, streamed_linear.ATTENTION_SOURCE, streamed_linear.VEC_HEADER):
+        (tmp_path / "checkout" / source.name).write_bytes(source.read_bytes())
+    for attr in ("SOURCE", "ATTENTION_SOURCE", "VEC_HEADER"):
+        monkeypatch.setattr(streamed_linear, attr, tmp_path / "checkout" / getattr(streamed_linear, attr).name)
+    assert build_name() != name
     changed = tmp_path / "streamed_linear.cpp"
     changed.write_text(streamed_linear.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(streamed_linear, "SOURCE", changed)

@@ -45,6 +45,13 @@ def qwen2_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mistral_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral, GQA, with a sliding window as wide as its context (1024 tokens): full attention."""
+    return make_checkpoint(tmp_path_factory.mktemp("mistral_target"), "mistral", seed=6, num_hidden_layers=3,
+                           sliding_window=1024)
+
+
+@pytest.fixture(scope="session")
 def llama_near(tmp_path_factory: pytest.TempPathFactory, llama_target: Path) -> Path:
     """A drafter that agrees with ``llama_target`` often but not always."""
     return make_perturbed_checkpoint(llama_target, tmp_path_factory.mktemp("llama_near"), noise=0.03, seed=3)
@@ -53,6 +60,11 @@ def llama_near(tmp_path_factory: pytest.TempPathFactory, llama_target: Path) -> 
 @pytest.fixture(scope="session")
 def qwen2_near(tmp_path_factory: pytest.TempPathFactory, qwen2_target: Path) -> Path:
     return make_perturbed_checkpoint(qwen2_target, tmp_path_factory.mktemp("qwen2_near"), noise=0.03, seed=4)
+
+
+@pytest.fixture(scope="session")
+def mistral_near(tmp_path_factory: pytest.TempPathFactory, mistral_target: Path) -> Path:
+    return make_perturbed_checkpoint(mistral_target, tmp_path_factory.mktemp("mistral_near"), noise=0.03, seed=7)
 
 
 @pytest.fixture(scope="session")
