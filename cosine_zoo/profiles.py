@@ -132,16 +132,8 @@ def smol() -> DistillProfile:
         name="smol",
         target="smollm2",
         corpus=CorpusSpec(chars_per_domain=600_000),
-        # teacher-forced real-text windows (text_windows_per_domain) were measured and did not pay here:
-        # records 2.13 -> 1.83 accepted per round, with 100 s more of build time
-        # 320 prompts per domain (600k characters of corpus give code that many documents) and a
-        # generalist trained 4x longer than at first: held-out accepted tokens per round (k=4) went
-        # from 0.37-0.50 to 0.49-0.76 on chat, code and prose and from 1.44 to 3.28 on records, for
-        # a build about 11 minutes longer
-        # the teacher's top-16 at every position, the whole loss against it (soft_weight=1.0): same-seed
-        # generalists, held-out accepted tokens per round (k=4), hard labels -> soft: code 0.64 -> 0.79,
-        # prose 0.76 -> 0.83, arithmetic 2.69 -> 2.75, records 3.39 -> 3.49, chat 0.47 -> 0.53 (half and
-        # half: 0.75 / 0.82 / 2.86 / 3.48 / 0.50); recorded while the teacher writes, at no extra pass
+        # the teacher's top-16 at every position is the whole loss (soft_weight=1.0), recorded while
+        # the teacher writes, at no extra pass
         teacher=TeacherSpec(prompts_per_domain=320, new_tokens=64, batch_size=40, soft_top_k=16),
         draft_vocab=4096,
         drafter_layers=(0, -1),

@@ -215,7 +215,7 @@ def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild:
         clear_stale_lock(build_dir)
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
-            log.info("building the own cpu kernels (once per machine, about 30 s)", build_dir=str(build_dir))
+            log.info("building the own cpu kernels (once per machine)", build_dir=str(build_dir))
         module = load(name=name, sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)],
                       extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
                       build_directory=str(build_dir), verbose=False)
