@@ -86,7 +86,7 @@ class ServicePlane:
     def reseed(self) -> None:
         """Profiles and domain lexicon back to the zoo's (online statistics and what routers learned
         dropped); the lookup corpus is rewritten only when it changed, so no router reloads it."""
-        from cosine_cli.commands import seed_profiles
+        from cosine_cli.profiles import seed_profiles
 
         asyncio.run(seed_profiles(self.cluster.redis_url, self.cluster.spec.prefix, dict(self.acceptance), self.prior_weight, reset=True,
                                   lexicon=self.lexicon, corpus=self.corpus))

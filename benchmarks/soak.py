@@ -142,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.streams < 1 or args.max_new_tokens < 1:
         ap.error("--streams and --max-new-tokens must be >= 1")
-    from cosine_cli.commands import _load_zoo, seed_zoo
+    from cosine_cli.local_state import load_zoo_or_exit
+    from cosine_cli.profiles import seed_zoo
 
     zoo_dir = TINY_ZOO if args.tiny_zoo else args.zoo
     if args.tiny_zoo:
         ensure_tiny_zoo(zoo_dir)
-    zoo = _load_zoo(zoo_dir)
+    zoo = load_zoo_or_exit(zoo_dir)
     prompts = [p for d in sorted(zoo.prompts) for p in zoo.prompts[d]]
     cluster = None
     address = args.address

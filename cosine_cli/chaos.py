@@ -18,7 +18,8 @@ import json
 import sys
 from typing import Any
 
-from cosine_cli.commands import DEFAULT_ZOO, _load_zoo, seed_zoo
+from cosine_cli.local_state import DEFAULT_ZOO, load_zoo_or_exit
+from cosine_cli.profiles import seed_zoo
 
 REPORT_SCHEMA = "cosine-chaos/1"
 COLUMNS = ("phase", "sent", "completed", "failed", "retries", "differ", "in flight", "restarts", "back after")
@@ -89,7 +90,7 @@ async def run_chaos(args: argparse.Namespace, victims: list[str], say) -> dict[s
     from cosine_cli.supervisor import Backoff
     from cosine_cli.workload import mixed_workload
 
-    zoo = _load_zoo(args.zoo)
+    zoo = load_zoo_or_exit(args.zoo)
     spec = ClusterSpec(target=str(zoo.target.path), drafters={n: str(d.path) for n, d in zoo.drafters.items()},
                        drafter_domains={n: list(d.domains) for n, d in zoo.drafters.items()}, gateway_port=0,
                        drafter_processes=args.drafter_processes, log_dir=args.log_dir)

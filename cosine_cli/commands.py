@@ -1,4 +1,4 @@
-"""`cosine up | generate | status | profile | demo`."""
+"""`cosine up | generate | status | demo` (`cosine profile` is :mod:`cosine_cli.profiles`)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cosine_cli.local_state import DEFAULT_ZOO, STATE_FILE, load_zoo_or_exit, read_state
+from cosine_cli.profiles import seed_zoo
 from cosine_cli.tls import add_client_tls_args, client_tls, cluster_tls
-
-STATE_FILE = Path(".cosine/cluster.json")
-DEFAULT_ZOO = ".cosine/zoo-smol"
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a local cluster (Redis, verifier, drafters, router, gateway) and keep it running",
@@ -49,27 +46,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true")
     add_client_tls_args(st)
     st.set_defaults(func=cmd_status)
-
-    pr = sub.add_parser("profile", help="write drafter expertise profiles into Redis (a zoo's acceptance matrix, or measured)",
-                        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix, and the domain lexicon of its lexicon.json. With --measure: "
-                        "for real checkpoints, measure each drafter's mean accepted tokens per round (greedy, chain of --k) on "
-                        "prompts of each domain, then write them.")
-    pr.add_argument("--zoo", default=DEFAULT_ZOO, help="model zoo directory whose zoo.json holds the acceptance matrix")
-    pr.add_argument("--measure", action="store_true", help="measure instead of reading a zoo (needs --target, --drafter, --prompts)")
-    pr.add_argument("--target", help="target checkpoint directory (with --measure)")
-    pr.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH", help="drafter checkpoint (with --measure; repeatable)")
-    pr.add_argument("--prompts", help='JSON lines of {"domain": ..., "text": ...} (with --measure)')
-    pr.add_argument("--k", type=int, default=4, help="speculation length of the measurement")
-    pr.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt in the measurement")
-    pr.add_argument("--redis-url", help="Redis URL (default: the cluster started by `cosine up`)")
-    pr.add_argument("--redis-prefix", default="cosine")
-    pr.add_argument("--prior-weight", type=float, default=20.0, help="how many rounds the offline figures count for")
-    pr.add_argument("--reset", action="store_true", help="drop online statistics too")
-    pr.add_argument("--corpus", metavar="FILE",
-                    help='JSON lines of {"domain": ..., "text": ...}: text the target wrote (completions with their prompts, '
-                         "e.g. from your logs), tokenized with the target's tokenizer (--target, else the zoo's) and seeded as the "
-                         "routers' lookup corpus instead of the zoo's")
-    pr.set_defaults(func=cmd_profile)
 
     demo = sub.add_parser("demo", help="build the default zoo if absent, start the cluster, serve a mixed-domain workload, report, stop")
     _cluster_args(demo)
@@ -114,7 +90,7 @@ def _spec_from_args(args: argparse.Namespace):
             drafters[name] = path
         target = args.target
     else:
-        zoo = _load_zoo(args.zoo)
+        zoo = load_zoo_or_exit(args.zoo)
         target = str(zoo.target.path)
         drafters = {name: str(d.path) for name, d in zoo.drafters.items()}
         domains = {name: list(d.domains) for name, d in zoo.drafters.items()}
@@ -123,42 +99,6 @@ def _spec_from_args(args: argparse.Namespace):
         gateway_port=args.gateway_port, http_port=args.http_port, drafter_processes=args.drafter_processes, router_args=tuple(args.router_arg),
         log_dir=args.log_dir, tls=cluster_tls(args),
     )
-
-
-def _load_zoo(path: str):
-    from common.runtime.checkpoints import CheckpointError
-    from cosine_zoo.manifest import load_zoo
-
-    try:
-        return load_zoo(path)
-    except CheckpointError as exc:
-        raise SystemExit(f"cosine: error: {exc}\n  (build one with: cosine models build --profile smol --out {path})") from None
-
-
-async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str, float]], prior_weight: float, reset: bool = False,
-                        lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
-                        corpus: Mapping[str, Sequence[Sequence[int]]] | None = None) -> int:
-    """Write the zoo's acceptance matrix as profile priors and, when given, its domain lexicon and
-    the routers' lookup corpus (``reset``: drop the online figures and the lexicon routers learned)."""
-    from common.platform.store import Store
-
-    store = Store.from_url(redis_url, prefix=prefix)
-    try:
-        for drafter, row in matrix.items():
-            await store.seed_profile(drafter, row, prior_weight, reset=reset)
-        if lexicon:
-            await store.seed_lexicon(lexicon, reset=reset)
-        if corpus:
-            await store.seed_corpus(corpus)
-    finally:
-        await store.close()
-    return len(matrix)
-
-
-async def seed_zoo(redis_url: str, prefix: str, zoo: Any) -> int:
-    """:func:`seed_profiles` with everything a zoo carries: its acceptance matrix (prior weight 20),
-    its domain lexicon and its lookup corpus."""
-    return await seed_profiles(redis_url, prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon, corpus=zoo.lookup_corpus)
 
 
 def _wait_for_signal() -> None:
@@ -177,7 +117,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         if not args.target:
-            zoo = _load_zoo(args.zoo)
+            zoo = load_zoo_or_exit(args.zoo)
             n = asyncio.run(seed_zoo(cluster.redis_url, spec.prefix, zoo))
             print(f"profiles   {n} drafter profile(s) seeded from {args.zoo}/zoo.json"
                   + (f"; domain lexicon from {sum(n for n, _ in zoo.lexicon.values())} training prompts" if zoo.lexicon else "")
@@ -200,24 +140,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _state() -> dict[str, Any]:
-    try:
-        return json.loads(STATE_FILE.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from cosine_client import Client, CosineError, TlsSetupError
 
-    address = args.address or _state().get("gateway")
+    address = args.address or read_state().get("gateway")
     if not address:
         print("cosine generate: error: no --address and no running `cosine up` cluster", file=sys.stderr)
         return 2
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop, domain_hint=args.domain_hint)
     try:
-        with Client(address, timeout=args.timeout, api_key=args.api_key, **client_tls(args, _state() if not args.address else None)) as client:
+        with Client(address, timeout=args.timeout, api_key=args.api_key, **client_tls(args, read_state() if not args.address else None)) as client:
             if args.json:
                 print(json.dumps(client.generate(args.prompt, **kwargs).to_dict(), indent=2))
                 return 0
@@ -243,12 +176,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from cosine.v1 import router_pb2, router_pb2_grpc
     from cosine_client import TlsOptions, TlsSetupError
 
-    address = args.router or _state().get("router")
+    address = args.router or read_state().get("router")
     if not address:
         print("cosine status: error: no --router and no running `cosine up` cluster", file=sys.stderr)
         return 2
     try:
-        with TlsOptions.resolve(**client_tls(args, _state() if not args.router else None)).channel(address, ()) as channel:
+        with TlsOptions.resolve(**client_tls(args, read_state() if not args.router else None)).channel(address, ()) as channel:
             status = router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5)
     except TlsSetupError as exc:
         print(f"cosine status: error: {exc}", file=sys.stderr)
@@ -287,82 +220,11 @@ def _metric_figures(given: list[str]) -> tuple[dict[str, Any] | None, dict[str, 
     """Key figures from the /metrics endpoints given as NAME=HOST:PORT, else the local cluster's."""
     from cosine_cli.status_metrics import key_figures, scrape_all
 
-    addresses = dict(item.partition("=")[::2] for item in given) if given else _state().get("metrics", {})
+    addresses = dict(item.partition("=")[::2] for item in given) if given else read_state().get("metrics", {})
     if not addresses:
         return None, {}
     per, errors = scrape_all(addresses)
     return (key_figures(per) if per else None), errors
-
-
-def measure_matrix(target: str, drafters: dict[str, str], prompts: dict[str, list[str]], k: int, new_tokens: int) -> dict[str, dict[str, float]]:
-    """Drafter x domain mean accepted draft tokens per round (greedy, chains of k) on real checkpoints."""
-    from common.runtime.checkpoints import load_causal_lm, load_tokenizer, read_config
-    from common.runtime.draft_vocab import load_draft_vocab
-    from cosine_zoo import distill, evaluate
-
-    tok = load_tokenizer(target)
-    model = load_causal_lm(target)
-    # a drafter with a reduced draft vocabulary speaks its own ids: map them like the runner does
-    models = {name: (load_causal_lm(path), load_draft_vocab(path, read_config(path))) for name, path in drafters.items()}
-    matrix: dict[str, dict[str, float]] = {name: {} for name in drafters}
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    for domain, texts in sorted(prompts.items()):
-        ids = evaluate.encode_prompts(tok, texts)
-        conts = evaluate.greedy_continuations(model, ids, new_tokens, tok.eos_token_id, pad)
-        examples = [distill.Example(tuple(p), tuple(c)) for p, c in zip(ids, conts)]
-        for name, (drafter, vocab) in models.items():
-            stats = evaluate.acceptance(distill.draft_matches(drafter, vocab, examples), k)
-            matrix[name][domain] = round(stats.mean_accepted, 4)
-    return matrix
-
-
-def _read_prompts(path: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            out.setdefault(str(row["domain"]), []).append(str(row["text"]))
-        except (ValueError, KeyError, TypeError):
-            raise SystemExit(f'cosine profile: error: {path}:{n}: expected {{"domain": ..., "text": ...}}') from None
-    return out
-
-
-def _read_corpus(path: str, tokenizer_path: str) -> dict[str, list[list[int]]]:
-    """``cosine profile --corpus``'s file as domain -> token sequences (the target's tokenizer)."""
-    from common.runtime.checkpoints import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_path)
-    return {domain: [list(tok(t).input_ids) for t in texts] for domain, texts in _read_prompts(path).items()}
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    url = args.redis_url or _state().get("redis_url")
-    if not url:
-        print("cosine profile: error: no --redis-url and no running `cosine up` cluster", file=sys.stderr)
-        return 2
-    if args.measure:
-        if not (args.target and args.drafter and args.prompts):
-            print("cosine profile: error: --measure needs --target, --drafter NAME=PATH and --prompts FILE", file=sys.stderr)
-            return 2
-        drafters = dict(spec.partition("=")[::2] for spec in args.drafter)
-        matrix = measure_matrix(args.target, drafters, _read_prompts(args.prompts), args.k, args.new_tokens)
-        source, lexicon, corpus = "measurement", None, None
-        tokenizer = args.target
-    else:
-        zoo = _load_zoo(args.zoo)
-        matrix = {d: dict(row) for d, row in zoo.acceptance.items()}
-        source, lexicon, corpus = f"{args.zoo}/zoo.json", zoo.lexicon, zoo.lookup_corpus
-        tokenizer = str(zoo.tokenizer_path)
-    if args.corpus:
-        corpus = _read_corpus(args.corpus, tokenizer)
-    for name, row in sorted(matrix.items()):
-        print(f"{name:<16}" + "  ".join(f"{d}={v:.2f}" for d, v in sorted(row.items())))
-    n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon, corpus=corpus))
-    print(f"seeded {n} drafter profile(s) from {source} into {url}" + (" with the zoo's domain lexicon" if lexicon else "")
-          + (f"; lookup corpus of {sum(map(len, corpus.values()))} sequences" if corpus else ""))
-    return 0
 
 
 def ensure_zoo(path: str, profile: str) -> None:
@@ -379,7 +241,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.target:
         ensure_zoo(args.zoo, args.profile)
     spec = _spec_from_args(args)
-    zoo = _load_zoo(args.zoo)
+    zoo = load_zoo_or_exit(args.zoo)
     cluster = LocalCluster(spec)
     results = []
     try:

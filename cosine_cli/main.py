@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "cosine_zoo.cli",
     "cosine_cli.commands",
+    "cosine_cli.profiles",
     "cosine_cli.tls",
     "cosine_cli.chaos",
     "cosine_cli.kernels",

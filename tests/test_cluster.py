@@ -16,7 +16,7 @@ from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from common.platform.store import Store
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc
 from cosine_cli.cluster import ClusterSpec, LocalCluster
-from cosine_cli.commands import seed_profiles
+from cosine_cli.profiles import seed_profiles
 from cosine_client import AsyncClient, Client, CosineError, DeadlineExceeded, InvalidArgument
 from services.router.lookup import LOOKUP_ID
 

@@ -19,7 +19,7 @@ import pytest
 
 from common.platform.store import Store
 from cosine_cli.cluster import LocalCluster
-from cosine_cli.commands import seed_profiles
+from cosine_cli.profiles import seed_profiles
 from cosine_client import AsyncClient, Unavailable
 from tests.test_cluster import MAX_NEW, greedy_reference, spec_for, workload  # noqa: F401  (fixtures)
 from tests.test_replicas_cluster import router_drafters, start_drafter_replica

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from cosine_cli.cluster import ClusterSpec, LocalCluster
-from cosine_cli.commands import seed_profiles
+from cosine_cli.profiles import seed_profiles
 from cosine_cli.status_metrics import format_figures, key_figures, scrape
 from cosine_client import AsyncClient
 from services.router.lookup import LOOKUP_ID

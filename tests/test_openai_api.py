@@ -15,7 +15,7 @@ import pytest
 from common.platform.settings import load_settings
 from tests.support.testing import start_service
 from cosine_cli.cluster import ClusterSpec, LocalCluster
-from cosine_cli.commands import seed_profiles
+from cosine_cli.profiles import seed_profiles
 from cosine_client import Client
 from services.gateway.server import build_app
 from services.gateway.settings import GatewaySettings

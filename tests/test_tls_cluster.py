@@ -18,7 +18,7 @@ from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from common.platform.tls import TlsConfig
 from cosine.v1 import router_pb2, router_pb2_grpc
 from cosine_cli.cluster import ClusterSpec, LocalCluster
-from cosine_cli.commands import seed_profiles
+from cosine_cli.profiles import seed_profiles
 from cosine_cli.main import main
 from cosine_client import AsyncClient, Client, TlsSetupError, Unavailable
 
