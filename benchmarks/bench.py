@@ -30,16 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.greedy_check import BenchError, GreedyMismatch, check_greedy, mismatch_text
 from benchmarks.scenarios import SCENARIOS, skipped_workloads
 from benchmarks.workloads import WorkloadSpec
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-class GreedyMismatch(BenchError):
-    """A greedy run produced a token the target alone would not have."""
 
 
 @dataclass
@@ -61,30 +54,6 @@ class BenchOptions:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b)) if len(a) != len(b) else -1
-
-
-def check_greedy(system: str, workload: str, records: Sequence[Any], expected: dict[tuple[int, ...], tuple[int, ...]],
-                 prompts: dict[int, tuple[int, ...]]) -> list[dict[str, Any]]:
-    """Mismatches between greedy outputs and the target's own decode (empty when all equal)."""
-    bad = []
-    for rec in records:
-        if rec.error:
-            continue
-        want = expected[prompts[rec.index]]
-        got = tuple(rec.token_ids)
-        if got != want:
-            pos = first_divergence(got, want)
-            bad.append({"system": system, "workload": workload, "request": rec.index, "domain": rec.domain, "position": pos,
-                        "expected": list(want[max(0, pos - 2): pos + 3]), "got": list(got[max(0, pos - 2): pos + 3]),
-                        "expected_len": len(want), "got_len": len(got)})
-    return bad
 
 
 def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
@@ -239,7 +208,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
                         checked += sum(1 for r in run.records if not r.error)
                     if bad:
                         mismatches += bad
-                        raise GreedyMismatch(_mismatch_text(bad))
+                        raise GreedyMismatch(mismatch_text(bad))
                 if bar is not None:
                     bar.set_postfix_str(f"{m['tokens_per_s'] or 0:.0f} tok/s, lat {m['latency_mean_s'] or 0:.2f}s")
                     bar.update(1)
@@ -261,16 +230,6 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     if failures:
         raise BenchError(f"{len(failures)} request(s) failed; first: {failures[0]} (report: {out_path})")
     return report
-
-
-def _mismatch_text(bad: Sequence[dict[str, Any]]) -> str:
-    b = bad[0]
-    return (f"GREEDY OUTPUT MISMATCH: {len(bad)} request(s) of {b['system']} on {b['workload']} differ from the target's own "
-            f"greedy decode; first: request {b['request']} ({b['domain']}) at token {b['position']}: "
-            f"expected ...{b['expected']}..., got ...{b['got']}... (lengths {b['expected_len']} vs {b['got_len']})")
-
-
-# ---- table ----------------------------------------------------------------------------------------
 
 
 def format_table(report: dict[str, Any], workloads: Sequence[str] | None = None) -> str:

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.bench import BenchOptions, GreedyMismatch, check_greedy, run_bench
+from benchmarks.bench import BenchOptions, run_bench
+from benchmarks.greedy_check import GreedyMismatch, check_greedy
 from benchmarks.cpu_split import PARTS
 from benchmarks.plots import PLOTS, _style
 from benchmarks.records import RequestRecord
