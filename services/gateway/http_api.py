@@ -38,10 +38,11 @@ from services.gateway.openai_schema import (
     usage,
 )
 from services.gateway.openai_schema import chat_raw, completion_raw
+from services.gateway.progress import Progress
 from services.gateway.requests import GenerationRequest, InvalidRequest, RawRequest
 
 if TYPE_CHECKING:
-    from services.gateway.server import GatewayApp, Progress
+    from services.gateway.server import GatewayApp
 
 log = get_logger("gateway.http")
 

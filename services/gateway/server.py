@@ -25,7 +25,9 @@ from common.platform.metrics import ServiceMetrics
 from services.gateway.errors import GatewayError
 from services.gateway.http_api import HttpFront
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.relay import Progress, RouterRelay
+from services.convert import finish_reason_to_pb, spec_stats_to_pb
+from services.gateway.progress import Progress
+from services.gateway.relay import RouterRelay
 from services.gateway.requests import (
     GenerationRequest,
     InvalidRequest,
@@ -73,9 +75,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except GatewayError as exc:
             await context.abort(exc.code, exc.message, trailing_metadata=(GATEWAY_ANSWER,))
         reply = gateway_pb2.GenerateResponse(request_id=gen.request_id, text="".join(text), token_ids=ids,
-                                             finish_reason=last.finish_reason if last else 0)
+                                             finish_reason=finish_reason_to_pb(last.finish_reason) if last else 0)
         if last is not None and last.stats is not None:
-            reply.stats.CopyFrom(last.stats)
+            reply.stats.CopyFrom(spec_stats_to_pb(last.stats))
         reply.usage.prompt_tokens = len(gen.prompt_ids)
         reply.usage.completion_tokens = len(gen.resume_ids) + len(ids)
         reply.timings.total_ns = time.perf_counter_ns() - t0
@@ -89,9 +91,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 count += len(piece.token_ids)
                 chunk = gateway_pb2.GenerateChunk(request_id=gen.request_id, text=piece.text, token_ids=piece.token_ids, finished=piece.finished)
                 if piece.finished:
-                    chunk.finish_reason = piece.finish_reason
+                    chunk.finish_reason = finish_reason_to_pb(piece.finish_reason)
                     if piece.stats is not None:
-                        chunk.stats.CopyFrom(piece.stats)
+                        chunk.stats.CopyFrom(spec_stats_to_pb(piece.stats))
                     chunk.usage.prompt_tokens = len(gen.prompt_ids)
                     chunk.usage.completion_tokens = len(gen.resume_ids) + count
                 yield chunk
