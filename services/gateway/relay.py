@@ -20,23 +20,42 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import grpc
 
 from common.logs import get_logger, request_context
-from common.platform.store import STORE_ERRORS, RequestExists
+from common.platform.store import STORE_ERRORS, RequestExists, Store
 from common.spec.types import SamplingParams
 from cosine.v1 import router_pb2_grpc
 from services.convert import submit_to_pb, token_chunk_from_pb
 from services.gateway.errors import GatewayError
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress import FinishReason, Progress
 from services.gateway.requests import GenerationRequest, IncrementalDetokenizer, StopMatcher
-
-if TYPE_CHECKING:
-    from services.gateway.server import GatewayApp
+from services.gateway.settings import GatewaySettings
 
 log = get_logger("gateway")
+
+
+class RelayHost(Protocol):
+    """What a relay uses of the gateway (:class:`services.gateway.server.GatewayApp` is one): its
+    settings, store, tokenizer and metrics, and its connection to the router."""
+
+    settings: GatewaySettings
+    store: Store
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+    member_id: str
+    metrics: GatewayMetrics | None
+    router_address: str
+    router_stub: router_pb2_grpc.RouterStub | None
+
+    async def ensure_ready(self) -> None: ...
+
+    async def reconnect_router(self, deadline: float, lost: router_pb2_grpc.RouterStub | None) -> None: ...
+
+    def forget_router(self) -> None: ...
 
 
 def router_lost(exc: grpc.aio.AioRpcError) -> bool:
@@ -45,7 +64,7 @@ def router_lost(exc: grpc.aio.AioRpcError) -> bool:
 
 
 class RouterRelay:
-    def __init__(self, app: GatewayApp, gen: GenerationRequest, timeout_s: float):
+    def __init__(self, app: RelayHost, gen: GenerationRequest, timeout_s: float):
         self.app = app
         self.gen = gen
         self.timeout_s = timeout_s
