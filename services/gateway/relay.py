@@ -72,7 +72,7 @@ class RouterRelay:
         self.resumes = 0
         self.unsaved: list[int] = []  # relayed tokens not yet in the request's Redis state
         self.save_due = 0.0  # loop time of the next write of the request state
-        self.detok = IncrementalDetokenizer(lambda ids: app.tokenizer.decode(ids, skip_special_tokens=True))
+        self.detok = IncrementalDetokenizer(app.tokenizer, skip_special_tokens=True)
         self.stops = StopMatcher(gen.stop) if gen.stop else None
         if gen.resume_ids:  # a resumed stream: the text the client has is not sent again
             seen = self.detok.push(gen.resume_ids)
