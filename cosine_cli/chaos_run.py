@@ -19,10 +19,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
+from tenacity import retry_if_exception, stop_before_delay
 
+from common.platform.retry import RetryPolicy
 from cosine_client import AsyncClient, CosineError
 
 VICTIMS = ("drafter", "verifier", "router", "gateway", "redis")
+# A request cut by a dying service is sent again after 0.25 s doubling to 2 s (jittered), within the window.
+CHAOS_RETRY = RetryPolicy(initial_s=0.25, max_s=2.0)
 
 
 @dataclass
@@ -62,17 +66,20 @@ async def generate_with_retries(client: AsyncClient, prompt: str, index: int, ma
                                 retry_window_s: float, timeout_s: float) -> Outcome:
     """Greedy generation of ``prompt``; UNAVAILABLE is retried with backoff within the window."""
     t0 = time.monotonic()
-    attempts, delay = 0, 0.25
-    while True:
-        attempts += 1
-        try:
-            gen = await client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0, timeout=timeout_s)
-            return Outcome(index, tuple(gen.token_ids), attempts, latency_s=time.monotonic() - t0)
-        except CosineError as exc:
-            if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() - t0 + delay > retry_window_s:
-                return Outcome(index, None, attempts, f"{exc.code.name}: {exc.message}", time.monotonic() - t0)
-        await asyncio.sleep(delay)
-        delay = min(2.0, delay * 2)
+    attempts = 0
+    try:
+        async for attempt in CHAOS_RETRY.retrying(retry=retry_if_exception(_unavailable),
+                                                  stop=stop_before_delay(retry_window_s)):
+            with attempt:
+                attempts += 1
+                gen = await client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0, timeout=timeout_s)
+    except CosineError as exc:
+        return Outcome(index, None, attempts, f"{exc.code.name}: {exc.message}", time.monotonic() - t0)
+    return Outcome(index, tuple(gen.token_ids), attempts, latency_s=time.monotonic() - t0)
+
+
+def _unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, CosineError) and exc.code == grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass

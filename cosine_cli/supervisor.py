@@ -2,8 +2,8 @@
 restarted, as compose's restart policy and Kubernetes do for theirs.
 
 A watcher thread polls the processes; a dead one is respawned with the same command line, address
-and log file after a backoff that doubles per quick death (``initial_s`` .. ``max_s``) and resets
-once a process has stayed up for ``stable_s``. Each restart prints one line.
+and log file after a backoff that doubles per quick death (``initial_s`` .. ``max_s``, the shared
+retry policy's) and resets once a process has stayed up for ``stable_s``. Each restart prints one line.
 """
 
 from __future__ import annotations
@@ -15,20 +15,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.platform.retry import RetryPolicy
+
 
 @dataclass
 class Backoff:
+    """Restart delays per process by the shared :class:`RetryPolicy`: none after a first quick
+    death, then ``initial_s`` doubling to ``max_s`` (jittered); a process that stayed up for
+    ``stable_s`` starts over."""
+
     initial_s: float = 0.5
     max_s: float = 30.0
     stable_s: float = 30.0
-    delay_s: dict[str, float] = field(default_factory=dict)
+    quick_deaths: dict[str, int] = field(default_factory=dict)
 
     def next_delay(self, name: str, uptime_s: float) -> float:
         if uptime_s >= self.stable_s:
-            self.delay_s.pop(name, None)
-        delay = self.delay_s.get(name, 0.0)
-        self.delay_s[name] = min(self.max_s, max(self.initial_s, delay * 2))
-        return delay
+            self.quick_deaths.pop(name, None)
+        deaths = self.quick_deaths.get(name, 0)
+        self.quick_deaths[name] = deaths + 1
+        return RetryPolicy(self.initial_s, self.max_s).delay(deaths) if deaths else 0.0
 
 
 class Supervisor:

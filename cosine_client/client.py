@@ -10,6 +10,9 @@ from typing import Any
 
 import grpc
 
+from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
+
+from common.platform.retry import RetryPolicy
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc
 from cosine_client.errors import CosineError, from_rpc_error, is_transport_failure
 from cosine_client.tls import TlsOptions
@@ -17,6 +20,8 @@ from cosine_client.types import FINISH_REASONS, Chunk, Generation, SpecStats, Us
 
 RESUMES = 3  # times a call is sent again after the connection to the gateway broke
 RESUME_WAIT_S = 30.0  # longest wait for the gateway to answer again before a resume
+# after the gateway answers again, a short pause (jittered: clients cut together come back spread out)
+RESUME_RETRY = RetryPolicy(initial_s=0.05, max_s=1.0)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.keepalive_time_ms", 30_000)]
 
 
@@ -96,6 +101,12 @@ def _chunk(msg: gateway_pb2.GenerateChunk) -> Chunk:
     )
 
 
+def _broken_connection(state: RetryCallState) -> bool:
+    """Send again only when the connection to the gateway broke (see :func:`is_transport_failure`)."""
+    exc = state.outcome.exception() if state.outcome is not None else None
+    return isinstance(exc, grpc.RpcError) and is_transport_failure(exc, first_attempt=state.attempt_number == 1)
+
+
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     """``authorization: Bearer <key>`` for a key given, else ``$COSINE_API_KEY``, else nothing."""
     key = os.environ.get("COSINE_API_KEY", "") if api_key is None else api_key
@@ -127,6 +138,15 @@ class Client:
         except grpc.FutureTimeoutError:
             pass  # the next call fails and says why
 
+    def _attempts(self, resume: int, deadline: float | None) -> Retrying:
+        """The call, then up to ``resume`` more after a broken connection, each once the gateway answers again."""
+
+        def pause(seconds: float) -> None:
+            self._wait_for_gateway(deadline)
+            time.sleep(seconds)
+
+        return RESUME_RETRY.retrying_sync(retry=_broken_connection, stop=stop_after_attempt(resume + 1), sleep=pause)
+
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
                  **kwargs: Any) -> Generation:
         """One request, the whole answer at once. When the connection to the gateway breaks (it
@@ -135,17 +155,15 @@ class Client:
         t0 = time.perf_counter()
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = 0
-        while True:
-            try:
-                reply = self._stub.Generate(req if not attempt else resumed(req, attempt, ()), timeout=_remaining(deadline),
-                                            metadata=self._metadata)
-                return _generation(reply, time.perf_counter() - t0)
-            except grpc.RpcError as exc:
-                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
-                    raise from_rpc_error(exc) from None
-            attempt += 1
-            self._wait_for_gateway(deadline)
+        try:
+            for attempt in self._attempts(resume, deadline):
+                with attempt:
+                    again = attempt.retry_state.attempt_number - 1
+                    reply = self._stub.Generate(req if not again else resumed(req, again, ()),
+                                                timeout=_remaining(deadline), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return _generation(reply, time.perf_counter() - t0)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
                **kwargs: Any) -> Iterator[Chunk]:
@@ -155,28 +173,27 @@ class Client:
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         received: list[int] = list(req.resume_ids.ids)
-        attempt, request_id = 0, req.request_id
-        while True:
-            done = all_received(req, received, request_id) if attempt else None
-            if done is not None:
-                yield done
-                return
-            call = self._stub.GenerateStream(req if not attempt else resumed(req, attempt, received),
-                                             timeout=_remaining(deadline), metadata=self._metadata)
-            try:
-                for msg in call:
-                    chunk = _chunk(msg)
-                    received.extend(chunk.token_ids)
-                    request_id = chunk.request_id or request_id
-                    yield chunk
-                return
-            except grpc.RpcError as exc:
-                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
-                    raise from_rpc_error(exc) from None
-            finally:
-                call.cancel()  # no-op when finished; frees the server side when the caller stops early
-            attempt += 1
-            self._wait_for_gateway(deadline)
+        request_id = req.request_id
+        try:
+            for attempt in self._attempts(resume, deadline):
+                with attempt:
+                    again = attempt.retry_state.attempt_number - 1
+                    done = all_received(req, received, request_id) if again else None
+                    if done is not None:
+                        yield done
+                        return
+                    call = self._stub.GenerateStream(req if not again else resumed(req, again, received),
+                                                     timeout=_remaining(deadline), metadata=self._metadata)
+                    try:
+                        for msg in call:
+                            chunk = _chunk(msg)
+                            received.extend(chunk.token_ids)
+                            request_id = chunk.request_id or request_id
+                            yield chunk
+                    finally:
+                        call.cancel()  # no-op when finished; frees the server side when the caller stops early
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -208,6 +225,15 @@ class AsyncClient:
         except asyncio.TimeoutError:
             pass  # the next call fails and says why
 
+    def _attempts(self, resume: int, deadline: float | None) -> AsyncRetrying:
+        """As :meth:`Client._attempts`."""
+
+        async def pause(seconds: float) -> None:
+            await self._wait_for_gateway(deadline)
+            await asyncio.sleep(seconds)
+
+        return RESUME_RETRY.retrying(retry=_broken_connection, stop=stop_after_attempt(resume + 1), sleep=pause)
+
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
                        **kwargs: Any) -> Generation:
         """As :meth:`Client.generate`: sent again (up to ``resume`` times) when the connection breaks."""
@@ -215,17 +241,15 @@ class AsyncClient:
         t0 = time.perf_counter()
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = 0
-        while True:
-            try:
-                reply = await self._stub.Generate(req if not attempt else resumed(req, attempt, ()), timeout=_remaining(deadline),
-                                                  metadata=self._metadata)
-                return _generation(reply, time.perf_counter() - t0)
-            except grpc.aio.AioRpcError as exc:
-                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
-                    raise from_rpc_error(exc) from None
-            attempt += 1
-            await self._wait_for_gateway(deadline)
+        try:
+            async for attempt in self._attempts(resume, deadline):
+                with attempt:
+                    again = attempt.retry_state.attempt_number - 1
+                    reply = await self._stub.Generate(req if not again else resumed(req, again, ()),
+                                                      timeout=_remaining(deadline), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return _generation(reply, time.perf_counter() - t0)
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
                      **kwargs: Any) -> AsyncIterator[Chunk]:
@@ -234,28 +258,27 @@ class AsyncClient:
         timeout = timeout or self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         received: list[int] = list(req.resume_ids.ids)
-        attempt, request_id = 0, req.request_id
-        while True:
-            done = all_received(req, received, request_id) if attempt else None
-            if done is not None:
-                yield done
-                return
-            call = self._stub.GenerateStream(req if not attempt else resumed(req, attempt, received),
-                                             timeout=_remaining(deadline), metadata=self._metadata)
-            try:
-                async for msg in call:
-                    chunk = _chunk(msg)
-                    received.extend(chunk.token_ids)
-                    request_id = chunk.request_id or request_id
-                    yield chunk
-                return
-            except grpc.aio.AioRpcError as exc:
-                if attempt >= resume or not is_transport_failure(exc, first_attempt=not attempt):
-                    raise from_rpc_error(exc) from None
-            finally:
-                call.cancel()
-            attempt += 1
-            await self._wait_for_gateway(deadline)
+        request_id = req.request_id
+        try:
+            async for attempt in self._attempts(resume, deadline):
+                with attempt:
+                    again = attempt.retry_state.attempt_number - 1
+                    done = all_received(req, received, request_id) if again else None
+                    if done is not None:
+                        yield done
+                        return
+                    call = self._stub.GenerateStream(req if not again else resumed(req, again, received),
+                                                     timeout=_remaining(deadline), metadata=self._metadata)
+                    try:
+                        async for msg in call:
+                            chunk = _chunk(msg)
+                            received.extend(chunk.token_ids)
+                            request_id = chunk.request_id or request_id
+                            yield chunk
+                    finally:
+                        call.cancel()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
 
     async def close(self) -> None:
         await self._channel.close()

@@ -53,3 +53,72 @@ def test_a_stream_that_broke_after_its_last_token_ends_without_asking_again():
     assert done is not None and done.finished and done.finish_reason == "length"
     assert done.token_ids == () and done.request_id == "abc"
     assert all_received(build_request("hi"), [4, 5, 6], "abc") is None  # the gateway's default length: ask it
+
+
+class FakeCall:
+    """A server stream that gives ``messages`` and then fails with ``error`` (if any)."""
+
+    def __init__(self, messages, error=None):
+        self.messages, self.error, self.cancelled = messages, error, False
+
+    def __iter__(self):
+        yield from self.messages
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeStub:
+    def __init__(self, *calls):
+        self.calls, self.requests = list(calls), []
+
+    def GenerateStream(self, req, timeout=None, metadata=()):
+        self.requests.append(req)
+        return self.calls.pop(0)
+
+
+def client_with(stub):
+    from cosine_client.client import Client
+
+    client = Client.__new__(Client)
+    client.timeout, client._metadata, client._stub = None, (), stub
+    client._wait_for_gateway = lambda deadline: None
+    return client
+
+
+def test_a_broken_stream_is_resumed_with_what_was_received_and_a_refusal_is_not():
+    from cosine.v1 import gateway_pb2
+    from cosine_client import CosineError
+
+    def chunk(*ids, finished=False):
+        return gateway_pb2.GenerateChunk(request_id="abc", token_ids=ids, finished=finished)
+
+    broke = FakeError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+    stub = FakeStub(FakeCall([chunk(4), chunk(5)], broke), FakeCall([chunk(6, finished=True)]))
+    got = list(client_with(stub).stream("hi", max_new_tokens=8, request_id="abc"))
+    assert [c.token_ids for c in got] == [(4,), (5,), (6,)]
+    assert [list(r.resume_ids.ids) for r in stub.requests] == [[], [4, 5]] and stub.requests[1].request_id == "abc.r1"
+
+    stub = FakeStub(*(FakeCall([], broke) for _ in range(3)))  # resume=2: three calls, then the failure
+    with pytest.raises(CosineError):
+        list(client_with(stub).stream("hi", resume=2))
+    assert len(stub.requests) == 3 and not stub.calls
+
+    refused = FakeError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+    stub = FakeStub(FakeCall([], refused), FakeCall([]))
+    with pytest.raises(CosineError):
+        list(client_with(stub).stream("hi"))
+    assert len(stub.requests) == 1
+
+
+def test_a_stream_left_early_cancels_its_call_and_sends_nothing_again():
+    from cosine.v1 import gateway_pb2
+
+    call = FakeCall([gateway_pb2.GenerateChunk(token_ids=[1]), gateway_pb2.GenerateChunk(token_ids=[2])])
+    stub = FakeStub(call)
+    stream = client_with(stub).stream("hi")
+    assert next(stream).token_ids == (1,)
+    stream.close()
+    assert call.cancelled and len(stub.requests) == 1

@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from common.spec.fusion import DraftTree
 from common.spec.types import DraftItem, DraftResult, ModelInfo, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
 from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
-from cosine.v1 import common_pb2, drafter_pb2, verifier_pb2
+from cosine.v1 import common_pb2, drafter_pb2, router_pb2, verifier_pb2
+from services.gateway.progress import FinishReason, RouterChunk, SpecStats
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
@@ -201,3 +202,48 @@ def fusion_outcomes_from_pb(pb: drafter_pb2.FuseRoundResult) -> tuple[dict[str, 
             cache_len={s.drafter_id: s.cache_len for s in t.sources if not s.error},
             failed={s.drafter_id: s.error for s in t.sources if s.error})
     return outcomes, list(pb.step_seconds)
+
+
+# ---- gateway <-> router ------------------------------------------------------------------------
+
+FINISH_FROM_PB = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: FinishReason.UNSPECIFIED,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_EOS: FinishReason.EOS,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+}
+FINISH_TO_PB = {reason: number for number, reason in FINISH_FROM_PB.items()}
+
+
+def finish_reason_from_pb(number: int) -> FinishReason:
+    """A number this gateway does not know (a newer router's) reads as unspecified."""
+    return FINISH_FROM_PB.get(number, FinishReason.UNSPECIFIED)
+
+
+def finish_reason_to_pb(reason: FinishReason) -> common_pb2.FinishReason:
+    return FINISH_TO_PB[reason]
+
+
+def spec_stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
+    return SpecStats(rounds=pb.rounds, mean_accepted_len=pb.mean_accepted_len, draft_tokens=pb.draft_tokens,
+                     accepted_tokens=pb.accepted_tokens, drafters_used=tuple(pb.drafters_used),
+                     accepted_by_drafter=dict(pb.accepted_by_drafter))
+
+
+def spec_stats_to_pb(s: SpecStats) -> common_pb2.SpecStats:
+    return common_pb2.SpecStats(rounds=s.rounds, mean_accepted_len=s.mean_accepted_len, draft_tokens=s.draft_tokens,
+                                accepted_tokens=s.accepted_tokens, drafters_used=s.drafters_used,
+                                accepted_by_drafter=s.accepted_by_drafter)
+
+
+def submit_to_pb(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: Sequence[int], domain_hint: str) -> router_pb2.SubmitRequest:
+    return router_pb2.SubmitRequest(request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                    sampling=sampling_to_pb(sampling), stop_token_ids=stop_token_ids,
+                                    domain_hint=domain_hint)
+
+
+def token_chunk_from_pb(pb: router_pb2.TokenChunk) -> RouterChunk:
+    return RouterChunk(token_ids=tuple(pb.token_ids), finished=pb.finished,
+                       finish_reason=finish_reason_from_pb(pb.finish_reason), stats=spec_stats_from_pb(pb.stats))

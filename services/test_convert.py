@@ -95,3 +95,25 @@ def test_a_fused_round_and_its_trees_cross_the_wire_unchanged():
                 "r2": FusionOutcome(DraftTree(drafter_ids=[]))}
     reply = drafter_pb2.FuseRoundResult.FromString(fusion_outcomes_to_pb(outcomes, [0.5, 0.25]).SerializeToString())
     assert fusion_outcomes_from_pb(reply) == (outcomes, [0.5, 0.25])
+
+
+def test_the_routers_chunks_reach_the_gateway_as_its_own_types_and_go_out_unchanged():
+    from cosine.v1 import common_pb2, router_pb2
+    from services.convert import finish_reason_to_pb, spec_stats_to_pb, submit_to_pb, token_chunk_from_pb
+    from services.gateway.progress import FinishReason, SpecStats
+
+    pb = router_pb2.TokenChunk(request_id="r", token_ids=[4, 5], finished=True,
+                               finish_reason=common_pb2.FINISH_REASON_EOS)
+    pb.stats.CopyFrom(common_pb2.SpecStats(rounds=3, mean_accepted_len=1.5, draft_tokens=8, accepted_tokens=4,
+                                           drafters_used=["a", "b"], accepted_by_drafter={"a": 3, "b": 1}))
+    chunk = token_chunk_from_pb(roundtrip(pb, router_pb2.TokenChunk))
+    assert chunk.token_ids == (4, 5) and chunk.finished and chunk.finish_reason is FinishReason.EOS
+    assert chunk.stats == SpecStats(3, 1.5, 8, 4, ("a", "b"), {"a": 3, "b": 1})
+    assert spec_stats_to_pb(chunk.stats) == pb.stats
+    assert [finish_reason_to_pb(r) for r in FinishReason] == [0, 1, 2, 3, 4]
+    assert token_chunk_from_pb(router_pb2.TokenChunk(finish_reason=99)).finish_reason is FinishReason.UNSPECIFIED
+    submit = submit_to_pb("r", [1, 2], 5, SamplingParams(0.5, 0.9, 7, seed=3), (2,), "code")
+    assert (list(submit.prompt_ids), submit.max_new_tokens, list(submit.stop_token_ids)) == ([1, 2], 5, [2])
+    assert submit.domain_hint == "code"
+    assert submit.sampling.seed == 3 and submit.sampling.top_k == 7
+    assert not submit_to_pb("r", [1], 5, SamplingParams(), (), "").sampling.HasField("seed")

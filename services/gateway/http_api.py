@@ -2,10 +2,11 @@
 ``POST /v1/chat/completions`` (server-sent events when ``stream`` is set), ``GET /v1/models`` and
 ``GET /health``, served by uvicorn in the gateway's own event loop beside its gRPC server.
 
-Thin like the gRPC servicer: bodies become the gateway's :class:`RawRequest`, the shared
-:class:`GatewayApp` validates, admits and relays, and a :class:`GatewayError` becomes an OpenAI
-error object with the HTTP status of its gRPC code (400 naming the field, 401, 404, 409, 429,
-503, 504). API keys, when the gateway has any, are required as ``Authorization: Bearer <key>``.
+Thin like the gRPC servicer: bodies become the gateway's :class:`RawRequest`, the gateway's app
+(seen here only as the :class:`HttpHost` it provides) validates, admits and relays, and a
+:class:`GatewayError` becomes an OpenAI error object with the HTTP status of its gRPC code (400
+naming the field, 401, 404, 409, 429, 503, 504). API keys, when the gateway has any, are
+required as ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 import uvicorn
@@ -38,12 +39,27 @@ from services.gateway.openai_schema import (
     usage,
 )
 from services.gateway.openai_schema import chat_raw, completion_raw
+from services.gateway.progress import Progress
 from services.gateway.requests import GenerationRequest, InvalidRequest, RawRequest
-
-if TYPE_CHECKING:
-    from services.gateway.server import GatewayApp, Progress
+from services.gateway.settings import GatewaySettings
 
 log = get_logger("gateway.http")
+
+
+class HttpHost(Protocol):
+    """What the HTTP front uses of the gateway (:class:`services.gateway.server.GatewayApp` is one)."""
+
+    settings: GatewaySettings
+    keys: frozenset[str]  # API keys; empty: none required
+    model_name: str
+
+    async def ensure_ready(self) -> None: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    async def admit(self, raw: RawRequest) -> GenerationRequest: ...
+
+    def relay(self, gen: GenerationRequest, deadline_s: float | None = None) -> AsyncIterator[Progress]: ...
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -75,7 +91,7 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def create_http_app(gateway: GatewayApp) -> FastAPI:
+def create_http_app(gateway: HttpHost) -> FastAPI:
     api = FastAPI(title="CoSine gateway", summary="OpenAI-compatible completions served by speculative decoding",
                   docs_url=None, redoc_url=None)
 
@@ -219,7 +235,7 @@ class HttpFront:
     """Serves :func:`create_http_app` on ``host:port`` (port 0: any free port; ``port`` holds the
     bound one after :meth:`start`)."""
 
-    def __init__(self, gateway: GatewayApp, host: str, port: int):
+    def __init__(self, gateway: HttpHost, host: str, port: int):
         self.gateway = gateway
         self.host = host
         self.port = port

@@ -16,18 +16,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cosine.v1 import common_pb2
+from services.gateway.progress import FinishReason, SpecStats
 from services.gateway.requests import InvalidRequest, RawRequest
 
 # Omitted sampling fields take OpenAI's defaults, so a client that works against OpenAI behaves
 # the same here: temperature 1 and top_p 1 (ask for temperature 0 for greedy, lossless output).
 DEFAULT_TEMPERATURE = 1.0
 
+# The gateway's finish reasons as OpenAI names them (any other: "stop").
 FINISH_REASONS = {
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_EOS: "stop",
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_CANCELLED: "abort",
+    FinishReason.LENGTH: "length",
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.CANCELLED: "abort",
 }
 
 
@@ -137,7 +138,7 @@ def _raw(body: _Common, request_id: str, max_tokens: int | None, *, prompt: str 
     )
 
 
-def spec_decoding(stats: common_pb2.SpecStats | None) -> dict[str, Any] | None:
+def spec_decoding(stats: SpecStats | None) -> dict[str, Any] | None:
     """Per-request speculative-decoding figures (beside ``usage``)."""
     if stats is None:
         return None

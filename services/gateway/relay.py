@@ -20,32 +20,42 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import grpc
 
 from common.logs import get_logger, request_context
-from common.platform.store import STORE_ERRORS, RequestExists
-from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
+from common.platform.store import STORE_ERRORS, RequestExists, Store
+from common.spec.types import SamplingParams
+from cosine.v1 import router_pb2_grpc
+from services.convert import submit_to_pb, token_chunk_from_pb
 from services.gateway.errors import GatewayError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.progress import FinishReason, Progress
 from services.gateway.requests import GenerationRequest, IncrementalDetokenizer, StopMatcher
-
-if TYPE_CHECKING:
-    from services.gateway.server import GatewayApp
+from services.gateway.settings import GatewaySettings
 
 log = get_logger("gateway")
 
 
-@dataclass
-class Progress:
-    """One piece of a generation as the gateway relays it."""
+class RelayHost(Protocol):
+    """What a relay uses of the gateway (:class:`services.gateway.server.GatewayApp` is one): its
+    settings, store, tokenizer and metrics, and its connection to the router."""
 
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    stats: common_pb2.SpecStats | None = None
+    settings: GatewaySettings
+    store: Store
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+    member_id: str
+    metrics: GatewayMetrics | None
+    router_address: str
+    router_stub: router_pb2_grpc.RouterStub | None
+
+    async def ensure_ready(self) -> None: ...
+
+    async def reconnect_router(self, deadline: float, lost: router_pb2_grpc.RouterStub | None) -> None: ...
+
+    def forget_router(self) -> None: ...
 
 
 def router_lost(exc: grpc.aio.AioRpcError) -> bool:
@@ -54,7 +64,7 @@ def router_lost(exc: grpc.aio.AioRpcError) -> bool:
 
 
 class RouterRelay:
-    def __init__(self, app: GatewayApp, gen: GenerationRequest, timeout_s: float):
+    def __init__(self, app: RelayHost, gen: GenerationRequest, timeout_s: float):
         self.app = app
         self.gen = gen
         self.timeout_s = timeout_s
@@ -62,7 +72,7 @@ class RouterRelay:
         self.resumes = 0
         self.unsaved: list[int] = []  # relayed tokens not yet in the request's Redis state
         self.save_due = 0.0  # loop time of the next write of the request state
-        self.detok = IncrementalDetokenizer(lambda ids: app.tokenizer.decode(ids, skip_special_tokens=True))
+        self.detok = IncrementalDetokenizer(app.tokenizer, skip_special_tokens=True)
         self.stops = StopMatcher(gen.stop) if gen.stop else None
         if gen.resume_ids:  # a resumed stream: the text the client has is not sent again
             seen = self.detok.push(gen.resume_ids)
@@ -72,15 +82,9 @@ class RouterRelay:
     def _submit(self, stub: router_pb2_grpc.RouterStub, timeout_s: float) -> grpc.aio.UnaryStreamCall:
         gen = self.gen
         request_id = gen.request_id if not self.resumes else f"{gen.request_id}:r{self.resumes}"
-        submit = router_pb2.SubmitRequest(
-            request_id=request_id, prompt_ids=[*gen.prompt_ids, *self.produced],
-            max_new_tokens=gen.max_new_tokens - len(self.produced), stop_token_ids=self.app.eos_ids, domain_hint=gen.domain_hint,
-        )
-        submit.sampling.temperature = gen.temperature
-        submit.sampling.top_p = gen.top_p
-        submit.sampling.top_k = gen.top_k
-        if gen.seed is not None:
-            submit.sampling.seed = gen.seed
+        sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, seed=gen.seed)
+        submit = submit_to_pb(request_id, [*gen.prompt_ids, *self.produced], gen.max_new_tokens - len(self.produced),
+                              sampling, self.app.eos_ids, gen.domain_hint)
         return stub.Submit(submit, timeout=timeout_s)
 
     def _text(self, token_ids: list[int], finished: bool) -> str:
@@ -118,15 +122,15 @@ class RouterRelay:
                 while True:
                     if self.stops is not None and self.stops.stopped:  # a resumed stream already ended in a stop string
                         outcome = "stop"
-                        yield Progress("", [], True, common_pb2.FINISH_REASON_STOP)
+                        yield Progress("", [], True, FinishReason.STOP)
                         return
                     if self.produced and self.produced[-1] in app.eos_ids:  # ended at the target's end of sequence
                         outcome = "eos"  # (the router or the client's connection was lost right after it)
-                        yield Progress(self._text([], True), [], True, common_pb2.FINISH_REASON_EOS)
+                        yield Progress(self._text([], True), [], True, FinishReason.EOS)
                         return
                     if len(self.produced) >= gen.max_new_tokens:  # the router was lost right after the last token
                         outcome = "length"
-                        yield Progress(self._text([], True), [], True, common_pb2.FINISH_REASON_LENGTH)
+                        yield Progress(self._text([], True), [], True, FinishReason.LENGTH)
                         return
                     if app.router_stub is None:
                         await app.ensure_ready()
@@ -134,7 +138,8 @@ class RouterRelay:
                     assert stub is not None
                     call = self._submit(stub, max(0.001, deadline - loop.time()))
                     try:
-                        async for chunk in call:
+                        async for message in call:
+                            chunk = token_chunk_from_pb(message)
                             ids = list(chunk.token_ids)
                             self.produced.extend(ids)
                             if clock is not None:
@@ -148,10 +153,10 @@ class RouterRelay:
                                 text = self.stops.feed(text) + (self.stops.flush() if chunk.finished else "")
                                 if self.stops.stopped:
                                     outcome = "stop"
-                                    yield Progress(text, ids, True, common_pb2.FINISH_REASON_STOP, chunk.stats)
+                                    yield Progress(text, ids, True, FinishReason.STOP, chunk.stats)
                                     return
                             if chunk.finished:
-                                outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+                                outcome = chunk.finish_reason.value
                             yield Progress(text, ids, chunk.finished, chunk.finish_reason, chunk.stats if chunk.finished else None)
                             if chunk.finished:
                                 return

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 REQUEST_ID_MAX = 128
 
@@ -129,36 +131,43 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     )
 
 
-@dataclass
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding everything and
-    without emitting half of a multi-byte character (held back until complete)."""
+    """Turns a growing list of token ids into text deltas with the tokenizer's own incremental
+    decoder (:class:`tokenizers.decoders.DecodeStream`), which holds back a character split over
+    several tokens (multi-byte UTF-8, byte fallback) until it is complete.
 
-    decode: Callable[[list[int]], str]
-    ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0  # ids[:prefix_offset] are fully emitted and no longer decoded
-    read_offset: int = 0
-    emitted: str = ""
+    Ids are stepped one at a time whatever chunks they arrive in, so the text given out after a
+    token depends only on the ids so far. That is what lets a resumed stream go on without a
+    duplicate: a detokenizer primed with the ids the client already has stands where the one that
+    served them stood. (Stepped a chunk at a time, a chunk ending inside a character holds back
+    the text before it too, and a detokenizer primed with the same ids in one step would then
+    send that text a second time.)"""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        # a transformers fast tokenizer wraps the ``tokenizers.Tokenizer`` that DecodeStream steps with
+        self._tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.ids: list[int] = []
+        self._emitted_chars = 0
 
     def push(self, new_ids: Sequence[int]) -> str:
-        self.ids.extend(int(t) for t in new_ids)
-        prefix_text = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        full_text = self.decode(self.ids[self.prefix_offset :])
-        if full_text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
-        delta = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        self.emitted += delta
+        pieces = []
+        for token in new_ids:
+            self.ids.append(int(token))
+            piece = self._stream.step(self._tokenizer, int(token))
+            if piece:
+                pieces.append(piece)
+        delta = "".join(pieces)
+        self._emitted_chars += len(delta)
         return delta
 
     def flush(self) -> str:
-        """At the end: whatever is still held back (a truly broken byte sequence included)."""
-        full_text = self.decode(self.ids[self.prefix_offset :])
-        prefix_text = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        delta = full_text[len(prefix_text) :]
-        self.read_offset = self.prefix_offset = len(self.ids)
-        self.emitted += delta
+        """At the end: whatever is still held back (a truly broken byte sequence included, as the
+        tokenizer's own decode writes it)."""
+        text = self._tokenizer.decode(self.ids, skip_special_tokens=self._skip_special_tokens)
+        delta = text[self._emitted_chars :]
+        self._emitted_chars = len(text)
         return delta
 
 

@@ -11,10 +11,12 @@ from typing import Any
 
 import grpc
 from google.protobuf import unknown_fields
+from tenacity import retry_if_exception_type
 
 from common.runtime.checkpoints import CheckpointError, load_tokenizer
 from common.platform.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, channel_serving
 from common.logs import get_logger
+from common.platform.retry import RetryPolicy
 from common.platform.service import StartupError
 from common.platform.store import STORE_ERRORS, Store
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
@@ -25,7 +27,9 @@ from common.platform.metrics import ServiceMetrics
 from services.gateway.errors import GatewayError
 from services.gateway.http_api import HttpFront
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.relay import Progress, RouterRelay
+from services.convert import finish_reason_to_pb, spec_stats_to_pb
+from services.gateway.progress import Progress
+from services.gateway.relay import RouterRelay
 from services.gateway.requests import (
     GenerationRequest,
     InvalidRequest,
@@ -36,6 +40,9 @@ from services.gateway.requests import (
 from services.gateway.settings import GatewaySettings
 
 SERVICE_NAME = "cosine.v1.Gateway"
+# Waiting for a router after the one in use was lost: 0.1 s doubling to 0.5 s between looks (each
+# look waits up to a second for a health answer), until the resume's deadline.
+ROUTER_RETRY = RetryPolicy(initial_s=0.1, max_s=0.5)
 log = get_logger("gateway")
 
 
@@ -73,9 +80,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except GatewayError as exc:
             await context.abort(exc.code, exc.message, trailing_metadata=(GATEWAY_ANSWER,))
         reply = gateway_pb2.GenerateResponse(request_id=gen.request_id, text="".join(text), token_ids=ids,
-                                             finish_reason=last.finish_reason if last else 0)
+                                             finish_reason=finish_reason_to_pb(last.finish_reason) if last else 0)
         if last is not None and last.stats is not None:
-            reply.stats.CopyFrom(last.stats)
+            reply.stats.CopyFrom(spec_stats_to_pb(last.stats))
         reply.usage.prompt_tokens = len(gen.prompt_ids)
         reply.usage.completion_tokens = len(gen.resume_ids) + len(ids)
         reply.timings.total_ns = time.perf_counter_ns() - t0
@@ -89,9 +96,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 count += len(piece.token_ids)
                 chunk = gateway_pb2.GenerateChunk(request_id=gen.request_id, text=piece.text, token_ids=piece.token_ids, finished=piece.finished)
                 if piece.finished:
-                    chunk.finish_reason = piece.finish_reason
+                    chunk.finish_reason = finish_reason_to_pb(piece.finish_reason)
                     if piece.stats is not None:
-                        chunk.stats.CopyFrom(piece.stats)
+                        chunk.stats.CopyFrom(spec_stats_to_pb(piece.stats))
                     chunk.usage.prompt_tokens = len(gen.prompt_ids)
                     chunk.usage.completion_tokens = len(gen.resume_ids) + count
                 yield chunk
@@ -245,25 +252,26 @@ class GatewayApp:
         calls still on it have had time to notice, so none is cut as cancelled."""
         loop = asyncio.get_running_loop()
         async with self._reconnecting:
-            while True:
-                if self.router_stub is lost or self.router_stub is None:
-                    if self.router_channel is not None:
-                        self._retire(self.router_channel)
-                    self.router_channel, self.router_stub = None, None
-                    try:
-                        await self.ensure_ready()
-                    except GatewayError as exc:
-                        if loop.time() >= deadline:
-                            raise
-                        log.debug("no router yet", reason=exc.message)
-                # asked through the channel the resumed requests are submitted on, not a new one
-                if self.router_channel is not None and await channel_serving(self.router_channel, timeout_s=1.0):
-                    return
-                if loop.time() >= deadline:
-                    raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                                       f"the router was lost and none answered within {self.settings.router_resume_timeout_s:g}s")
-                await asyncio.sleep(0.25)
-                lost = self.router_stub  # still not answering: look the router up again
+            async for attempt in ROUTER_RETRY.retrying(retry=retry_if_exception_type(GatewayError),
+                                                       stop=lambda _: loop.time() >= deadline):
+                with attempt:
+                    # after the first look, a router that still does not answer is looked up again
+                    await self._router_answers(rediscover=attempt.retry_state.attempt_number > 1
+                                               or self.router_stub is lost or self.router_stub is None)
+
+    async def _router_answers(self, rediscover: bool) -> None:
+        """One look for a router that answers health checks (a GatewayError while there is none)."""
+        if rediscover:
+            self.forget_router()
+            try:
+                await self.ensure_ready()
+            except GatewayError as exc:
+                log.debug("no router yet", reason=exc.message)
+                raise
+        # asked through the channel the resumed requests are submitted on, not a new one
+        if self.router_channel is None or not await channel_serving(self.router_channel, timeout_s=1.0):
+            within = self.settings.router_resume_timeout_s
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"the router was lost and none answered within {within:g}s")
 
     def forget_router(self) -> None:
         """Look the router up again on the next request (its channel is closed a little later)."""

@@ -52,18 +52,51 @@ def test_invalid_fields_are_named(kw, field):
     assert str(info.value).startswith(field + ":")
 
 
+def byte_tokenizer():
+    """A byte-level tokenizer whose token id b is the byte b (GPT-2's byte-to-character table)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tok = Tokenizer(models.WordLevel(vocab={c: b for b, c in chars.items()}, unk_token="!"))
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
 def utf8_decode(ids):
     return bytes(ids).decode("utf-8", errors="replace")
 
 
 def test_incremental_detokenizer_holds_back_partial_characters():
     data = "héllo ✓ ok".encode()
-    d = IncrementalDetokenizer(utf8_decode)
+    d = IncrementalDetokenizer(byte_tokenizer())
     out = "".join(d.push([b]) for b in data) + d.flush()
     assert out == "héllo ✓ ok"
-    d = IncrementalDetokenizer(utf8_decode)
+    d = IncrementalDetokenizer(byte_tokenizer())
     assert d.push(list("✓".encode())[:2]) == ""
     assert d.push(list("✓".encode())[2:]) == "✓"
+
+
+def test_incremental_detokenizer_gives_out_what_the_tokenizer_decodes_including_a_broken_tail():
+    for data in (b"ok \xe2\x9c", b"\x9c ok \xff", "é✓".encode() + b"\xe2"):
+        d = IncrementalDetokenizer(byte_tokenizer())
+        assert d.push(list(data)) + d.flush() == utf8_decode(list(data))
+
+
+def test_a_primed_detokenizer_goes_on_where_the_chunked_one_stood():
+    """A resumed stream: the text after the ids a client has does not depend on the chunks they
+    came in, even when a chunk ended inside a character (its text before that was given out)."""
+    data = list("ab✓c é🎉 d".encode())
+    whole = utf8_decode(data)
+    for cut in range(1, len(data)):
+        for size in (1, 2, 3, 5):
+            served = IncrementalDetokenizer(byte_tokenizer())
+            had = "".join(served.push(data[i : min(i + size, cut)]) for i in range(0, cut, size))
+            resumed = IncrementalDetokenizer(byte_tokenizer())
+            resumed.push(data[:cut])  # what the client already has is not sent again
+            rest = resumed.push(data[cut:]) + resumed.flush()
+            assert had + rest == whole, (cut, size)
 
 
 def test_stop_matcher_cuts_before_stop_and_holds_prefixes():

@@ -75,7 +75,7 @@ from services.router.requests import (
 from services.router.settings import RouterSettings
 from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
-from services.router.resume import backoff_s, mark_for_resume
+from services.router.resume import VERIFIER_RETRY, mark_for_resume
 from services.router.verdicts import ProfileUpdate, VerdictApplication
 from services.router.scheduler import PLAIN_STREAK, Candidate, LoadControl, pick_batch, plain_steps
 
@@ -345,7 +345,7 @@ class RouterCore(OffPathDrafting):
             except Exception as release_exc:
                 log.debug("verifier release failed", error=str(release_exc))
             log.warning("verifier call failed; requests will be re-prefilled", error=str(exc), attempt=attempt)
-            await asyncio.sleep(backoff_s(attempt))
+            await asyncio.sleep(VERIFIER_RETRY.delay(attempt))
             return
         t2 = self.clock()
         updates: list[ProfileUpdate] = []

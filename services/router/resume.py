@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.platform.retry import RetryPolicy
 from common.spec.types import Verdict
 
-MAX_RESUMES = 30  # with backoff_s: about a minute, long enough for a verifier to restart
+MAX_RESUMES = 30  # with VERIFIER_RETRY's pauses: about a minute, long enough for a verifier to restart
+# The pause before the next round after a broken verifier stream (the verifier may be restarting),
+# by the requests' consecutive losses: 0.1 s doubling to 2 s.
+VERIFIER_RETRY = RetryPolicy(initial_s=0.1, max_s=2.0)
 
 
 def lost_by_verifier(verdict: Verdict) -> bool:
@@ -28,8 +32,3 @@ def mark_for_resume(req: Any) -> bool:
     req.verifier_synced = False
     req.resumes += 1
     return req.resumes <= MAX_RESUMES
-
-
-def backoff_s(attempt: int) -> float:
-    """Pause before the next round after a broken verifier stream (the verifier may be restarting)."""
-    return min(2.0, 0.05 * 2 ** max(0, attempt))

@@ -7,10 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from tenacity import RetryCallState, retry_if_exception_type
 
 from common.platform.grpc_server import ServerHandle
 from common.logs import get_logger, request_context
 from common.platform.metrics import ServiceMetrics
+from common.platform.retry import RetryPolicy
 from common.platform.service import StartupError
 from common.platform.store import Store, StoreUnavailable
 from common.platform.tls import TlsConfig
@@ -44,6 +46,19 @@ def stats_to_pb(stats: Any) -> common_pb2.SpecStats:
         accepted_tokens=stats.accepted_tokens, drafters_used=sorted(stats.drafters_used),
         accepted_by_drafter=dict(stats.accepted_by_drafter),
     )
+
+
+# Looking for the verifier at start-up: 0.1 s doubling to 0.5 s between looks, for as long as it takes.
+VERIFIER_CONNECT_RETRY = RetryPolicy(initial_s=0.1, max_s=0.5)
+
+
+class _VerifierNotReady(Exception):
+    """No verifier is registered yet (``address`` empty), or the one at ``address`` does not answer."""
+
+    def __init__(self, address: str, error: Exception | None):
+        super().__init__(f"verifier at {address}: {error}" if address else "no verifier registered")
+        self.address = address
+        self.error = error
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -134,33 +149,43 @@ class RouterApp:
     async def start(self, handle: ServerHandle, address: str) -> None:
         self._connect_task = asyncio.create_task(self._connect_verifier(), name="verifier-connect")
 
+    async def _find_verifier(self) -> tuple[GrpcVerifier, common_pb2.ModelInfo, str]:
+        """One look for the verifier (setting or membership): its client, model info and address,
+        or :class:`_VerifierNotReady`."""
+        address = self.settings.verifier_address
+        if not address:
+            try:
+                members = await self.store.members("verifier")
+            except StoreUnavailable as exc:  # Redis restarting: look again
+                log.warning("cannot read the membership; retrying", error=str(exc))
+                members = []
+            address = members[0].address if members else ""
+        if not address:
+            raise _VerifierNotReady("", None)
+        verifier = GrpcVerifier(address, self.tls)
+        try:
+            return verifier, await verifier.fetch_info(), address
+        except Exception as exc:
+            await verifier.close()
+            raise _VerifierNotReady(address, exc) from None
+
     async def _connect_verifier(self) -> None:
-        """Find the verifier (setting or membership), read its tokenizer fingerprint, then start
-        drafter discovery and the round workers. Retries until it succeeds."""
-        warned = False
-        while True:
-            address = self.settings.verifier_address
-            if not address:
-                try:
-                    members = await self.store.members("verifier")
-                except StoreUnavailable as exc:  # Redis restarting: look again
-                    log.warning("cannot read the membership; retrying", error=str(exc))
-                    members = []
-                address = members[0].address if members else ""
-            if address:
-                verifier = GrpcVerifier(address, self.tls)
-                try:
-                    info = await verifier.fetch_info()
-                    break
-                except Exception as exc:
-                    await verifier.close()
-                    if not warned:
-                        log.warning("verifier not ready yet; retrying", address=address, error=str(exc))
-                        warned = True
-            elif not warned:
+        """Find the verifier, read its tokenizer fingerprint, then start drafter discovery and the
+        round workers. Retries until it succeeds (the first miss is logged)."""
+
+        def first_miss(state: RetryCallState) -> None:
+            miss = state.outcome.exception() if state.outcome is not None else None
+            if state.attempt_number != 1 or not isinstance(miss, _VerifierNotReady):
+                return
+            if miss.address:
+                log.warning("verifier not ready yet; retrying", address=miss.address, error=str(miss.error))
+            else:
                 log.info("waiting for a verifier to register")
-                warned = True
-            await asyncio.sleep(0.5)
+
+        async for attempt in VERIFIER_CONNECT_RETRY.retrying(retry=retry_if_exception_type(_VerifierNotReady),
+                                                             before_sleep=first_miss):
+            with attempt:
+                verifier, info, address = await self._find_verifier()
         self.verifier = verifier
         self.pool.fingerprint = info.tokenizer_fingerprint
         try:
