@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from common.spec.types import TokenTree
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -79,6 +81,11 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def to_token_tree(self) -> TokenTree:
+        """The finished tree as the verifier's contract (:class:`~common.spec.types.TokenTree`)."""
+        return TokenTree(tokens=tuple(self.tokens), parents=tuple(self.parents), draft_probs=tuple(self.probs),
+                         source_masks=tuple(self.source_masks), drafter_ids=tuple(self.drafter_ids))
 
     def mask_of(self, drafters: frozenset[str] | set[str]) -> int:
         mask = 0

@@ -34,7 +34,7 @@ log = get_logger("router")
 
 class OffPathDrafting(RequestPool):
     """The off-path part of :class:`services.router.core.RouterCore`, which sets these attributes
-    and gives a round's drafting and the rounds allowed in flight."""
+    and drafts a round's trees."""
 
     control: SpeculationControl
     drafting: Drafting
@@ -43,10 +43,14 @@ class OffPathDrafting(RequestPool):
     _off_path_started: int  # off-path drafter calls started so far (a pass they overlap runs slower)
 
     async def _draft(self, batch: list[Request], ks: dict[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
-        raise NotImplementedError
-
-    def _rounds_allowed(self) -> int:
-        raise NotImplementedError
+        """A round's drafting, inline or ahead: the drafting requests routed, then drafted by chunk or by token fusion."""
+        live = list(self.drafters.live()) if self.config.speculate else []
+        # only the requests that draft this round need a domain and a routing vector; the others are
+        # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)
+        await self.routing.route([r for r in batch if ks[r.request_id] > 0], live)
+        if self.config.fusion == "chunk":
+            return await self.drafting.chunks(batch, ks)
+        return await self.drafting.tokens(batch, ks)
 
     def _drafts_ahead(self, batch: list[Request], drafting: list[Request], ks: dict[str, int]) -> bool:
         """Whether this round's drafting requests draft off the verifier's path: with cost control,

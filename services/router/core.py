@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from common.logs import get_logger
-from common.spec.types import TokenTree, Verdict, VerifyItem
+from common.spec.types import Verdict, VerifyItem
 from services.router.admission import SubmitLimits
 from services.router.ahead import OffPathDrafting
 from services.router.control import SpeculationControl
@@ -54,7 +54,7 @@ from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupNodes
 from services.corpus import CorpusLoader
 from services.router.lookup_drafting import LookupDrafting
-from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item
+from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item, unread_tokens
 from common.spec.fusion import DraftTree
 from services.router.gate import DraftGate, gate_domain, probe_order
 from services.router.requests import (
@@ -75,9 +75,8 @@ from services.router.requests import (
 from services.router.settings import RouterSettings
 from services.router.matching import match_verdicts
 from services.router.pass_plan import plan_pass
-from services.router.resume import VERIFIER_RETRY, mark_for_resume
 from services.router.verdicts import ProfileUpdate, VerdictApplication
-from services.router.scheduler import PLAIN_STREAK, Candidate, LoadControl, pick_batch, plain_steps
+from services.router.scheduler import PLAIN_STREAK, LoadControl, plain_steps
 
 # the names the servicer, the benchmarks and the tests import from here
 __all__ = [
@@ -160,14 +159,6 @@ class RouterCore(OffPathDrafting):
 
     # ---- rounds ------------------------------------------------------------------------------
 
-    def _rounds_allowed(self) -> int:
-        """Rounds that may be in flight now: the configured number while pipelining pays (see
-        ``SpeculationControl.pipeline_pays``), else one round with the whole pool."""
-        configured = max(1, self.config.rounds_in_flight)
-        if configured > 1 and self.config.pipeline_control and not self.control.pipeline_pays():  # always pays without cost control
-            return 1
-        return configured
-
     async def _worker(self, index: int) -> None:
         while True:
             await asyncio.sleep(0)  # let submissions and cancellations in between rounds
@@ -197,45 +188,6 @@ class RouterCore(OffPathDrafting):
                         self._hand_back(req)
                 self._wakeup.set()
 
-    def _pick(self) -> list[Request]:
-        now = self.clock()
-        waiting = [r for r in self.requests.values() if not r.in_round and not r.done]
-        if not waiting:
-            return []
-        width = self.config.tree_width if self.config.fusion == "token" else max(1, self.config.drafters_per_request)
-        cands = [
-            Candidate(
-                r.request_id, now - r.ready_since, self._k(r), width,
-                0 if r.verifier_synced else len(r.sequence),
-                (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1, r.under_way,
-            )
-            for r in waiting
-        ]
-        cap = self.config.max_batch_requests
-        allowed = self._rounds_allowed()
-        if self.config.pipeline_control and allowed > 1:
-            # rounds overlap: a round takes its share of the pool, so the others have a batch to draft
-            cap = min(cap, max(1, -(-len(self.requests) // allowed)))
-        chosen = pick_batch(cands, self.config.verify_token_budget, cap, self.config.max_k)
-        batch = [self.requests[c.request_id] for c in chosen]
-        for r in batch:
-            r.in_round = True
-        return batch
-
-    def _holds_every_slot(self, batch: list[Request]) -> bool:
-        """Whether no request outside ``batch`` could join it before one of its requests finishes:
-        it holds the whole pool, or every slot while only new requests wait (requests under way
-        rank first, ``scheduler.pick_batch``)."""
-        ids = {r.request_id for r in batch}
-        outside = [r for r in self.requests.values() if not r.done and r.request_id not in ids]
-        if not outside:
-            return True
-        return len(batch) >= self.config.max_batch_requests and not any(r.under_way for r in outside)
-
-    def _k(self, req: Request) -> int:
-        k = req.spec.k if self.config.adaptive_k else self.config.initial_k
-        return self.load.apply(k, self.config.min_k, self.config.max_k) if self.config.adaptive_k else k
-
     async def _round(self, batch: list[Request]) -> None:
         t0 = self.clock()
         ahead = {r.request_id: r.ahead for r in batch if r.ahead is not None and r.ahead.committed == len(r.sequence)}
@@ -260,7 +212,7 @@ class RouterCore(OffPathDrafting):
         # A round of one request has no other pass to hide that behind: it happens inline, since
         # drafter work beside a round's own passes only slows them on shared cores
         fresh = [r for r in batch if ks[r.request_id] > 0 and (self.routing.needs_scores(r) or not r.verifier_synced
-                                                               or _unread(r) > CATCH_UP_TOKENS)]
+                                                               or unread_tokens(r) > CATCH_UP_TOKENS)]
         routed_ahead = 0
         if fresh and len(batch) > 1 and self.config.draft_ahead and self.config.cost_control:
             for r in fresh:
@@ -318,7 +270,7 @@ class RouterCore(OffPathDrafting):
             VerifyItem(
                 request_id=r.request_id,
                 append_ids=() if r.verifier_synced else tuple(r.sequence),  # a resumed request re-prefills what is committed
-                tree=_to_token_tree(trees[r.request_id]),
+                tree=trees[r.request_id].to_token_tree(),
                 sampling=r.sampling,
                 plain_steps=steps,
                 stop_ids=tuple(r.stop_ids) if steps > 1 else (),
@@ -334,18 +286,7 @@ class RouterCore(OffPathDrafting):
         try:
             verdicts, busy_ns = await self.verifier.verify(items)
         except Exception as exc:  # broken stream: the verifier may be restarting; resume on it
-            attempt = 0
-            for r in batch:
-                if mark_for_resume(r):
-                    attempt = max(attempt, r.resumes)
-                else:
-                    self._finish(r, error=RequestFailed(f"verifier unavailable: {exc}", "unavailable"))
-            try:  # whatever the verifier may still hold of them goes first, so the re-prefill starts clean
-                self.verifier.release([r.request_id for r in batch if not r.done])
-            except Exception as release_exc:
-                log.debug("verifier release failed", error=str(release_exc))
-            log.warning("verifier call failed; requests will be re-prefilled", error=str(exc), attempt=attempt)
-            await asyncio.sleep(VERIFIER_RETRY.delay(attempt))
+            await self._verifier_failed(batch, exc)
             return
         t2 = self.clock()
         updates: list[ProfileUpdate] = []
@@ -390,15 +331,6 @@ class RouterCore(OffPathDrafting):
             self.control.observe_overhead(self.clock() - t0 - busy_ns / 1e9)
         self.counters.apply_s += self.clock() - t2
 
-    async def _draft(self, batch: list[Request], ks: dict[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
-        live = list(self.drafters.live()) if self.config.speculate else []
-        # only the requests that draft this round need a domain and a routing vector; the others are
-        # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)
-        await self.routing.route([r for r in batch if ks[r.request_id] > 0], live)
-        if self.config.fusion == "chunk":
-            return await self.drafting.chunks(batch, ks)
-        return await self.drafting.tokens(batch, ks)
-
     def _observe_extras(self, batch: list[Request], trees: dict[str, DraftTree], selected: dict[str, list[str]],
                         matched: dict[str, Verdict], ahead: set[str], draft_s: float) -> None:
         """What the drafters beyond each request's first brought this round and what they cost
@@ -417,28 +349,3 @@ class RouterCore(OffPathDrafting):
         outcome = self.verdicts.apply(r, tree, selected, verdict, updates, round_ns, lookups)
         if outcome.ends:
             self._finish(r, outcome.finish_reason, outcome.error)
-
-    def _background(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._bg.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._bg.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.warning("background task failed", error=str(t.exception()))
-
-        task.add_done_callback(done)
-
-
-
-def _unread(r: Request) -> int:
-    """Committed tokens of ``r`` that none of its drafters holds (all of them before any has read its prompt)."""
-    sequence = r.sequence
-    return len(sequence) - max((common_prefix(cache, sequence) for cache in r.drafter_cache.values()), default=0)
-
-
-def _to_token_tree(tree: DraftTree) -> TokenTree:
-    return TokenTree(
-        tokens=tuple(tree.tokens), parents=tuple(tree.parents), draft_probs=tuple(tree.probs),
-        source_masks=tuple(tree.source_masks), drafter_ids=tuple(tree.drafter_ids),
-    )

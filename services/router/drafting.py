@@ -257,3 +257,9 @@ class Drafting:
             if results is None:
                 log.warning("drafter failed; its requests go on without it", drafter=d)
         return answers
+
+
+def unread_tokens(r: Request) -> int:
+    """Committed tokens of ``r`` that none of its drafters holds (all of them before any has read its prompt)."""
+    sequence = r.sequence
+    return len(sequence) - max((common_prefix(cache, sequence) for cache in r.drafter_cache.values()), default=0)
