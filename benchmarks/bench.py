@@ -78,7 +78,9 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
         names = {w.name for w in specs}
         unknown = [w for w in opts.workloads if w not in names]
         if unknown:
-            raise BenchError(f"unknown workload(s) {', '.join(unknown)} (scenario {scenario.name}: {', '.join(sorted(names))})")
+            raise BenchError(
+                f"unknown workload(s) {', '.join(unknown)} (scenario {scenario.name}: {', '.join(sorted(names))})"
+            )
         specs = [w for w in specs if w.name in opts.workloads]
     if opts.requests:
         specs = [replace(w, requests=opts.requests) for w in specs]
@@ -97,11 +99,15 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     items = [(d, p, tuple(tok(p).input_ids)) for d, p in prompt_list(zoo.prompts, n_items)]
 
     # reference pass: the target's own greedy decode of every prompt, batched (16 at a time)
-    _say(f"bench      zoo {opts.zoo} ({zoo.profile}), {len(system_names)} system(s), {len(specs)} workload(s), "
-         f"{scenario.max_new_tokens} new tokens/request, {cores} cores")
+    _say(
+        f"bench      zoo {opts.zoo} ({zoo.profile}), {len(system_names)} system(s), {len(specs)} workload(s), "
+        f"{scenario.max_new_tokens} new tokens/request, {cores} cores"
+    )
     ref_spec = WorkloadSpec("reference", "closed", len(items), concurrency=16)
     ref_wl = build_workload(ref_spec, items, scenario.max_new_tokens, seed=scenario.seed)
-    warm = build_workload(WorkloadSpec("warm-up", "closed", min(4, len(items)), concurrency=4), items, min(8, scenario.max_new_tokens))
+    warm = build_workload(
+        WorkloadSpec("warm-up", "closed", min(4, len(items)), concurrency=4), items, min(8, scenario.max_new_tokens)
+    )
     ref_sys = AutoregressiveSystem(str(zoo.target.path), eos_id, threads, name="reference", dtype=opts.dtype)
     ref_sys.start()
     ref_sys.warm_up(warm)
@@ -117,19 +123,28 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     closed = [w for w in specs if w.kind == "closed" and w.greedy]
     capacity_wl = max(closed, key=lambda w: w.concurrency).name if closed else ""
     reference = {"system": "", "workload": capacity_wl, "requests_per_s": 0.0, "tokens_per_s": 0.0}
-    workloads = {w.name: build_workload(w, items, scenario.max_new_tokens, seed=scenario.seed) for w in specs if w.kind == "closed"}
+    workloads = {
+        w.name: build_workload(w, items, scenario.max_new_tokens, seed=scenario.seed)
+        for w in specs
+        if w.kind == "closed"
+    }
 
     def set_reference(system: str, rps: float, tps: float) -> None:
         reference.update(system=system, requests_per_s=rps, tokens_per_s=tps)
         for w in specs:
             if w.kind == "open":
                 workloads[w.name] = build_workload(w, items, scenario.max_new_tokens, rps, scenario.seed)
-        _say(f"reference  capacity of {system} on {capacity_wl or 'the reference pass'}: {rps:.2f} requests/s ({tps:.0f} tokens/s); "
-             f"open-loop rates: " + ", ".join(f"{w.name} {workloads[w.name].offered_rps:.2f}/s" for w in specs if w.kind == "open"))
+        _say(
+            f"reference  capacity of {system} on {capacity_wl or 'the reference pass'}: {rps:.2f} requests/s ({tps:.0f} tokens/s); "
+            f"open-loop rates: "
+            + ", ".join(f"{w.name} {workloads[w.name].offered_rps:.2f}/s" for w in specs if w.kind == "open")
+        )
 
     ordered = sorted(system_names, key=lambda n: n != scenario.reference)  # the reference system first
     if not capacity_wl:
-        set_reference("autoregressive (reference pass)", len(ref_run.records) / ref_run.wall_s, ref_tokens / ref_run.wall_s)
+        set_reference(
+            "autoregressive (reference pass)", len(ref_run.records) / ref_run.wall_s, ref_tokens / ref_run.wall_s
+        )
 
     if system_factory is None:
         systems, plane = make_systems(ordered, zoo, eos_id, pad_id, cores, log_dir, threads, dtype=opts.dtype)
@@ -146,22 +161,43 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     if opts.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(systems) * len(specs) - sum(len(s["workloads"]) for s in skipped.values()), desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(
+            total=len(systems) * len(specs) - sum(len(s["workloads"]) for s in skipped.values()),
+            desc="bench",
+            unit="run",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
 
     def report_now(done: bool) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
             "machine": machine_info(threads),
             "scenario": {
-                "name": scenario.name, "complete": done, "max_new_tokens": scenario.max_new_tokens, "seed": scenario.seed,
+                "name": scenario.name,
+                "complete": done,
+                "max_new_tokens": scenario.max_new_tokens,
+                "seed": scenario.seed,
                 "target_dtype": ref_sys.dtype,
-                "zoo": {"profile": zoo.profile, "target_params": zoo.target.params, "domains": list(zoo.domains),
-                        "drafters": {n: {"params": d.params, "domains": list(d.domains)} for n, d in zoo.drafters.items()},
-                        "k": zoo.k, "acceptance": {d: dict(r) for d, r in zoo.acceptance.items()}},
+                "zoo": {
+                    "profile": zoo.profile,
+                    "target_params": zoo.target.params,
+                    "domains": list(zoo.domains),
+                    "drafters": {n: {"params": d.params, "domains": list(d.domains)} for n, d in zoo.drafters.items()},
+                    "k": zoo.k,
+                    "acceptance": {d: dict(r) for d, r in zoo.acceptance.items()},
+                },
                 "reference": dict(reference),
-                "workloads": {w.name: {**w.spec.describe(), "offered_rps": w.offered_rps or None,
-                                       "phase_rates_rps": list(w.rates_rps) or None} for w in workloads.values()},
-                "systems": described, "order": [s.name for s in systems],
+                "workloads": {
+                    w.name: {
+                        **w.spec.describe(),
+                        "offered_rps": w.offered_rps or None,
+                        "phase_rates_rps": list(w.rates_rps) or None,
+                    }
+                    for w in workloads.values()
+                },
+                "systems": described,
+                "order": [s.name for s in systems],
                 "skipped": skipped,
                 "wall_s": time.perf_counter() - t_start,
                 "greedy_check": {"checked_requests": checked, "mismatches": mismatches},
@@ -200,8 +236,12 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
                 results.setdefault(system.name, {})[wl.name] = m
                 failures += [f"{system.name}/{wl.name}: {e}" for e in m["errors"]]
                 if wl.spec.greedy:
-                    bad = check_greedy(system.name, wl.name, run.records, expected, {r.index: r.prompt_ids for r in wl.requests})
-                    if not getattr(system, "exact_greedy", True):  # not serving our target's kernels: counted, not failed
+                    bad = check_greedy(
+                        system.name, wl.name, run.records, expected, {r.index: r.prompt_ids for r in wl.requests}
+                    )
+                    if not getattr(
+                        system, "exact_greedy", True
+                    ):  # not serving our target's kernels: counted, not failed
                         m["greedy_equal"] = sum(1 for r in run.records if not r.error) - len(bad)
                         bad = []
                     else:
@@ -238,8 +278,10 @@ def format_table(report: dict[str, Any], workloads: Sequence[str] | None = None)
     lines = []
     for w in wanted:
         lines.append(f"\n{w} ({report['scenario']['workloads'].get(w, {}).get('label', '')})")
-        lines.append(f"{'system':<20}{'tok/s':>9}{'lat mean':>10}{'p50':>8}{'p99':>8}{'ttft':>8}{'tpot ms':>9}"
-                     f"{'acc/rnd':>9}{'busy':>7}{'bound':>8}{'%bound':>8}  split d/v/o")
+        lines.append(
+            f"{'system':<20}{'tok/s':>9}{'lat mean':>10}{'p50':>8}{'p99':>8}{'ttft':>8}{'tpot ms':>9}"
+            f"{'acc/rnd':>9}{'busy':>7}{'bound':>8}{'%bound':>8}  split d/v/o"
+        )
         for name, per in report["systems"].items():
             m = per.get(w)
             if not m:
@@ -254,7 +296,8 @@ def format_table(report: dict[str, Any], workloads: Sequence[str] | None = None)
                 f"{f(m['latency_p99_s'], '.3f'):>8}{f(m['ttft_mean_s'], '.3f'):>8}"
                 f"{f(None if m['tpot_mean_s'] is None else m['tpot_mean_s'] * 1e3, '.2f'):>9}"
                 f"{f(m['mean_accepted_len'], '.2f'):>9}{f(m['verifier_busy_frac'], '.0%'):>7}{f(m['bound_tokens_per_s'], '.0f'):>8}"
-                f"{f(m['frac_of_bound'], '.0%'):>8}  {f(s['draft_frac'], '.0%')}/{f(s['verify_frac'], '.0%')}/{f(s['other_frac'], '.0%')}")
+                f"{f(m['frac_of_bound'], '.0%'):>8}  {f(s['draft_frac'], '.0%')}/{f(s['verify_frac'], '.0%')}/{f(s['other_frac'], '.0%')}"
+            )
     r = report["ratios"]
     lines.append("\nratios (same run):")
     for key, value in r.items():
@@ -268,24 +311,49 @@ def format_table(report: dict[str, Any], workloads: Sequence[str] | None = None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark every system (baselines, CoSine, ablations) on the same workloads; JSON report + plots",
-                       description="Run every system on the same workloads, one after the other, on this machine with the same "
-                       "thread budget; write a JSON report and PNG plots beside it. Greedy outputs are checked token by token "
-                       "against the target's own decode.")
+    p = sub.add_parser(
+        "bench",
+        help="benchmark every system (baselines, CoSine, ablations) on the same workloads; JSON report + plots",
+        description="Run every system on the same workloads, one after the other, on this machine with the same "
+        "thread budget; write a JSON report and PNG plots beside it. Greedy outputs are checked token by token "
+        "against the target's own decode.",
+    )
     p.add_argument("--zoo", default=".cosine/zoo-smol", help="model zoo directory")
     p.add_argument("--out", default="bench-out/report.json", help="report path; the plots go beside it")
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="default", help="default: the full run; quick: seconds (tests)")
-    p.add_argument("--systems", default="", help="comma-separated systems, or 'all' (default: autoregressive, services_plain, hf_assisted, "
-                   "vanilla_sd, cosine, cosine_token_fusion, cosine_no_control, cosine_no_lookup, cosine_no_draft_ahead, cosine_no_corpus)")
+    p.add_argument(
+        "--scenario", choices=sorted(SCENARIOS), default="default", help="default: the full run; quick: seconds (tests)"
+    )
+    p.add_argument(
+        "--systems",
+        default="",
+        help="comma-separated systems, or 'all' (default: autoregressive, services_plain, hf_assisted, "
+        "vanilla_sd, cosine, cosine_token_fusion, cosine_no_control, cosine_no_lookup, cosine_no_draft_ahead, cosine_no_corpus)",
+    )
     p.add_argument("--workloads", default="", help="comma-separated subset of the scenario's workloads (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: the scenario's)")
-    p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the scenario's, per workload)")
-    p.add_argument("--cores", type=int, default=0, help="cores every system may use (default: all); the service processes split them")
-    p.add_argument("--threads", type=int, default=0, help="torch threads of the in-process systems, at most --cores (default 0: "
-                   "one per core, the same cores the service processes share)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="the target's dtype in every system (default auto: bfloat16 on a CPU with AMX, row-invariant, float32 "
-                        "elsewhere; transformers' systems are not held to greedy equality in bfloat16, their kernels round by shape)")
+    p.add_argument(
+        "--requests", type=int, default=None, help="requests per workload (default: the scenario's, per workload)"
+    )
+    p.add_argument(
+        "--cores",
+        type=int,
+        default=0,
+        help="cores every system may use (default: all); the service processes split them",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of the in-process systems, at most --cores (default 0: "
+        "one per core, the same cores the service processes share)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the target's dtype in every system (default auto: bfloat16 on a CPU with AMX, row-invariant, float32 "
+        "elsewhere; transformers' systems are not held to greedy equality in bfloat16, their kernels round by shape)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_bench)
 
@@ -297,9 +365,19 @@ def _split(s: str) -> list[str]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from common.runtime.checkpoints import CheckpointError
 
-    opts = BenchOptions(zoo=args.zoo, out=args.out, scenario=args.scenario, systems=_split(args.systems),
-                        workloads=_split(args.workloads), max_new_tokens=args.max_new_tokens, requests=args.requests,
-                        cores=args.cores, threads=args.threads, plots=not args.no_plots, dtype=args.dtype)
+    opts = BenchOptions(
+        zoo=args.zoo,
+        out=args.out,
+        scenario=args.scenario,
+        systems=_split(args.systems),
+        workloads=_split(args.workloads),
+        max_new_tokens=args.max_new_tokens,
+        requests=args.requests,
+        cores=args.cores,
+        threads=args.threads,
+        plots=not args.no_plots,
+        dtype=args.dtype,
+    )
     t0 = time.perf_counter()
     # SIGTERM unwinds like Ctrl-C, so the service processes the run started are stopped too
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -312,6 +390,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"cosine bench: error: {exc}", file=sys.stderr)
         return 1
     print(format_table(report))
-    print(f"\nwall {time.perf_counter() - t0:.0f}s; greedy check: {report['scenario']['greedy_check']['checked_requests']} "
-          f"outputs equal to the target's own decode; report {args.out}" + ("" if args.no_plots else f", plots in {Path(args.out).parent}/"))
+    print(
+        f"\nwall {time.perf_counter() - t0:.0f}s; greedy check: {report['scenario']['greedy_check']['checked_requests']} "
+        f"outputs equal to the target's own decode; report {args.out}"
+        + ("" if args.no_plots else f", plots in {Path(args.out).parent}/")
+    )
     return 0

@@ -16,17 +16,19 @@ import sys
 import time
 
 from common.runtime.checkpoints import load_tokenizer
+from common.runtime.drafter_engine import DrafterEngine
+from common.runtime.sim import plain_generate
+from common.runtime.verifier_engine import VerifierEngine
 from common.spec.types import GREEDY
 from cosine_cli.workload import mixed_workload
-from common.runtime.drafter_engine import DrafterEngine
 from services.router.core import RouterCore
-from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
-from common.runtime.verifier_engine import VerifierEngine
-from common.runtime.sim import plain_generate
+from services.router.settings import RouterSettings
 
 
-async def run(core: RouterCore, prompts: dict[str, list[int]], max_new: int, eos: int) -> tuple[dict[str, list[int]], float]:
+async def run(
+    core: RouterCore, prompts: dict[str, list[int]], max_new: int, eos: int
+) -> tuple[dict[str, list[int]], float]:
     core.start()
     try:
         reqs = {rid: core.submit(rid, p, max_new, GREEDY, [eos]) for rid, p in prompts.items()}
@@ -66,10 +68,22 @@ def main(argv: list[str] | None = None) -> int:
         f"single:{n}": (RouterSettings(drafters_per_request=1, tree_width=1, routing=False, adaptive_k=False), {n: e})
         for n, e in engines.items()
     }
-    settings["routed single (1 drafter, best by expertise)"] = (RouterSettings(drafters_per_request=1, tree_width=1, adaptive_k=False), engines)
-    settings["fused 2 drafters, width 1"] = (RouterSettings(drafters_per_request=2, tree_width=1, adaptive_k=False), engines)
-    settings["fused 2 drafters, width 3"] = (RouterSettings(drafters_per_request=2, tree_width=3, adaptive_k=False), engines)
-    settings["fused 3 drafters, width 3"] = (RouterSettings(drafters_per_request=3, tree_width=3, adaptive_k=False), engines)
+    settings["routed single (1 drafter, best by expertise)"] = (
+        RouterSettings(drafters_per_request=1, tree_width=1, adaptive_k=False),
+        engines,
+    )
+    settings["fused 2 drafters, width 1"] = (
+        RouterSettings(drafters_per_request=2, tree_width=1, adaptive_k=False),
+        engines,
+    )
+    settings["fused 2 drafters, width 3"] = (
+        RouterSettings(drafters_per_request=2, tree_width=3, adaptive_k=False),
+        engines,
+    )
+    settings["fused 3 drafters, width 3"] = (
+        RouterSettings(drafters_per_request=3, tree_width=3, adaptive_k=False),
+        engines,
+    )
     rows = {}
     for name, (config, pool) in settings.items():
         t0 = time.perf_counter()
@@ -79,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             bad = [r for r in prompts if got[r] != expected[r]]
             print(f"LOSSLESS CHECK FAILED for {name}: {bad}", file=sys.stderr)
             return 1
-        rows[name] = {"accepted_per_round": accepted, "batches": core.counters.rounds, "seconds": time.perf_counter() - t0}
+        rows[name] = {
+            "accepted_per_round": accepted,
+            "batches": core.counters.rounds,
+            "seconds": time.perf_counter() - t0,
+        }
         print(f"{name:<48} {accepted:6.2f} accepted draft tokens per request-round", flush=True)
     best_single = max(v["accepted_per_round"] for k, v in rows.items() if k.startswith("single:"))
     fused = rows["fused 2 drafters, width 3"]["accepted_per_round"]

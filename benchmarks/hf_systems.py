@@ -59,13 +59,30 @@ class HFGenerateSystem:
 
     one_at_a_time = True
 
-    def __init__(self, name: str, target: str, eos_id: int | None, pad_id: int | None, threads: int, assistant: str = "",
-                 dtype: str = "float32"):
+    def __init__(
+        self,
+        name: str,
+        target: str,
+        eos_id: int | None,
+        pad_id: int | None,
+        threads: int,
+        assistant: str = "",
+        dtype: str = "float32",
+    ):
         self.dtype = dtype  # as the verifier resolves it (benchmarks.systems.target_dtype)
         self.name = name
-        self.target, self.assistant_path, self.eos_id, self.pad_id, self.threads = target, assistant, eos_id, pad_id, threads
-        self.description = ("transformers assisted generation (assistant_model = generalist drafter), one request at a time"
-                            if assistant else "transformers generate on the target, one request at a time")
+        self.target, self.assistant_path, self.eos_id, self.pad_id, self.threads = (
+            target,
+            assistant,
+            eos_id,
+            pad_id,
+            threads,
+        )
+        self.description = (
+            "transformers assisted generation (assistant_model = generalist drafter), one request at a time"
+            if assistant
+            else "transformers generate on the target, one request at a time"
+        )
         self.model = self.assistant = None
         self.timers: list[_ForwardTimer] = []
         # transformers' own kernels: in bfloat16 a pass's rounding follows its shape, so a greedy
@@ -73,8 +90,14 @@ class HFGenerateSystem:
         self.exact_greedy = self.dtype == "float32"
 
     def describe(self) -> dict[str, Any]:
-        return {"description": self.description, "kind": "one-at-a-time", "torch_threads": self.threads, "effective_concurrency": 1,
-                "dtype": self.dtype, "greedy_checked": self.exact_greedy}
+        return {
+            "description": self.description,
+            "kind": "one-at-a-time",
+            "torch_threads": self.threads,
+            "effective_concurrency": 1,
+            "dtype": self.dtype,
+            "greedy_checked": self.exact_greedy,
+        }
 
     def start(self) -> None:
         import torch
@@ -107,8 +130,11 @@ class HFGenerateSystem:
 
         ids = torch.tensor([list(r.prompt_ids)], dtype=torch.long)
         kw: dict[str, Any] = dict(
-            attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens, eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id if self.pad_id is not None else self.eos_id, streamer=_FirstToken(),
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=r.max_new_tokens,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id if self.pad_id is not None else self.eos_id,
+            streamer=_FirstToken(),
         )
         if r.temperature > 0:
             kw.update(do_sample=True, temperature=r.temperature, top_k=0, top_p=1.0)
@@ -119,7 +145,7 @@ class HFGenerateSystem:
             kw["assistant_model"] = self.assistant
         with torch.inference_mode():
             out = self.model.generate(ids, **kw)
-        return tuple(int(t) for t in out[0, ids.shape[1]:].tolist()), kw["streamer"].first_at
+        return tuple(int(t) for t in out[0, ids.shape[1] :].tolist()), kw["streamer"].first_at
 
     def run(self, workload: Workload) -> RunResult:
         spec = workload.spec
@@ -163,10 +189,19 @@ class HFGenerateSystem:
         committed = sum(len(r.token_ids) for r in records)
         accepted = sum(r.accepted_tokens for r in records)
         wall = max(r.finished_s for r in records) - min(r.issued_s for r in records) if records else 0.0
-        return RunResult(records, wall, {
-            "verify_batches": target_calls, "accepted_tokens": accepted, "tokens_committed": committed,
-            "verifier_busy_s": target_s, "drafter_busy_s": assist_s, "round_s": gen_s, "drafter_calls": assist_calls,
-        })
+        return RunResult(
+            records,
+            wall,
+            {
+                "verify_batches": target_calls,
+                "accepted_tokens": accepted,
+                "tokens_committed": committed,
+                "verifier_busy_s": target_s,
+                "drafter_busy_s": assist_s,
+                "round_s": gen_s,
+                "drafter_calls": assist_calls,
+            },
+        )
 
 
 # ---- the catalogue -------------------------------------------------------------------------------

@@ -68,8 +68,10 @@ def _subtitle(report: Mapping[str, Any]) -> str:
     sc = report["scenario"]
     m = report["machine"]
     zoo = sc.get("zoo", {})
-    return (f"zoo {zoo.get('profile', '?')}, target {zoo.get('target_params', 0) / 1e6:.1f}M params, "
-            f"{sc.get('max_new_tokens')} new tokens/request, {m.get('cores')} cores, threads {m.get('torch_threads')}")
+    return (
+        f"zoo {zoo.get('profile', '?')}, target {zoo.get('target_params', 0) / 1e6:.1f}M params, "
+        f"{sc.get('max_new_tokens')} new tokens/request, {m.get('cores')} cores, threads {m.get('torch_threads')}"
+    )
 
 
 def _throughput(report: Mapping[str, Any], path: Path) -> Path:
@@ -77,7 +79,10 @@ def _throughput(report: Mapping[str, Any], path: Path) -> Path:
 
     systems = report["systems"]
     wl = _workloads(report)
-    closed = sorted((w for w, s in wl.items() if s["kind"] == "closed" and not s.get("temperature")), key=lambda w: wl[w]["concurrency"])
+    closed = sorted(
+        (w for w, s in wl.items() if s["kind"] == "closed" and not s.get("temperature")),
+        key=lambda w: wl[w]["concurrency"],
+    )
     opened = [w for w, s in wl.items() if s["kind"] == "open" and not s.get("temperature")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
     for name, per in systems.items():
@@ -94,7 +99,15 @@ def _throughput(report: Mapping[str, Any], path: Path) -> Path:
                 pts.append((m["offered_rps"] * per_req, m["tokens_per_s"], w))
         pts.sort()
         if pts:
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, linestyle=ls, label=name, markersize=8)
+            ax2.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color=color,
+                marker=marker,
+                linestyle=ls,
+                label=name,
+                markersize=8,
+            )
     ax1.set_xscale("log", base=2)
     ax1.set_xticks([wl[w]["concurrency"] for w in closed], [str(wl[w]["concurrency"]) for w in closed])
     ax1.set_xlabel("closed-loop concurrency (clients)")
@@ -112,7 +125,15 @@ def _throughput(report: Mapping[str, Any], path: Path) -> Path:
             m = per.get(w)
             if m and m.get("offered_rps"):
                 x = m["offered_rps"] * m["output_tokens"] / max(1, m["requests"] - m["failed"])
-                ax2.annotate(w.replace("open_", ""), (x, 0), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8, color="#666666")
+                ax2.annotate(
+                    w.replace("open_", ""),
+                    (x, 0),
+                    textcoords="offset points",
+                    xytext=(0, 4),
+                    ha="center",
+                    fontsize=8,
+                    color="#666666",
+                )
                 break
     ax2.set_xlabel("offered load (output tokens/s; Poisson arrivals)")
     ax2.set_ylabel("achieved output tokens/s")
@@ -144,7 +165,15 @@ def _latency_cdf(report: Mapping[str, Any], path: Path) -> Path:
             color, _, ls = _style(name)
             ys = [(i + 1) / len(lat) for i in range(len(lat))]
             mean = sum(lat) / len(lat)
-            ax.step(lat, ys, where="post", color=color, linestyle=ls, label=f"{name} (mean {mean:.2f}s)", linewidth=2 if name == "cosine" else 1.3)
+            ax.step(
+                lat,
+                ys,
+                where="post",
+                color=color,
+                linestyle=ls,
+                label=f"{name} (mean {mean:.2f}s)",
+                linewidth=2 if name == "cosine" else 1.3,
+            )
         ax.set_xscale("log")
         ax.set_xlabel("end-to-end latency (s, log scale)")
         ax.set_ylabel("fraction of requests")
@@ -201,8 +230,9 @@ def _acceptance(report: Mapping[str, Any], path: Path) -> Path:
     n = max(1, len(panels))
     cols = min(3, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 4.4 * rows), squeeze=False,
-                             gridspec_kw={"hspace": 0.45, "wspace": 0.35})
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.8 * cols, 4.4 * rows), squeeze=False, gridspec_kw={"hspace": 0.45, "wspace": 0.35}
+    )
     vmax = max([v for _, mat in panels for row in mat.values() for v in row.values()] + [1.0])
     im = None
     for i, (title, mat) in enumerate(panels):
@@ -218,8 +248,15 @@ def _acceptance(report: Mapping[str, Any], path: Path) -> Path:
         for r in range(len(drafters)):
             for c in range(len(domains)):
                 v = grid[r, c]
-                ax.text(c, r, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8,
-                        color="#888888" if np.isnan(v) else ("white" if v < vmax * 0.6 else "black"))
+                ax.text(
+                    c,
+                    r,
+                    "-" if np.isnan(v) else f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="#888888" if np.isnan(v) else ("white" if v < vmax * 0.6 else "black"),
+                )
         ax.set_xticks(range(len(domains)), domains, rotation=30, fontsize=8)
         ax.set_yticks(range(len(drafters)), drafters, fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -227,8 +264,11 @@ def _acceptance(report: Mapping[str, Any], path: Path) -> Path:
         axes[j // cols][j % cols].axis("off")
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accepted draft tokens per round")
-    fig.suptitle("Acceptance: draft tokens credited per round, drafter x domain\n(measured over the greedy workloads; "
-                 "'-' = the drafter never served that domain; agreeing drafters share the credit)", fontsize=10)
+    fig.suptitle(
+        "Acceptance: draft tokens credited per round, drafter x domain\n(measured over the greedy workloads; "
+        "'-' = the drafter never served that domain; agreeing drafters share the credit)",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -241,8 +281,11 @@ def _time_split(report: Mapping[str, Any], path: Path) -> Path:
     w = roles.get("high") or next(iter(_workloads(report)))
     names = [n for n, per in report["systems"].items() if w in per]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.55 * len(names) + 2.4))
-    parts = (("draft_frac", "drafter model", "#1f77b4"), ("verify_frac", "verifier model", "#d62728"),
-             ("other_frac", "network + orchestration", "#bbbbbb"))
+    parts = (
+        ("draft_frac", "drafter model", "#1f77b4"),
+        ("verify_frac", "verifier model", "#d62728"),
+        ("other_frac", "network + orchestration", "#bbbbbb"),
+    )
     ys = list(range(len(names)))[::-1]
     for y, name in zip(ys, names):
         split = report["systems"][name][w]["time_split"]
@@ -261,9 +304,16 @@ def _time_split(report: Mapping[str, Any], path: Path) -> Path:
     for y, name in zip(ys, names):
         m = report["systems"][name][w]
         tps, bound = m.get("tokens_per_s") or 0.0, m.get("bound_tokens_per_s") or 0.0
-        ax2.barh(y + 0.18, bound, height=0.34, color="#f2b8b8", label="bound: verifier never idle" if y == ys[0] else None)
-        ax2.barh(y - 0.18, tps, height=0.34, color="#d62728" if name == "cosine" else "#555555",
-                 label="measured" if y == ys[0] else None)
+        ax2.barh(
+            y + 0.18, bound, height=0.34, color="#f2b8b8", label="bound: verifier never idle" if y == ys[0] else None
+        )
+        ax2.barh(
+            y - 0.18,
+            tps,
+            height=0.34,
+            color="#d62728" if name == "cosine" else "#555555",
+            label="measured" if y == ys[0] else None,
+        )
         if bound:
             ax2.text(tps, y - 0.18, f" {tps:.0f} ({tps / bound:.0%})", va="center", fontsize=8)
     ax2.set_yticks(ys, names)

@@ -116,7 +116,9 @@ def metrics(result: RunResult, workload: Workload, one_at_a_time: bool = False) 
     wall = result.wall_s
     lat = [r.latency_s for r in ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    tpot = [(r.latency_s - r.ttft_s) / (len(r.token_ids) - 1) for r in ok if r.ttft_s is not None and len(r.token_ids) > 1]
+    tpot = [
+        (r.latency_s - r.ttft_s) / (len(r.token_ids) - 1) for r in ok if r.ttft_s is not None and len(r.token_ids) > 1
+    ]
     c = result.counters
     batches = c.get("verify_batches", 0.0)
     req_rounds = sum(r.rounds for r in ok)  # (request, verify pass) pairs
@@ -129,8 +131,12 @@ def metrics(result: RunResult, workload: Workload, one_at_a_time: bool = False) 
     other_s = max(0.0, round_s - draft_s - busy)
     total = draft_s + busy + other_s
     split = {
-        "draft_s": draft_s, "verify_s": busy, "other_s": other_s,
-        "draft_frac": _div(draft_s, total), "verify_frac": _div(busy, total), "other_frac": _div(other_s, total),
+        "draft_s": draft_s,
+        "verify_s": busy,
+        "other_s": other_s,
+        "draft_frac": _div(draft_s, total),
+        "verify_frac": _div(busy, total),
+        "other_frac": _div(other_s, total),
     }
     # acceptance per drafter and (true) domain: draft tokens credited to the drafter per round of
     # the requests it served
@@ -150,11 +156,20 @@ def metrics(result: RunResult, workload: Workload, one_at_a_time: bool = False) 
     bound = committed / busy if busy > 0 else None
     sustained = sustained_tokens_per_s(ok, workload) if not one_at_a_time else None
     return {
-        "requests": len(recs), "failed": len(recs) - len(ok), "output_tokens": tokens, "wall_s": wall,
-        "tokens_per_s": tps, "sustained_tokens_per_s": sustained, "requests_per_s": len(ok) / wall if wall > 0 else None,
+        "requests": len(recs),
+        "failed": len(recs) - len(ok),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tps,
+        "sustained_tokens_per_s": sustained,
+        "requests_per_s": len(ok) / wall if wall > 0 else None,
         "offered_rps": workload.offered_rps or None,
-        "latency_mean_s": _mean(lat), "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
-        "ttft_mean_s": _mean(ttft), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "latency_mean_s": _mean(lat),
+        "latency_p50_s": percentile(lat, 50),
+        "latency_p99_s": percentile(lat, 99),
+        "ttft_mean_s": _mean(ttft),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
         "tpot_mean_s": _mean(tpot),
         "mean_accepted_len": _div(sum(r.accepted_tokens for r in ok), req_rounds),
         "tokens_per_round": _div(tokens, req_rounds),
@@ -164,9 +179,12 @@ def metrics(result: RunResult, workload: Workload, one_at_a_time: bool = False) 
         "time_split": split,
         "bound_tokens_per_s": bound,
         "frac_of_bound": _div(tps, bound),
-        "acceptance": acceptance, "usage": usage,
+        "acceptance": acceptance,
+        "usage": usage,
         "latencies_s": sorted(lat),
-        "effective_concurrency": 1 if one_at_a_time else (workload.spec.concurrency if workload.spec.kind == "closed" else None),
+        "effective_concurrency": 1
+        if one_at_a_time
+        else (workload.spec.concurrency if workload.spec.kind == "closed" else None),
         "counters": dict(c),
         "errors": sorted({r.error for r in recs if r.error})[:5],
     }
@@ -249,9 +267,15 @@ def machine_info(threads: int) -> dict[str, Any]:
     except (ValueError, OSError, AttributeError):
         pass
     return {
-        "platform": f"{platform.system()} {platform.machine()}", "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem,
-        "torch_threads": threads, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "platform": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem,
+        "torch_threads": threads,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
@@ -265,8 +289,19 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         problems.append(f"schema is {report.get('schema')!r}, expected {SCHEMA!r}")
     for system, per in (report.get("systems") or {}).items():
         for workload, m in per.items():
-            for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "mean_accepted_len", "verifier_busy_frac",
-                        "ttft_mean_s", "tpot_mean_s", "time_split", "bound_tokens_per_s", "frac_of_bound", "acceptance"):
+            for key in (
+                "tokens_per_s",
+                "latency_mean_s",
+                "latency_p99_s",
+                "mean_accepted_len",
+                "verifier_busy_frac",
+                "ttft_mean_s",
+                "tpot_mean_s",
+                "time_split",
+                "bound_tokens_per_s",
+                "frac_of_bound",
+                "acceptance",
+            ):
                 if key not in m:
                     problems.append(f"systems.{system}.{workload}: missing {key!r}")
     ratios = report.get("ratios") or {}

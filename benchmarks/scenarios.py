@@ -17,10 +17,10 @@ from typing import Any
 
 from benchmarks.workloads import WorkloadSpec
 
-
 ONE_AT_A_TIME_WHY = "serves one request at a time: under load its throughput is its one-client figure and its latency the queue in front of it"
-ABLATION_WHY = "an ablation of cosine: run where its headline ratios against cosine are read (name workloads to run it on them)"
-
+ABLATION_WHY = (
+    "an ablation of cosine: run where its headline ratios against cosine are read (name workloads to run it on them)"
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,12 @@ def _default() -> Scenario:
         WorkloadSpec("closed_c16", "closed", 64, concurrency=16, label="closed loop, 16 clients"),
         WorkloadSpec("open_low", "open", 12, load=0.15, label="Poisson, 0.15x vanilla_sd capacity"),
         WorkloadSpec("open_high", "open", 48, load=2.0, label="Poisson, 2x vanilla_sd capacity"),
-        WorkloadSpec("open_fluct", "open", 16, phases=(0.15, 1.5), label="Poisson, alternating 0.15x / 1.5x vanilla_sd capacity"),
-        WorkloadSpec("closed_c4_sampling", "closed", 16, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
+        WorkloadSpec(
+            "open_fluct", "open", 16, phases=(0.15, 1.5), label="Poisson, alternating 0.15x / 1.5x vanilla_sd capacity"
+        ),
+        WorkloadSpec(
+            "closed_c4_sampling", "closed", 16, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"
+        ),
     )
     return Scenario("default", 40, w, {"high": "open_high", "low": "open_low", "c1": "closed_c1", "c16": "closed_c16"})
 
@@ -58,7 +62,9 @@ def _quick() -> Scenario:
         WorkloadSpec("closed_c4", "closed", 4, concurrency=4, label="closed loop, 4 clients"),
         WorkloadSpec("open_low", "open", 3, load=0.3, label="Poisson, 0.3x reference capacity"),
         WorkloadSpec("open_high", "open", 4, load=2.0, label="Poisson, 2x reference capacity"),
-        WorkloadSpec("closed_c4_sampling", "closed", 4, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"),
+        WorkloadSpec(
+            "closed_c4_sampling", "closed", 4, concurrency=4, temperature=0.8, label="closed loop, 4 clients, T=0.8"
+        ),
     )
     return Scenario("quick", 8, w, {"high": "open_high", "low": "open_low", "c1": "closed_c1"})
 
@@ -73,8 +79,9 @@ def loaded(spec: WorkloadSpec, roles: dict[str, str]) -> bool:
     return spec.name != roles.get("low")
 
 
-def skipped_workloads(systems: Sequence[Any], specs: Sequence[WorkloadSpec], roles: dict[str, str],
-                      capacity_wl: str) -> dict[str, dict[str, Any]]:
+def skipped_workloads(
+    systems: Sequence[Any], specs: Sequence[WorkloadSpec], roles: dict[str, str], capacity_wl: str
+) -> dict[str, dict[str, Any]]:
     """system -> {"workloads": those it does not run, "why"} (the report's ``scenario.skipped``), for a
     run whose workloads were not named (see the module docstring). The first system always runs the
     workload that measures the capacity the open-loop rates are set from."""

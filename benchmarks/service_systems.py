@@ -28,23 +28,41 @@ class ServicePlane:
     whole run (what it learns online stays with it), and going from one system to the next
     restarts nothing, so the benchmark can run every system on one workload before the next."""
 
-    def __init__(self, target: str, drafters: Mapping[str, str], domains: Mapping[str, Sequence[str]],
-                 acceptance: Mapping[str, Mapping[str, float]], cores: int, log_dir: str, prior_weight: float = 20.0,
-                 lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
-                 corpus: Mapping[str, Sequence[Sequence[int]]] | None = None, verifier_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        target: str,
+        drafters: Mapping[str, str],
+        domains: Mapping[str, Sequence[str]],
+        acceptance: Mapping[str, Mapping[str, float]],
+        cores: int,
+        log_dir: str,
+        prior_weight: float = 20.0,
+        lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
+        corpus: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        verifier_args: Sequence[str] = (),
+    ):
         from cosine_cli.cluster import ClusterSpec, LocalCluster
 
         self.acceptance = acceptance
         self.lexicon = lexicon or {}
         self.corpus = corpus or {}
         self.prior_weight = prior_weight
-        self.cluster = LocalCluster(ClusterSpec(
-            target=target, drafters=dict(drafters), drafter_domains={k: list(v) for k, v in domains.items()},
-            cores=cores, log_dir=log_dir, prefix="bench", verifier_args=tuple(verifier_args),
-        ))
+        self.cluster = LocalCluster(
+            ClusterSpec(
+                target=target,
+                drafters=dict(drafters),
+                drafter_domains={k: list(v) for k, v in domains.items()},
+                cores=cores,
+                log_dir=log_dir,
+                prefix="bench",
+                verifier_args=tuple(verifier_args),
+            )
+        )
         self.started = False
         self.planes: dict[tuple[str, ...], Any] = {}  # router flags -> ControlPlane
-        self.plane_procs: dict[tuple[str, ...], tuple[str, str]] = {}  # router flags -> its router's and gateway's process names
+        self.plane_procs: dict[
+            tuple[str, ...], tuple[str, str]
+        ] = {}  # router flags -> its router's and gateway's process names
 
     def ensure_started(self) -> None:
         if not self.started:
@@ -53,7 +71,8 @@ class ServicePlane:
             from cosine_cli.cluster import ControlPlane
 
             self.planes[tuple(self.cluster.spec.router_args)] = ControlPlane(
-                self.cluster.router_address, self.cluster.gateway_address, self.cluster.http_url)
+                self.cluster.router_address, self.cluster.gateway_address, self.cluster.http_url
+            )
             self.plane_procs[tuple(self.cluster.spec.router_args)] = ("router", "gateway")
 
     def use(self, router_args: Sequence[str], drafters: int | None, tag: str) -> Any:
@@ -77,19 +96,33 @@ class ServicePlane:
         def pids(match: Callable[[str], bool]) -> list[int]:
             return [p.popen.pid for p in procs if match(p.name)]
 
-        return CpuMeter({
-            "verifier": pids(lambda n: n == "verifier"), "drafters": pids(lambda n: n.startswith("drafter-")),
-            "router": pids(lambda n: n == router), "gateway": pids(lambda n: n == gateway),
-            "clients": [os.getpid()], "redis": pids(lambda n: n == "redis"),
-        })
+        return CpuMeter(
+            {
+                "verifier": pids(lambda n: n == "verifier"),
+                "drafters": pids(lambda n: n.startswith("drafter-")),
+                "router": pids(lambda n: n == router),
+                "gateway": pids(lambda n: n == gateway),
+                "clients": [os.getpid()],
+                "redis": pids(lambda n: n == "redis"),
+            }
+        )
 
     def reseed(self) -> None:
         """Profiles and domain lexicon back to the zoo's (online statistics and what routers learned
         dropped); the lookup corpus is rewritten only when it changed, so no router reloads it."""
         from cosine_cli.profiles import seed_profiles
 
-        asyncio.run(seed_profiles(self.cluster.redis_url, self.cluster.spec.prefix, dict(self.acceptance), self.prior_weight, reset=True,
-                                  lexicon=self.lexicon, corpus=self.corpus))
+        asyncio.run(
+            seed_profiles(
+                self.cluster.redis_url,
+                self.cluster.spec.prefix,
+                dict(self.acceptance),
+                self.prior_weight,
+                reset=True,
+                lexicon=self.lexicon,
+                corpus=self.corpus,
+            )
+        )
 
     def stop(self) -> None:
         if self.started:
@@ -104,8 +137,14 @@ class ServiceSystem:
 
     one_at_a_time = False
 
-    def __init__(self, name: str, plane: ServicePlane, router_args: Sequence[str], description: str,
-                 use_drafters: Sequence[str] = ()):
+    def __init__(
+        self,
+        name: str,
+        plane: ServicePlane,
+        router_args: Sequence[str],
+        description: str,
+        use_drafters: Sequence[str] = (),
+    ):
         self.name = name
         self.plane = plane
         self.use_drafters = tuple(use_drafters)
@@ -115,8 +154,12 @@ class ServiceSystem:
         self.router_address = ""
 
     def describe(self) -> dict[str, Any]:
-        return {"description": self.description, "kind": "services", "router_args": list(self.router_args),
-                "drafters": list(self.use_drafters) or sorted(self.plane.cluster.spec.drafters)}
+        return {
+            "description": self.description,
+            "kind": "services",
+            "router_args": list(self.router_args),
+            "drafters": list(self.use_drafters) or sorted(self.plane.cluster.spec.drafters),
+        }
 
     def start(self) -> None:
         control = self.plane.use(self.router_args, len(self.use_drafters) or None, self.name)
@@ -148,20 +191,26 @@ class ServiceSystem:
         before, d_before = await self._status()
         cpu_before = meter.read()
         async with AsyncClient(self.address, timeout=600, **self.plane.cluster.client_tls()) as client:
+
             async def serve(r: BenchRequest, rec: RequestRecord, t0: float) -> None:
                 kw: dict[str, Any] = {}
                 if r.temperature > 0:
                     kw.update(temperature=r.temperature, seed=r.seed)
                 toks: list[int] = []
                 try:
-                    async for chunk in client.stream(prompt_ids=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, **kw):
+                    async for chunk in client.stream(
+                        prompt_ids=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, **kw
+                    ):
                         if chunk.token_ids and rec.first_token_s is None:
                             rec.first_token_s = time.perf_counter() - t0
                         toks.extend(chunk.token_ids)
                         if chunk.finished and chunk.stats is not None:
                             s = chunk.stats
                             rec.rounds, rec.accepted_tokens = s.rounds, s.accepted_tokens
-                            rec.accepted_by_drafter, rec.drafters_used = dict(s.accepted_by_drafter), tuple(s.drafters_used)
+                            rec.accepted_by_drafter, rec.drafters_used = (
+                                dict(s.accepted_by_drafter),
+                                tuple(s.drafters_used),
+                            )
                 except Exception as exc:
                     rec.error = f"{type(exc).__name__}: {exc}"
                 rec.token_ids = tuple(toks)
@@ -173,19 +222,30 @@ class ServiceSystem:
         diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         wall = max(r.finished_s for r in records) - min(r.issued_s for r in records) if records else 0.0
         counters = {
-            "verify_batches": diff.get("verify_passes", 0.0), "accepted_tokens": diff.get("accepted_tokens", 0.0),
-            "tokens_committed": diff.get("tokens_committed", 0.0), "verifier_busy_s": diff.get("verifier_busy_s", 0.0),
-            "drafter_busy_s": diff.get("drafter_busy_s", 0.0), "drafter_calls": diff.get("drafter_calls", 0.0),
+            "verify_batches": diff.get("verify_passes", 0.0),
+            "accepted_tokens": diff.get("accepted_tokens", 0.0),
+            "tokens_committed": diff.get("tokens_committed", 0.0),
+            "verifier_busy_s": diff.get("verifier_busy_s", 0.0),
+            "drafter_busy_s": diff.get("drafter_busy_s", 0.0),
+            "drafter_calls": diff.get("drafter_calls", 0.0),
             "drafter_fused_rounds": diff.get("drafter_fused_rounds", 0.0),
             "round_s": diff.get("draft_s", 0.0) + diff.get("verify_s", 0.0) + diff.get("apply_s", 0.0),
-            "draft_phase_s": diff.get("draft_s", 0.0), "verify_phase_s": diff.get("verify_s", 0.0), "apply_s": diff.get("apply_s", 0.0),
-            "draft_tokens": diff.get("draft_tokens", 0.0), "rounds_drafted_ahead": diff.get("rounds_drafted_ahead", 0.0),
-            "draft_ahead_s": diff.get("draft_ahead_s", 0.0), "routed_ahead": diff.get("routed_ahead", 0.0),
-            "lookup_tokens": diff.get("lookup_tokens", 0.0), "lookup_accepted": diff.get("lookup_accepted", 0.0),
-            "corpus_tokens": diff.get("corpus_tokens", 0.0), "corpus_accepted": diff.get("corpus_accepted", 0.0),
-            "domains_by_lexicon": diff.get("domains_by_lexicon", 0.0), "domains_by_drafters": diff.get("domains_by_drafters", 0.0),
+            "draft_phase_s": diff.get("draft_s", 0.0),
+            "verify_phase_s": diff.get("verify_s", 0.0),
+            "apply_s": diff.get("apply_s", 0.0),
+            "draft_tokens": diff.get("draft_tokens", 0.0),
+            "rounds_drafted_ahead": diff.get("rounds_drafted_ahead", 0.0),
+            "draft_ahead_s": diff.get("draft_ahead_s", 0.0),
+            "routed_ahead": diff.get("routed_ahead", 0.0),
+            "lookup_tokens": diff.get("lookup_tokens", 0.0),
+            "lookup_accepted": diff.get("lookup_accepted", 0.0),
+            "corpus_tokens": diff.get("corpus_tokens", 0.0),
+            "corpus_accepted": diff.get("corpus_accepted", 0.0),
+            "domains_by_lexicon": diff.get("domains_by_lexicon", 0.0),
+            "domains_by_drafters": diff.get("domains_by_drafters", 0.0),
             "plain_step_passes": diff.get("plain_step_passes", 0.0),
-            "step_lookup_tokens": diff.get("step_lookup_tokens", 0.0), "step_lookup_accepted": diff.get("step_lookup_accepted", 0.0),
+            "step_lookup_tokens": diff.get("step_lookup_tokens", 0.0),
+            "step_lookup_accepted": diff.get("step_lookup_accepted", 0.0),
             **cpu_counters(cpu_before, cpu_after),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
@@ -227,35 +287,84 @@ async def drive(workload: Workload, serve: Callable[[BenchRequest, RequestRecord
 FIXED_K = ("--no-adaptive-k", "--no-cost-control", "--initial-k", "4", "--no-lookup-drafts")
 SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     # name: (router flags, drafters used (empty: all), description)
-    "vanilla_sd": (("--no-routing", "--fusion", "chunk", "--drafters-per-request", "1", "--rounds-in-flight", "1", *FIXED_K),
-                   ("generalist",), "one generalist drafter, fixed k=4, no routing, no fusion, no pipelining (the paper's baseline)"),
-    "specinfer_tree": (("--all-drafters", "--no-routing", "--fusion", "chunk", "--rounds-in-flight", "1", *FIXED_K), (),
-                       "every drafter drafts every request; chains merged into one token tree; no routing, no fusion, no pipelining"),
-    "cosine": ((), (), "everything on: routing by expertise, chunk fusion into a token tree, lookup drafting, pipelining while it pays, adaptive k, "
-                       "cost-aware control"),
+    "vanilla_sd": (
+        ("--no-routing", "--fusion", "chunk", "--drafters-per-request", "1", "--rounds-in-flight", "1", *FIXED_K),
+        ("generalist",),
+        "one generalist drafter, fixed k=4, no routing, no fusion, no pipelining (the paper's baseline)",
+    ),
+    "specinfer_tree": (
+        ("--all-drafters", "--no-routing", "--fusion", "chunk", "--rounds-in-flight", "1", *FIXED_K),
+        (),
+        "every drafter drafts every request; chains merged into one token tree; no routing, no fusion, no pipelining",
+    ),
+    "cosine": (
+        (),
+        (),
+        "everything on: routing by expertise, chunk fusion into a token tree, lookup drafting, pipelining while it pays, adaptive k, "
+        "cost-aware control",
+    ),
     "cosine_no_routing": (("--no-routing",), (), "cosine with routing off (fixed first drafters)"),
-    "cosine_token_fusion": (("--fusion", "token"), (), "cosine with per-token fusion (fused at every draft step) instead of chunk fusion"),
-    "cosine_step_fusion": (("--fusion", "token", "--no-local-fusion"), (),
-                           "cosine with token fusion driven by the router, one message per draft step (not one per round)"),
+    "cosine_token_fusion": (
+        ("--fusion", "token"),
+        (),
+        "cosine with per-token fusion (fused at every draft step) instead of chunk fusion",
+    ),
+    "cosine_step_fusion": (
+        ("--fusion", "token", "--no-local-fusion"),
+        (),
+        "cosine with token fusion driven by the router, one message per draft step (not one per round)",
+    ),
     "cosine_no_pipeline": (("--rounds-in-flight", "1"), (), "cosine with one round in flight (no pipelining)"),
-    "cosine_no_control": (("--no-cost-control",), (), "cosine with cost-aware control off (every drafted node verified)"),
-    "cosine_drafter_domains": (("--domain-detection", "drafters"), (),
-                               "cosine with every live drafter scoring each new prompt for its domain (no lexicon)"),
-    "cosine_fixed_pipeline": (("--no-pipeline-control",), (),
-                              "cosine keeping --rounds-in-flight rounds in flight whatever drafting and verifying cost"),
-    "cosine_unshared_lexicon": (("--no-shared-lexicon",), (),
-                                "cosine whose router learns its domain lexicon from nothing (no zoo seed, nothing shared through Redis)"),
-    "cosine_global_gate": (("--no-domain-gate",), (),
-                           "cosine whose draft gate keeps one record of whether drafting pays for every request, whatever its domain"),
-    "cosine_unpriced_drafting": (("--no-draft-pricing",), (),
-                                 "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)"),
-    "cosine_no_lookup": (("--no-lookup-drafts",), (), "cosine without the lookup drafter (only the drafter models propose)"),
+    "cosine_no_control": (
+        ("--no-cost-control",),
+        (),
+        "cosine with cost-aware control off (every drafted node verified)",
+    ),
+    "cosine_drafter_domains": (
+        ("--domain-detection", "drafters"),
+        (),
+        "cosine with every live drafter scoring each new prompt for its domain (no lexicon)",
+    ),
+    "cosine_fixed_pipeline": (
+        ("--no-pipeline-control",),
+        (),
+        "cosine keeping --rounds-in-flight rounds in flight whatever drafting and verifying cost",
+    ),
+    "cosine_unshared_lexicon": (
+        ("--no-shared-lexicon",),
+        (),
+        "cosine whose router learns its domain lexicon from nothing (no zoo seed, nothing shared through Redis)",
+    ),
+    "cosine_global_gate": (
+        ("--no-domain-gate",),
+        (),
+        "cosine whose draft gate keeps one record of whether drafting pays for every request, whatever its domain",
+    ),
+    "cosine_unpriced_drafting": (
+        ("--no-draft-pricing",),
+        (),
+        "cosine pricing only verify rows when deciding whether a request drafts (the drafters' time unpriced)",
+    ),
+    "cosine_no_lookup": (
+        ("--no-lookup-drafts",),
+        (),
+        "cosine without the lookup drafter (only the drafter models propose)",
+    ),
     "cosine_one_drafter": (("--drafters-per-request", "1"), (), "cosine with one drafter per request"),
-    "services_plain": (("--no-speculate",), (),
-                       "the target alone through the same services (gateway, router, verifier), drafting off: what the "
-                       "serving path costs without speculation"),
-    "cosine_no_corpus": (("--no-lookup-corpus",), (),
-                         "cosine whose lookup drafter proposes from each request's own text only (no lookup corpus)"),
-    "cosine_no_draft_ahead": (("--no-draft-ahead",), (),
-                              "cosine whose rounds wait for their drafting requests (none drafts while the others are verified)"),
+    "services_plain": (
+        ("--no-speculate",),
+        (),
+        "the target alone through the same services (gateway, router, verifier), drafting off: what the "
+        "serving path costs without speculation",
+    ),
+    "cosine_no_corpus": (
+        ("--no-lookup-corpus",),
+        (),
+        "cosine whose lookup drafter proposes from each request's own text only (no lookup corpus)",
+    ),
+    "cosine_no_draft_ahead": (
+        ("--no-draft-ahead",),
+        (),
+        "cosine whose rounds wait for their drafting requests (none drafts while the others are verified)",
+    ),
 }

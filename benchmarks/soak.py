@@ -53,11 +53,17 @@ def summarize(outcomes: Sequence[StreamOutcome], wall_s: float) -> dict[str, Any
     ttft = [o.ttft_s for o in done if o.ttft_s is not None]
     tokens = sum(o.tokens for o in done)
     return {
-        "streams": len(outcomes), "completed": len(done), "lost": len(outcomes) - len(done),
+        "streams": len(outcomes),
+        "completed": len(done),
+        "lost": len(outcomes) - len(done),
         "lost_by_reason": dict(sorted(Counter(o.error or "ended" for o in outcomes if not o.finished).items())),
-        "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-        "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "latency_p50_s": percentile(lat, 50),
+        "latency_p99_s": percentile(lat, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
     }
 
 
@@ -80,8 +86,9 @@ async def one_stream(client: Any, prompt: str, max_new_tokens: int, timeout_s: f
     return out
 
 
-async def run_streams(address: str, prompts: Sequence[str], streams: int, max_new_tokens: int, timeout_s: float,
-                      progress: bool = False) -> tuple[list[StreamOutcome], float]:
+async def run_streams(
+    address: str, prompts: Sequence[str], streams: int, max_new_tokens: int, timeout_s: float, progress: bool = False
+) -> tuple[list[StreamOutcome], float]:
     """Open ``streams`` streams at once (prompts round-robin) and wait for all; outcomes and wall time."""
     from cosine_client import AsyncClient
 
@@ -91,6 +98,7 @@ async def run_streams(address: str, prompts: Sequence[str], streams: int, max_ne
 
         bar = tqdm(total=streams, desc="soak streams", unit="stream", dynamic_ncols=True, file=sys.stderr)
     async with AsyncClient(address) as client:
+
         async def tracked(i: int) -> StreamOutcome:
             out = await one_stream(client, prompts[i % len(prompts)], max_new_tokens, timeout_s)
             if bar is not None:
@@ -121,21 +129,28 @@ def print_summary(s: dict[str, Any]) -> None:
     def sec(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f} s"
 
-    print(f"streams         {s['streams']} opened at once: {s['completed']} completed, {s['lost']} lost"
-          + (f" ({', '.join(f'{k} {v}' for k, v in s['lost_by_reason'].items())})" if s["lost"] else ""))
+    print(
+        f"streams         {s['streams']} opened at once: {s['completed']} completed, {s['lost']} lost"
+        + (f" ({', '.join(f'{k} {v}' for k, v in s['lost_by_reason'].items())})" if s["lost"] else "")
+    )
     print(f"latency         p50 {sec(s['latency_p50_s'])}, p99 {sec(s['latency_p99_s'])}")
     print(f"first token     p50 {sec(s['ttft_p50_s'])}, p99 {sec(s['ttft_p99_s'])}")
     print(f"throughput      {s['tokens_per_s']:.1f} tokens/s ({s['tokens']} tokens in {s['wall_s']:.1f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0],
-                                 epilog="Counts: completed = final chunk received; lost = anything else.")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak",
+        description=__doc__.split("\n\n")[0],
+        epilog="Counts: completed = final chunk received; lost = anything else.",
+    )
     ap.add_argument("--streams", type=int, default=1000, help="concurrent streams, all opened at once (default: 1000)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="tokens per stream (default: 16)")
     ap.add_argument("--timeout", type=float, default=900.0, metavar="S", help="deadline of each stream (default: 900)")
     ap.add_argument("--zoo", default=DEFAULT_ZOO, help=f"model zoo of the local cluster (default: {DEFAULT_ZOO})")
-    ap.add_argument("--tiny-zoo", action="store_true", help=f"use the tiny test zoo instead ({TINY_ZOO}, built if absent)")
+    ap.add_argument(
+        "--tiny-zoo", action="store_true", help=f"use the tiny test zoo instead ({TINY_ZOO}, built if absent)"
+    )
     ap.add_argument("--address", help="gateway host:port of a running cluster (no local cluster is started)")
     ap.add_argument("--log-dir", default=".cosine/soak-logs", help="service logs of the local cluster")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -156,15 +171,26 @@ def main(argv: list[str] | None = None) -> int:
         if not address:
             from cosine_cli.cluster import ClusterSpec, LocalCluster
 
-            cluster = LocalCluster(ClusterSpec(target=str(zoo.target.path), drafters={n: str(d.path) for n, d in zoo.drafters.items()},
-                                               gateway_port=0, log_dir=args.log_dir,
-                                               router_args=("--max-queue", str(max(1024, args.streams))),
-                                               gateway_args=("--request-timeout-s", str(args.timeout))))
+            cluster = LocalCluster(
+                ClusterSpec(
+                    target=str(zoo.target.path),
+                    drafters={n: str(d.path) for n, d in zoo.drafters.items()},
+                    gateway_port=0,
+                    log_dir=args.log_dir,
+                    router_args=("--max-queue", str(max(1024, args.streams))),
+                    gateway_args=("--request-timeout-s", str(args.timeout)),
+                )
+            )
             address = cluster.start()
             asyncio.run(seed_zoo(cluster.redis_url, cluster.spec.prefix, zoo))
-        print(f"soak       {args.streams} streams x {args.max_new_tokens} tokens through {address} ({zoo_dir})",
-              file=sys.stderr, flush=True)
-        outcomes, wall = asyncio.run(run_streams(address, prompts, args.streams, args.max_new_tokens, args.timeout, progress=True))
+        print(
+            f"soak       {args.streams} streams x {args.max_new_tokens} tokens through {address} ({zoo_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
+        outcomes, wall = asyncio.run(
+            run_streams(address, prompts, args.streams, args.max_new_tokens, args.timeout, progress=True)
+        )
     finally:
         if cluster is not None:
             cluster.stop()

@@ -28,16 +28,32 @@ GOALS = (
     ("cosine_vs_hf_assisted_throughput_c1", "cosine / hf_assisted, tokens/s, 1 client", ">= 1.5"),
     ("cosine_vs_cosine_no_control_throughput", "cosine / cosine without cost control, tokens/s, high load", ""),
     ("cosine_vs_cosine_token_fusion_throughput", "cosine / cosine with token fusion, tokens/s, high load", ""),
-    ("cosine_vs_cosine_step_fusion_throughput_c1", "cosine / cosine fusing tokens step by step from the router, tokens/s, 1 client", ""),
-    ("cosine_vs_cosine_step_fusion_throughput", "cosine / cosine fusing tokens step by step from the router, tokens/s, high load", ""),
-    ("cosine_vs_cosine_unpriced_drafting_throughput_c1", "cosine / cosine without draft pricing, tokens/s, 1 client", ""),
+    (
+        "cosine_vs_cosine_step_fusion_throughput_c1",
+        "cosine / cosine fusing tokens step by step from the router, tokens/s, 1 client",
+        "",
+    ),
+    (
+        "cosine_vs_cosine_step_fusion_throughput",
+        "cosine / cosine fusing tokens step by step from the router, tokens/s, high load",
+        "",
+    ),
+    (
+        "cosine_vs_cosine_unpriced_drafting_throughput_c1",
+        "cosine / cosine without draft pricing, tokens/s, 1 client",
+        "",
+    ),
     ("cosine_vs_cosine_unpriced_drafting_throughput", "cosine / cosine without draft pricing, tokens/s, high load", ""),
     ("cosine_vs_cosine_fixed_pipeline_throughput", "cosine / cosine with a fixed pipeline, tokens/s, high load", ""),
     ("cosine_vs_cosine_no_lookup_throughput_c1", "cosine / cosine without the lookup drafter, tokens/s, 1 client", ""),
     ("cosine_vs_cosine_no_lookup_throughput", "cosine / cosine without the lookup drafter, tokens/s, high load", ""),
     ("cosine_vs_cosine_no_corpus_throughput_c1", "cosine / cosine without the lookup corpus, tokens/s, 1 client", ""),
     ("cosine_vs_cosine_no_corpus_throughput", "cosine / cosine without the lookup corpus, tokens/s, high load", ""),
-    ("cosine_vs_cosine_no_draft_ahead_throughput_c16", "cosine / cosine waiting for its drafters, tokens/s, 16 clients", ""),
+    (
+        "cosine_vs_cosine_no_draft_ahead_throughput_c16",
+        "cosine / cosine waiting for its drafters, tokens/s, 16 clients",
+        "",
+    ),
     ("cosine_vs_cosine_no_draft_ahead_throughput", "cosine / cosine waiting for its drafters, tokens/s, high load", ""),
 )
 
@@ -53,10 +69,12 @@ def _pct(x: float | None) -> str:
 def systems_table(report: Mapping[str, Any]) -> str:
     roles = report["ratios"]["workloads"]
     hi, lo, c1 = roles.get("high", ""), roles.get("low", ""), roles.get("c1", "")
-    rows = ["| system | c=1 tok/s | c=4 tok/s | c=16 tok/s | low load: latency mean (s) | high load: tok/s | "
-            "high load: latency mean (s) | accepted/round (high) | verifier busy (high) | "
-            "split draft/verify/other (high) | bound tok/s (high) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| system | c=1 tok/s | c=4 tok/s | c=16 tok/s | low load: latency mean (s) | high load: tok/s | "
+        "high load: latency mean (s) | accepted/round (high) | verifier busy (high) | "
+        "split draft/verify/other (high) | bound tok/s (high) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in report["scenario"]["order"]:
         per = report["systems"].get(name, {})
 
@@ -66,21 +84,27 @@ def systems_table(report: Mapping[str, Any]) -> str:
         split = per.get(hi, {}).get("time_split") or {}
         parts = [split.get(k) for k in ("draft_frac", "verify_frac", "other_frac")]
         split_s = " / ".join(_f(p * 100 if p is not None else None) + "%" for p in parts) if split else "-"
-        rows.append(f"| {name} | {m(c1, 'tokens_per_s', '{:.1f}')} | {m('closed_c4', 'tokens_per_s', '{:.1f}')} | "
-                    f"{m('closed_c16', 'tokens_per_s', '{:.1f}')} | {m(lo, 'latency_mean_s', '{:.2f}')} | "
-                    f"{m(hi, 'tokens_per_s', '{:.1f}')} | {m(hi, 'latency_mean_s', '{:.2f}')} | "
-                    f"{m(hi, 'mean_accepted_len', '{:.2f}')} | "
-                    f"{_pct(per.get(hi, {}).get('verifier_busy_frac'))} | {split_s} | "
-                    f"{m(hi, 'bound_tokens_per_s', '{:.1f}')} |")
+        rows.append(
+            f"| {name} | {m(c1, 'tokens_per_s', '{:.1f}')} | {m('closed_c4', 'tokens_per_s', '{:.1f}')} | "
+            f"{m('closed_c16', 'tokens_per_s', '{:.1f}')} | {m(lo, 'latency_mean_s', '{:.2f}')} | "
+            f"{m(hi, 'tokens_per_s', '{:.1f}')} | {m(hi, 'latency_mean_s', '{:.2f}')} | "
+            f"{m(hi, 'mean_accepted_len', '{:.2f}')} | "
+            f"{_pct(per.get(hi, {}).get('verifier_busy_frac'))} | {split_s} | "
+            f"{m(hi, 'bound_tokens_per_s', '{:.1f}')} |"
+        )
     return "\n".join(rows)
 
 
-def sustained_table(report: Mapping[str, Any], a: str = "cosine", bases: tuple[str, ...] = ("autoregressive", "vanilla_sd")) -> str:
+def sustained_table(
+    report: Mapping[str, Any], a: str = "cosine", bases: tuple[str, ...] = ("autoregressive", "vanilla_sd")
+) -> str:
     """Closed loops of several clients: ``a`` against each base, tokens/s over the whole workload and
     while every client was busy (without the drain at the workload's end); empty without such figures."""
     per_workload = report["ratios"].get("by_workload", {})
     rows = []
-    for w, r in sorted(per_workload.items(), key=lambda kv: report["scenario"]["workloads"].get(kv[0], {}).get("concurrency") or 0):
+    for w, r in sorted(
+        per_workload.items(), key=lambda kv: report["scenario"]["workloads"].get(kv[0], {}).get("concurrency") or 0
+    ):
         cells = [(r.get(f"{a}_vs_{b}_throughput"), r.get(f"{a}_vs_{b}_sustained")) for b in bases]
         if all(s is None for _, s in cells):
             continue
@@ -99,17 +123,26 @@ def goals_table(report: Mapping[str, Any]) -> str:
             continue
         rows.append(f"| {label} | {_f(ratios.get(key), '{:.2f}')} | {goal or '-'} |")
     per_workload = ratios.get("by_workload", {})
-    worst = [(w, r.get("cosine_vs_autoregressive_throughput")) for w, r in per_workload.items()
-             if r.get("cosine_vs_autoregressive_throughput") is not None]
+    worst = [
+        (w, r.get("cosine_vs_autoregressive_throughput"))
+        for w, r in per_workload.items()
+        if r.get("cosine_vs_autoregressive_throughput") is not None
+    ]
     if worst:
         w, v = min(worst, key=lambda x: x[1])
         rows.append(f"| cosine / autoregressive, tokens/s, worst workload ({w}) | {v:.2f} | >= 1.0 |")
     return "\n".join(rows)
 
 
-WORKLOAD_LABELS = {"closed_c1": "1 client", "closed_c4": "4 clients", "closed_c16": "16 clients",
-                   "closed_c4_sampling": "4 clients, sampling", "open_low": "low load",
-                   "open_fluct": "fluctuating load", "open_high": "high load"}
+WORKLOAD_LABELS = {
+    "closed_c1": "1 client",
+    "closed_c4": "4 clients",
+    "closed_c16": "16 clients",
+    "closed_c4_sampling": "4 clients, sampling",
+    "open_low": "low load",
+    "open_fluct": "fluctuating load",
+    "open_high": "high load",
+}
 
 
 def workload_table(report: Mapping[str, Any]) -> str:
@@ -134,25 +167,38 @@ def workload_table(report: Mapping[str, Any]) -> str:
             busy = m["wall_s"] * m["verifier_busy_frac"]
         return None if busy is None else busy / m["verify_batches"] * 1e3
 
-    head = ("| workload | cosine / autoregressive, tok/s | same, while all clients busy | cosine / autoregressive, latency | "
-            "services_plain / autoregressive, tok/s | cosine / services_plain, tok/s | cosine / vanilla_sd, tok/s | "
-            "cosine / cosine_token_fusion, tok/s | cosine / cosine_no_draft_ahead, tok/s | cosine / cosine_no_corpus, tok/s | "
-            "busy, cosine | accepted/round, cosine | requests a pass, cosine / services_plain / autoregressive | "
-            "verify ms a pass, cosine / autoregressive |")
+    head = (
+        "| workload | cosine / autoregressive, tok/s | same, while all clients busy | cosine / autoregressive, latency | "
+        "services_plain / autoregressive, tok/s | cosine / services_plain, tok/s | cosine / vanilla_sd, tok/s | "
+        "cosine / cosine_token_fusion, tok/s | cosine / cosine_no_draft_ahead, tok/s | cosine / cosine_no_corpus, tok/s | "
+        "busy, cosine | accepted/round, cosine | requests a pass, cosine / services_plain / autoregressive | "
+        "verify ms a pass, cosine / autoregressive |"
+    )
     rows = [head, "|" + "---|" * 14]
     ran = report["scenario"]["workloads"]
     for w in [w for w in WORKLOAD_LABELS if w in ran] + [w for w in ran if w not in WORKLOAD_LABELS]:
         if w not in cos:
             continue
-        batch = " / ".join(_f(metric(s, w, "mean_batch_requests"), "{:.1f}") for s in ("cosine", "services_plain", "autoregressive"))
+        batch = " / ".join(
+            _f(metric(s, w, "mean_batch_requests"), "{:.1f}") for s in ("cosine", "services_plain", "autoregressive")
+        )
         ms = " / ".join(_f(pass_ms(s, w)) for s in ("cosine", "autoregressive"))
-        cells = [WORKLOAD_LABELS.get(w, w), ratio("cosine", "autoregressive", w),
-                 ratio("cosine", "autoregressive", w, "sustained_tokens_per_s"),
-                 ratio("cosine", "autoregressive", w, "latency_mean_s"), ratio("services_plain", "autoregressive", w),
-                 ratio("cosine", "services_plain", w), ratio("cosine", "vanilla_sd", w),
-                 ratio("cosine", "cosine_token_fusion", w), ratio("cosine", "cosine_no_draft_ahead", w),
-                 ratio("cosine", "cosine_no_corpus", w), _pct(cos[w].get("verifier_busy_frac")),
-                 _f(cos[w].get("mean_accepted_len"), "{:.2f}"), batch, ms]
+        cells = [
+            WORKLOAD_LABELS.get(w, w),
+            ratio("cosine", "autoregressive", w),
+            ratio("cosine", "autoregressive", w, "sustained_tokens_per_s"),
+            ratio("cosine", "autoregressive", w, "latency_mean_s"),
+            ratio("services_plain", "autoregressive", w),
+            ratio("cosine", "services_plain", w),
+            ratio("cosine", "vanilla_sd", w),
+            ratio("cosine", "cosine_token_fusion", w),
+            ratio("cosine", "cosine_no_draft_ahead", w),
+            ratio("cosine", "cosine_no_corpus", w),
+            _pct(cos[w].get("verifier_busy_frac")),
+            _f(cos[w].get("mean_accepted_len"), "{:.2f}"),
+            batch,
+            ms,
+        ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
@@ -165,28 +211,36 @@ def cores_table(report: Mapping[str, Any], workloads: tuple[str, ...] = ("closed
         for name in report["scenario"]["order"]:
             cores = cores_used(report["systems"].get(name, {}).get(w, {}))
             if cores is not None:
-                rows.append(f"| {name} | {WORKLOAD_LABELS.get(w, w)} | " + " | ".join(f"{cores[p]:.2f}" for p in PARTS)
-                            + f" | {sum(cores.values()):.2f} |")
+                rows.append(
+                    f"| {name} | {WORKLOAD_LABELS.get(w, w)} | "
+                    + " | ".join(f"{cores[p]:.2f}" for p in PARTS)
+                    + f" | {sum(cores.values()):.2f} |"
+                )
     if not rows:
         return ""
     head = "| system | workload | " + " | ".join(PARTS) + " | together |"
-    return "\n".join(["cores kept busy while serving (CPU seconds / wall seconds)\n", head, "|" + "---|" * (len(PARTS) + 3), *rows])
+    return "\n".join(
+        ["cores kept busy while serving (CPU seconds / wall seconds)\n", head, "|" + "---|" * (len(PARTS) + 3), *rows]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.summary",
         description="Print a `cosine bench` report (report.json) as Markdown tables: every system by workload, the "
-                    "goal ratios, the closed loops' sustained ratios, and cosine against its baselines per workload. "
-                    "Every figure comes from that one report.")
+        "goal ratios, the closed loops' sustained ratios, and cosine against its baselines per workload. "
+        "Every figure comes from that one report.",
+    )
     parser.add_argument("report", help="the report.json a `cosine bench` run wrote")
     args = parser.parse_args(argv)
     with open(args.report) as f:
         report = json.load(f)
     check = report["scenario"]["greedy_check"]
-    print(f"scenario {report['scenario']['name']}, zoo {report['scenario']['zoo']['profile']}, "
-          f"{report['scenario']['wall_s']:.0f} s, greedy outputs checked: {check['checked_requests']}, "
-          f"mismatches: {len(check['mismatches'])}\n")
+    print(
+        f"scenario {report['scenario']['name']}, zoo {report['scenario']['zoo']['profile']}, "
+        f"{report['scenario']['wall_s']:.0f} s, greedy outputs checked: {check['checked_requests']}, "
+        f"mismatches: {len(check['mismatches'])}\n"
+    )
     print(systems_table(report) + "\n")
     print(goals_table(report))
     for table in (sustained_table(report), workload_table(report), cores_table(report)):

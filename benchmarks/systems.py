@@ -22,8 +22,17 @@ from benchmarks.records import RequestRecord, RunResult, System
 from benchmarks.service_systems import SERVICE_SYSTEMS, ServicePlane, ServiceSystem
 from benchmarks.workloads import BenchRequest, Workload
 
-__all__ = ["ALL_SYSTEMS", "DEFAULT_SYSTEMS", "IN_PROCESS_SYSTEMS", "AutoregressiveSystem", "HFGenerateSystem",
-           "RequestRecord", "RunResult", "System", "make_systems"]
+__all__ = [
+    "ALL_SYSTEMS",
+    "DEFAULT_SYSTEMS",
+    "IN_PROCESS_SYSTEMS",
+    "AutoregressiveSystem",
+    "HFGenerateSystem",
+    "RequestRecord",
+    "RunResult",
+    "System",
+    "make_systems",
+]
 
 
 def target_dtype(dtype: str) -> str:
@@ -43,17 +52,31 @@ class AutoregressiveSystem:
 
     one_at_a_time = False
 
-    def __init__(self, target: str, eos_id: int | None, threads: int, max_batch: int = 16, name: str = "autoregressive",
-                 dtype: str = "float32"):
+    def __init__(
+        self,
+        target: str,
+        eos_id: int | None,
+        threads: int,
+        max_batch: int = 16,
+        name: str = "autoregressive",
+        dtype: str = "float32",
+    ):
         self.dtype = target_dtype(dtype)
         self.name = name
-        self.description = f"target alone, batched plain decoding (up to {max_batch} requests per pass) in our verifier engine"
+        self.description = (
+            f"target alone, batched plain decoding (up to {max_batch} requests per pass) in our verifier engine"
+        )
         self.target, self.eos_id, self.threads, self.max_batch = target, eos_id, threads, max_batch
         self.engine = None
 
     def describe(self) -> dict[str, Any]:
-        return {"description": self.description, "kind": "in-process", "torch_threads": self.threads, "max_batch": self.max_batch,
-                "dtype": self.dtype}
+        return {
+            "description": self.description,
+            "kind": "in-process",
+            "torch_threads": self.threads,
+            "max_batch": self.max_batch,
+            "dtype": self.dtype,
+        }
 
     def start(self) -> None:
         import torch
@@ -103,7 +126,9 @@ class AutoregressiveSystem:
             batch = active[: self.max_batch]
             items = [
                 VerifyItem(
-                    request_id=str(r.index), append_ids=() if r.index in seen else r.prompt_ids, tree=TokenTree(),
+                    request_id=str(r.index),
+                    append_ids=() if r.index in seen else r.prompt_ids,
+                    tree=TokenTree(),
                     sampling=SamplingParams(temperature=r.temperature, seed=r.seed),
                 )
                 for r in batch
@@ -135,28 +160,75 @@ class AutoregressiveSystem:
                 rec.token_ids = tuple(tokens[r.index])
                 engine.release(str(r.index))
                 active.remove(r)
-        wall = max((rec.finished_s for rec in records.values()), default=0.0) - min((rec.issued_s for rec in records.values()), default=0.0)
+        wall = max((rec.finished_s for rec in records.values()), default=0.0) - min(
+            (rec.issued_s for rec in records.values()), default=0.0
+        )
         out = [records[r.index] for r in reqs]
-        return RunResult(out, wall, {
-            "verify_batches": steps, "accepted_tokens": 0, "tokens_committed": sum(len(r.token_ids) for r in out),
-            "verifier_busy_s": busy_ns / 1e9, "drafter_busy_s": 0.0, "round_s": step_s, "drafter_calls": 0,
-        })
+        return RunResult(
+            out,
+            wall,
+            {
+                "verify_batches": steps,
+                "accepted_tokens": 0,
+                "tokens_committed": sum(len(r.token_ids) for r in out),
+                "verifier_busy_s": busy_ns / 1e9,
+                "drafter_busy_s": 0.0,
+                "round_s": step_s,
+                "drafter_calls": 0,
+            },
+        )
 
 
 IN_PROCESS_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted")
-ALL_SYSTEMS = ("autoregressive", "hf_generate", "hf_assisted", "vanilla_sd", "specinfer_tree", "cosine",
-               "cosine_no_routing", "cosine_token_fusion", "cosine_no_pipeline", "cosine_no_control", "cosine_drafter_domains",
-               "cosine_unpriced_drafting", "cosine_fixed_pipeline", "cosine_no_lookup", "cosine_no_draft_ahead",
-               "cosine_unshared_lexicon", "cosine_global_gate", "cosine_step_fusion", "cosine_no_corpus",
-               "services_plain", "cosine_one_drafter")
+ALL_SYSTEMS = (
+    "autoregressive",
+    "hf_generate",
+    "hf_assisted",
+    "vanilla_sd",
+    "specinfer_tree",
+    "cosine",
+    "cosine_no_routing",
+    "cosine_token_fusion",
+    "cosine_no_pipeline",
+    "cosine_no_control",
+    "cosine_drafter_domains",
+    "cosine_unpriced_drafting",
+    "cosine_fixed_pipeline",
+    "cosine_no_lookup",
+    "cosine_no_draft_ahead",
+    "cosine_unshared_lexicon",
+    "cosine_global_gate",
+    "cosine_step_fusion",
+    "cosine_no_corpus",
+    "services_plain",
+    "cosine_one_drafter",
+)
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)
-DEFAULT_SYSTEMS = ("autoregressive", "services_plain", "hf_assisted", "vanilla_sd", "cosine", "cosine_token_fusion", "cosine_no_control",
-                   "cosine_no_lookup", "cosine_no_draft_ahead", "cosine_no_corpus")
+DEFAULT_SYSTEMS = (
+    "autoregressive",
+    "services_plain",
+    "hf_assisted",
+    "vanilla_sd",
+    "cosine",
+    "cosine_token_fusion",
+    "cosine_no_control",
+    "cosine_no_lookup",
+    "cosine_no_draft_ahead",
+    "cosine_no_corpus",
+)
 
 
-def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int | None, cores: int, log_dir: str,
-                 threads: int = 1, dtype: str = "float32") -> tuple[list[Any], ServicePlane | None]:
+def make_systems(
+    names: Sequence[str],
+    zoo: Any,
+    eos_id: int | None,
+    pad_id: int | None,
+    cores: int,
+    log_dir: str,
+    threads: int = 1,
+    dtype: str = "float32",
+) -> tuple[list[Any], ServicePlane | None]:
     """The systems named, in that order. In-process systems run ``threads`` torch threads; the
     service processes split ``cores`` (see :func:`cosine_cli.cluster.thread_budget`). Every
     system's target runs in ``dtype`` (the verifier's ``--dtype``; the drafters stay float32)."""
@@ -166,9 +238,17 @@ def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int
     target = str(zoo.target.path)
     plane = None
     if any(n in SERVICE_SYSTEMS for n in names):
-        plane = ServicePlane(target, {n: str(d.path) for n, d in zoo.drafters.items()},
-                             {n: d.domains for n, d in zoo.drafters.items()}, zoo.acceptance, cores, log_dir, lexicon=zoo.lexicon,
-                             corpus=zoo.lookup_corpus, verifier_args=("--dtype", dtype))
+        plane = ServicePlane(
+            target,
+            {n: str(d.path) for n, d in zoo.drafters.items()},
+            {n: d.domains for n, d in zoo.drafters.items()},
+            zoo.acceptance,
+            cores,
+            log_dir,
+            lexicon=zoo.lexicon,
+            corpus=zoo.lookup_corpus,
+            verifier_args=("--dtype", dtype),
+        )
     out: list[Any] = []
     for n in names:
         if n == "autoregressive":
@@ -176,8 +256,17 @@ def make_systems(names: Sequence[str], zoo: Any, eos_id: int | None, pad_id: int
         elif n == "hf_generate":
             out.append(HFGenerateSystem(n, target, eos_id, pad_id, threads, dtype=target_dtype(dtype)))
         elif n == "hf_assisted":
-            out.append(HFGenerateSystem(n, target, eos_id, pad_id, threads, assistant=str(zoo.drafters["generalist"].path),
-                                        dtype=target_dtype(dtype)))
+            out.append(
+                HFGenerateSystem(
+                    n,
+                    target,
+                    eos_id,
+                    pad_id,
+                    threads,
+                    assistant=str(zoo.drafters["generalist"].path),
+                    dtype=target_dtype(dtype),
+                )
+            )
         else:
             flags, drafters, desc = SERVICE_SYSTEMS[n]
             assert plane is not None

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.bench import BenchOptions, run_bench
-from benchmarks.greedy_check import GreedyMismatch, check_greedy
 from benchmarks.cpu_split import PARTS
+from benchmarks.greedy_check import GreedyMismatch, check_greedy
 from benchmarks.plots import PLOTS, _style
 from benchmarks.records import RequestRecord
 from benchmarks.report import HEADLINE, SCHEMA, compute_ratios, percentile, validate_report
@@ -54,8 +54,14 @@ def test_percentile_and_ratios():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
     systems = {
-        "cosine": {"hi": {"tokens_per_s": 300.0, "latency_mean_s": 1.0}, "lo": {"tokens_per_s": 50.0, "latency_mean_s": 0.5}},
-        "vanilla_sd": {"hi": {"tokens_per_s": 200.0, "latency_mean_s": 2.0}, "lo": {"tokens_per_s": 50.0, "latency_mean_s": 1.0}},
+        "cosine": {
+            "hi": {"tokens_per_s": 300.0, "latency_mean_s": 1.0},
+            "lo": {"tokens_per_s": 50.0, "latency_mean_s": 0.5},
+        },
+        "vanilla_sd": {
+            "hi": {"tokens_per_s": 200.0, "latency_mean_s": 2.0},
+            "lo": {"tokens_per_s": 50.0, "latency_mean_s": 1.0},
+        },
     }
     r = compute_ratios(systems, {"high": "hi", "low": "lo"})
     assert r["cosine_vs_vanilla_sd_throughput"] == pytest.approx(1.5)
@@ -72,9 +78,11 @@ def test_sustained_throughput_counts_the_tokens_emitted_while_every_client_was_b
     # two clients: requests 0 and 1 issued at 0; request 2 issued at 4 s when request 0 finished; the
     # window is [0, 4]: request 0 whole (5 tokens), request 1 (first token at 1 s, last of 9 at 9 s)
     # half-way through its remaining 8 (1 + 8 * 3/8 = 4), request 2 nothing yet (first token at 5 s)
-    recs = [RequestRecord(0, "d", tuple(range(5)), issued_s=0.0, first_token_s=1.0, finished_s=4.0),
-            RequestRecord(1, "d", tuple(range(9)), issued_s=0.0, first_token_s=1.0, finished_s=9.0),
-            RequestRecord(2, "d", tuple(range(3)), issued_s=4.0, first_token_s=5.0, finished_s=7.0)]
+    recs = [
+        RequestRecord(0, "d", tuple(range(5)), issued_s=0.0, first_token_s=1.0, finished_s=4.0),
+        RequestRecord(1, "d", tuple(range(9)), issued_s=0.0, first_token_s=1.0, finished_s=9.0),
+        RequestRecord(2, "d", tuple(range(3)), issued_s=4.0, first_token_s=5.0, finished_s=7.0),
+    ]
     assert sustained_tokens_per_s(recs, wl) == pytest.approx((5 + 4) / 4.0)
     # not defined for an open loop, for one client, or when every request was issued at once
     open_wl = build_workload(WorkloadSpec("o", "open", 3, load=1.0), [("d", "p", (1, 2))] * 3, 5, reference_rps=1.0)
@@ -83,10 +91,14 @@ def test_sustained_throughput_counts_the_tokens_emitted_while_every_client_was_b
     assert sustained_tokens_per_s(recs, one) is None
     assert sustained_tokens_per_s([RequestRecord(0, "d", (1,), 0.0, 0.5, 1.0)], wl) is None
     # and the ratio between two systems appears beside the whole-run one
-    per = {"a": {"c2": {"tokens_per_s": 2.0, "sustained_tokens_per_s": 3.0, "latency_mean_s": 1.0}},
-           "autoregressive": {"c2": {"tokens_per_s": 4.0, "sustained_tokens_per_s": 3.0, "latency_mean_s": 1.0}}}
+    per = {
+        "a": {"c2": {"tokens_per_s": 2.0, "sustained_tokens_per_s": 3.0, "latency_mean_s": 1.0}},
+        "autoregressive": {"c2": {"tokens_per_s": 4.0, "sustained_tokens_per_s": 3.0, "latency_mean_s": 1.0}},
+    }
     row = compute_ratios(per, {})["by_workload"]["c2"]
-    assert row["a_vs_autoregressive_throughput"] == pytest.approx(0.5) and row["a_vs_autoregressive_sustained"] == pytest.approx(1.0)
+    assert row["a_vs_autoregressive_throughput"] == pytest.approx(0.5) and row[
+        "a_vs_autoregressive_sustained"
+    ] == pytest.approx(1.0)
 
 
 def test_greedy_check_names_the_first_divergence():
@@ -114,8 +126,15 @@ def test_a_greedy_mismatch_fails_the_benchmark_loudly(tiny_zoo, tmp_path):
         return [_Corrupting(str(zoo.target.path), eos_id, 1, name="broken")], None
 
     out = tmp_path / "report.json"
-    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick", workloads=["closed_c4"], cores=1,
-                        plots=False, progress=False)
+    opts = BenchOptions(
+        zoo=str(tiny_zoo.root),
+        out=str(out),
+        scenario="quick",
+        workloads=["closed_c4"],
+        cores=1,
+        plots=False,
+        progress=False,
+    )
     with pytest.raises(GreedyMismatch, match="GREEDY OUTPUT MISMATCH.*broken.*closed_c4"):
         run_bench(opts, system_factory=factory)
     report = json.loads(out.read_text())  # what was measured is still written, with the mismatch
@@ -144,8 +163,17 @@ def test_every_system_runs_a_workload_before_any_runs_the_next(tiny_zoo, tmp_pat
     def factory(names, zoo, eos_id, pad_id, cores, log_dir, threads):
         return [_Logged(log, str(zoo.target.path), eos_id, 1, name=n) for n in ("first", "second")], None
 
-    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(tmp_path / "report.json"), scenario="quick", cores=1, plots=False,
-                        progress=False, max_new_tokens=2, requests=2, workloads=["closed_c1", "closed_c4", "open_high"])
+    opts = BenchOptions(
+        zoo=str(tiny_zoo.root),
+        out=str(tmp_path / "report.json"),
+        scenario="quick",
+        cores=1,
+        plots=False,
+        progress=False,
+        max_new_tokens=2,
+        requests=2,
+        workloads=["closed_c1", "closed_c4", "open_high"],
+    )
     report = run_bench(opts, system_factory=factory)
     # the machine drifts over minutes: the figures a ratio compares are measured next to each other
     assert log == [(w, s) for w in ("closed_c1", "closed_c4", "open_high") for s in ("first", "second")]
@@ -166,8 +194,9 @@ def test_a_one_at_a_time_system_runs_only_the_unloaded_workloads(tiny_zoo, tmp_p
         return ([serial, plain] if serial_first else [plain, serial]), None
 
     out = tmp_path / "report.json"
-    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick", cores=1, plots=False, progress=False,
-                        max_new_tokens=4)
+    opts = BenchOptions(
+        zoo=str(tiny_zoo.root), out=str(out), scenario="quick", cores=1, plots=False, progress=False, max_new_tokens=4
+    )
     report = run_bench(opts, system_factory=factory)
     every = {"closed_c1", "closed_c4", "open_low", "open_high", "closed_c4_sampling"}
     assert set(report["systems"]["plain"]) == every
@@ -183,8 +212,16 @@ def test_a_one_at_a_time_system_runs_only_the_unloaded_workloads(tiny_zoo, tmp_p
     row = next(line for line in systems_table(report).splitlines() if line.startswith("| serial |"))
     assert "| - | - |" in row and "0%" not in row
     # named workloads run as asked, loaded or not
-    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick", cores=1, plots=False, progress=False,
-                        max_new_tokens=4, workloads=["closed_c4"])
+    opts = BenchOptions(
+        zoo=str(tiny_zoo.root),
+        out=str(out),
+        scenario="quick",
+        cores=1,
+        plots=False,
+        progress=False,
+        max_new_tokens=4,
+        workloads=["closed_c4"],
+    )
     assert set(run_bench(opts, system_factory=factory)["systems"]["serial"]) == {"closed_c4"}
 
 
@@ -192,9 +229,15 @@ def test_a_one_at_a_time_system_runs_only_the_unloaded_workloads(tiny_zoo, tmp_p
 def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo, tmp_path):
     out = tmp_path / "bench" / "report.json"
     # cosine's router is the service plane's own; services_plain gets a second router and gateway
-    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(out), scenario="quick",
-                        systems=["cosine", "autoregressive", "hf_assisted", "services_plain"],
-                        workloads=["closed_c4", "open_low", "open_high"], cores=2, progress=False)
+    opts = BenchOptions(
+        zoo=str(tiny_zoo.root),
+        out=str(out),
+        scenario="quick",
+        systems=["cosine", "autoregressive", "hf_assisted", "services_plain"],
+        workloads=["closed_c4", "open_low", "open_high"],
+        cores=2,
+        progress=False,
+    )
     report = run_bench(opts, system_factory=make_systems)
     on_disk = json.loads(out.read_text())
     assert on_disk["schema"] == SCHEMA and validate_report(on_disk) == []
@@ -204,7 +247,10 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
     for w in ("closed_c4", "open_low", "open_high"):
         plain, cos = on_disk["systems"]["services_plain"][w]["counters"], on_disk["systems"]["cosine"][w]["counters"]
         assert plain["draft_tokens"] == 0 and plain["accepted_tokens"] == 0 and cos["draft_tokens"] > 0
-        assert plain["verify_batches"] > 0 and plain["tokens_committed"] == on_disk["systems"]["services_plain"][w]["output_tokens"]
+        assert (
+            plain["verify_batches"] > 0
+            and plain["tokens_committed"] == on_disk["systems"]["services_plain"][w]["output_tokens"]
+        )
         # every part of the serving path is metered, the verifier worked, and together they used no
         # more than the machine has (the kernel counts in ticks of 10 ms: the tiny zoo's router may
         # show none in a run this short)
@@ -261,7 +307,9 @@ def test_every_system_has_a_line_of_its_own_in_the_plots():
 def test_every_system_runs_the_target_in_the_dtype_asked(tiny_zoo, tmp_path):
     from common.runtime.runner import resolve_dtype
 
-    systems, plane = make_systems(["autoregressive", "hf_assisted", "cosine"], tiny_zoo, None, None, 1, str(tmp_path), dtype="auto")
+    systems, plane = make_systems(
+        ["autoregressive", "hf_assisted", "cosine"], tiny_zoo, None, None, 1, str(tmp_path), dtype="auto"
+    )
     want = resolve_dtype("auto", "cpu")
     assert [s.dtype for s in systems[:2]] == [want, want]
     assert systems[1].exact_greedy is (want == "float32")  # transformers' bfloat16 kernels round by the shape of a pass
@@ -274,13 +322,26 @@ def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(ti
     """Where the CPU has AMX this is the row-invariant bfloat16 through real services: every greedy
     output of cosine equals the in-process target alone's in the same dtype (the bench fails on one
     that does not)."""
-    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(tmp_path / "report.json"), scenario="quick", cores=2, plots=False,
-                        progress=False, max_new_tokens=8, systems=["autoregressive", "cosine"], workloads=["closed_c4"], dtype="auto")
+    opts = BenchOptions(
+        zoo=str(tiny_zoo.root),
+        out=str(tmp_path / "report.json"),
+        scenario="quick",
+        cores=2,
+        plots=False,
+        progress=False,
+        max_new_tokens=8,
+        systems=["autoregressive", "cosine"],
+        workloads=["closed_c4"],
+        dtype="auto",
+    )
     report = run_bench(opts)
     from common.runtime.runner import resolve_dtype
 
     assert report["scenario"]["target_dtype"] == resolve_dtype("auto", "cpu")
-    assert report["scenario"]["greedy_check"]["checked_requests"] > 0 and not report["scenario"]["greedy_check"]["mismatches"]
+    assert (
+        report["scenario"]["greedy_check"]["checked_requests"] > 0
+        and not report["scenario"]["greedy_check"]["mismatches"]
+    )
     assert report["systems"]["cosine"]["closed_c4"]["counters"]["accepted_tokens"] > 0
 
 
@@ -288,17 +349,31 @@ def test_an_ablation_runs_only_where_its_headline_ratios_are_read(tiny_zoo, tmp_
     # named like cosine's ablations: cosine_no_corpus is read at one client and high load
     # (report.HEADLINE); cosine_one_drafter has no headline ratio, so it runs everything
     def factory(names, zoo, eos_id, pad_id, cores, log_dir, threads):
-        return [AutoregressiveSystem(str(zoo.target.path), eos_id, 1, name=n) for n in ("cosine", "cosine_no_corpus", "cosine_one_drafter")], None
+        return [
+            AutoregressiveSystem(str(zoo.target.path), eos_id, 1, name=n)
+            for n in ("cosine", "cosine_no_corpus", "cosine_one_drafter")
+        ], None
 
     every = {"closed_c1", "closed_c4", "open_low", "open_high", "closed_c4_sampling"}
-    opts = BenchOptions(zoo=str(tiny_zoo.root), out=str(tmp_path / "report.json"), scenario="quick", cores=1, plots=False, progress=False,
-                        max_new_tokens=2, requests=2)
+    opts = BenchOptions(
+        zoo=str(tiny_zoo.root),
+        out=str(tmp_path / "report.json"),
+        scenario="quick",
+        cores=1,
+        plots=False,
+        progress=False,
+        max_new_tokens=2,
+        requests=2,
+    )
     report = run_bench(opts, system_factory=factory)
     assert set(report["systems"]["cosine"]) == every
     assert set(report["systems"]["cosine_no_corpus"]) == {"closed_c1", "open_high"}
     assert set(report["systems"]["cosine_one_drafter"]) == every
     skipped = report["scenario"]["skipped"]
-    assert set(skipped) == {"cosine_no_corpus"} and set(skipped["cosine_no_corpus"]["workloads"]) == every - {"closed_c1", "open_high"}
+    assert set(skipped) == {"cosine_no_corpus"} and set(skipped["cosine_no_corpus"]["workloads"]) == every - {
+        "closed_c1",
+        "open_high",
+    }
     assert "ablation" in skipped["cosine_no_corpus"]["why"]
     assert report["ratios"]["cosine_vs_cosine_no_corpus_throughput_c1"] is not None
     assert report["ratios"]["cosine_vs_cosine_no_corpus_throughput"] is not None

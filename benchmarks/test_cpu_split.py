@@ -14,8 +14,18 @@ SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s
 
 def test_a_busy_process_counts_its_cpu_seconds_and_a_sleeping_one_hardly_any():
     # the busy one spins 0.5 s of CPU when told to, says so, then sleeps
-    busy = subprocess.Popen([sys.executable, "-c", "import sys, time\nsys.stdin.readline()\n" + SPIN.format(s=0.5)
-                             + "print('spun', flush=True)\ntime.sleep(30)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    busy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nsys.stdin.readline()\n"
+            + SPIN.format(s=0.5)
+            + "print('spun', flush=True)\ntime.sleep(30)",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         meter = CpuMeter({"verifier": [busy.pid], "router": [idle.pid]})

@@ -13,8 +13,22 @@ from benchmarks.inprocess import main
 @pytest.mark.slow
 def test_cosine_in_process_serves_the_target_alone_s_output(tiny_zoo, tmp_path, capsys) -> None:
     out = tmp_path / "inprocess.json"
-    rc = main(["--zoo", str(tiny_zoo.root), "--concurrency", "1,3", "--requests", "5", "--max-new-tokens", "12",
-               "--threads", "1", "--json", str(out)])
+    rc = main(
+        [
+            "--zoo",
+            str(tiny_zoo.root),
+            "--concurrency",
+            "1,3",
+            "--requests",
+            "5",
+            "--max-new-tokens",
+            "12",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["gpu"] is None

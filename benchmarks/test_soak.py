@@ -19,8 +19,12 @@ def test_percentile_is_nearest_rank():
 
 
 def test_summary_counts_lost_streams_apart():
-    outcomes = [StreamOutcome(True, 4, 1.0, 0.1), StreamOutcome(True, 4, 3.0, 0.3),
-                StreamOutcome(False, 2, error="UNAVAILABLE"), StreamOutcome(False, 0)]
+    outcomes = [
+        StreamOutcome(True, 4, 1.0, 0.1),
+        StreamOutcome(True, 4, 3.0, 0.3),
+        StreamOutcome(False, 2, error="UNAVAILABLE"),
+        StreamOutcome(False, 0),
+    ]
     s = summarize(outcomes, wall_s=2.0)
     assert (s["streams"], s["completed"], s["lost"]) == (4, 2, 2)
     assert s["lost_by_reason"] == {"UNAVAILABLE": 1, "ended": 1}
@@ -30,9 +34,14 @@ def test_summary_counts_lost_streams_apart():
 
 @pytest.mark.slow
 def test_small_soak_counts_completed_and_lost_streams(tiny_zoo, tmp_path, capsys):
-    cluster = LocalCluster(ClusterSpec(target=str(tiny_zoo.target.path),
-                                       drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
-                                       log_dir=str(tmp_path / "logs"), cores=2))
+    cluster = LocalCluster(
+        ClusterSpec(
+            target=str(tiny_zoo.target.path),
+            drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
+            log_dir=str(tmp_path / "logs"),
+            cores=2,
+        )
+    )
     address = cluster.start(progress=False)
     try:
         prompts = [p for d in sorted(tiny_zoo.prompts) for p in tiny_zoo.prompts[d]]
@@ -43,7 +52,9 @@ def test_small_soak_counts_completed_and_lost_streams(tiny_zoo, tmp_path, capsys
         assert s["lost_by_reason"] == {"DEADLINE_EXCEEDED": 3}
         assert all(o.tokens <= 6 and o.ttft_s is not None and o.ttft_s <= o.latency_s for o in ok)
 
-        code = main(["--address", address, "--zoo", str(tiny_zoo.root), "--streams", "8", "--max-new-tokens", "4", "--json"])
+        code = main(
+            ["--address", address, "--zoo", str(tiny_zoo.root), "--streams", "8", "--max-new-tokens", "4", "--json"]
+        )
         report = json.loads(capsys.readouterr().out)
         assert code == 0 and (report["streams"], report["completed"], report["lost"]) == (8, 8, 0)
         assert report["latency_p99_s"] >= report["latency_p50_s"] > 0

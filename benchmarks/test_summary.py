@@ -9,8 +9,16 @@ from benchmarks.summary import main, workload_table
 
 
 def _m(tokens_per_s: float, latency_s: float, batches: int, busy_s: float | None = None, **extra) -> dict:
-    m = {"tokens_per_s": tokens_per_s, "latency_mean_s": latency_s, "verify_batches": batches, "wall_s": 10.0,
-         "verifier_busy_frac": 0.9, "mean_batch_requests": 2.0, "mean_accepted_len": 0.5, **extra}
+    m = {
+        "tokens_per_s": tokens_per_s,
+        "latency_mean_s": latency_s,
+        "verify_batches": batches,
+        "wall_s": 10.0,
+        "verifier_busy_frac": 0.9,
+        "mean_batch_requests": 2.0,
+        "mean_accepted_len": 0.5,
+        **extra,
+    }
     if busy_s is not None:
         m["counters"] = {"verifier_busy_s": busy_s}
     return m
@@ -18,14 +26,25 @@ def _m(tokens_per_s: float, latency_s: float, batches: int, busy_s: float | None
 
 def _report() -> dict:
     return {
-        "scenario": {"name": "t", "wall_s": 1.0, "zoo": {"profile": "tiny"}, "order": ["autoregressive", "cosine"],
-                     "workloads": {"open_high": {}, "closed_c1": {}, "closed_c4": {}},
-                     "greedy_check": {"checked_requests": 3, "mismatches": []}},
+        "scenario": {
+            "name": "t",
+            "wall_s": 1.0,
+            "zoo": {"profile": "tiny"},
+            "order": ["autoregressive", "cosine"],
+            "workloads": {"open_high": {}, "closed_c1": {}, "closed_c4": {}},
+            "greedy_check": {"checked_requests": 3, "mismatches": []},
+        },
         "systems": {
-            "autoregressive": {"closed_c1": _m(20.0, 2.0, 100), "open_high": _m(100.0, 4.0, 50),
-                               "closed_c4": _m(50.0, 3.0, 80, sustained_tokens_per_s=55.0)},
-            "cosine": {"closed_c1": _m(30.0, 1.5, 60, busy_s=3.0), "open_high": _m(125.0, 5.0, 40, busy_s=8.0),
-                       "closed_c4": _m(60.0, 2.5, 70, busy_s=7.0, sustained_tokens_per_s=66.0)},
+            "autoregressive": {
+                "closed_c1": _m(20.0, 2.0, 100),
+                "open_high": _m(100.0, 4.0, 50),
+                "closed_c4": _m(50.0, 3.0, 80, sustained_tokens_per_s=55.0),
+            },
+            "cosine": {
+                "closed_c1": _m(30.0, 1.5, 60, busy_s=3.0),
+                "open_high": _m(125.0, 5.0, 40, busy_s=8.0),
+                "closed_c4": _m(60.0, 2.5, 70, busy_s=7.0, sustained_tokens_per_s=66.0),
+            },
         },
         "ratios": {"workloads": {"c1": "closed_c1", "high": "open_high", "low": ""}, "by_workload": {}},
     }
@@ -62,7 +81,8 @@ def test_cores_table_divides_each_parts_cpu_seconds_by_the_runs_wall_time():
 
     report = _report()
     report["systems"]["cosine"]["open_high"]["counters"].update(
-        cpu_s_verifier=18.0, cpu_s_drafters=0.2, cpu_s_router=0.4, cpu_s_gateway=0.5, cpu_s_clients=0.3, cpu_s_redis=0.1)
+        cpu_s_verifier=18.0, cpu_s_drafters=0.2, cpu_s_router=0.4, cpu_s_gateway=0.5, cpu_s_clients=0.3, cpu_s_redis=0.1
+    )
     table = cores_table(report).splitlines()
     # the in-process system has no such counters: only cosine's high-load row (wall 10 s)
     assert table[-1] == "| cosine | high load | 1.80 | 0.02 | 0.04 | 0.05 | 0.03 | 0.01 | 1.95 |"

@@ -10,8 +10,18 @@ from cosine_zoo.random_checkpoints import make_checkpoint
 
 
 def test_ours_and_transformers_compute_the_same_pass(tmp_path):
-    path = make_checkpoint(tmp_path / "t", "llama", seed=0, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    path = make_checkpoint(
+        tmp_path / "t",
+        "llama",
+        seed=0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     runner = LMRunner.from_checkpoint(path, backend="sdpa")
     s = Shapes(runner, batch=3, context=20)
     ours = torch.stack(s.ours((-1, 0, 1, 2, 3)))

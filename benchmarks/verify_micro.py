@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from common.runtime.runner import LMRunner, SeqInput
-from common.spec.types import TokenTree
 from common.spec.acceptance import GreedyRule
+from common.spec.types import TokenTree
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--batches", default="1,8,32", help="batch sizes of the comparison with transformers (section 3)")
     ap.add_argument("--sections", default="1,2,3", help="sections to run (default: all)")
-    ap.add_argument("--peak-gbs", type=float, default=None, help="device memory bandwidth, GB/s, for the bound (known for H100/H200)")
+    ap.add_argument(
+        "--peak-gbs",
+        type=float,
+        default=None,
+        help="device memory bandwidth, GB/s, for the bound (known for H100/H200)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=None, help="device dense throughput, TFLOP/s, for the bound")
     return ap.parse_args(argv)
 
@@ -59,9 +64,17 @@ def build_random_target(args: argparse.Namespace, root: Path) -> Path:
 
     heads = max(1, args.hidden // 64)
     return make_checkpoint(
-        root / "target", "llama", seed=0, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        vocab_size=args.vocab, max_position_embeddings=4096, initializer_range=0.02,
+        root / "target",
+        "llama",
+        seed=0,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        vocab_size=args.vocab,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
     )
 
 
@@ -91,7 +104,9 @@ class Bench:
 
     def verify_pass(self, reqs: list[tuple], trees: list[TokenTree]) -> None:
         seqs = [
-            SeqInput(cache, (last, *t.tokens), (-1, *(0 if p < 0 else p + 1 for p in t.parents)), tuple(range(len(t) + 1)))
+            SeqInput(
+                cache, (last, *t.tokens), (-1, *(0 if p < 0 else p + 1 for p in t.parents)), tuple(range(len(t) + 1))
+            )
             for (cache, last), t in zip(reqs, trees)
         ]
         logits = self.runner.forward(seqs)
@@ -120,10 +135,12 @@ def main(argv: list[str] | None = None) -> None:
         path = args.target or build_random_target(args, Path(tmp))
         runner = LMRunner.from_checkpoint(path, dtype=args.dtype, device=args.device, backend=args.backend)
     cfg = runner.config
-    print(f"target: {runner.architecture} hidden={cfg.hidden_size} layers={runner.num_layers} "
-          f"heads={runner.num_heads}/{runner.num_kv_heads} vocab={runner.vocab_size} "
-          f"params={runner.num_parameters / 1e6:.1f}M dtype={args.dtype} device={args.device} "
-          f"backend={runner.backend.name} threads={torch.get_num_threads()} context={args.context}")
+    print(
+        f"target: {runner.architecture} hidden={cfg.hidden_size} layers={runner.num_layers} "
+        f"heads={runner.num_heads}/{runner.num_kv_heads} vocab={runner.vocab_size} "
+        f"params={runner.num_parameters / 1e6:.1f}M dtype={args.dtype} device={args.device} "
+        f"backend={runner.backend.name} threads={torch.get_num_threads()} context={args.context}"
+    )
     bench = Bench(runner, args.context, args.repeats)
     sections = {int(x) for x in args.sections.split(",") if x.strip()}
     if 1 in sections:
@@ -150,12 +167,16 @@ def section_chain(bench: Bench, args: argparse.Namespace) -> None:
 
 
 def section_batch(bench: Bench, args: argparse.Namespace) -> None:
-    print(f"\n2) batched verify throughput vs the same requests one by one "
-          f"(k={args.batch_k} chain per request, contexts {args.context // 2}..{args.context})")
+    print(
+        f"\n2) batched verify throughput vs the same requests one by one "
+        f"(k={args.batch_k} chain per request, contexts {args.context // 2}..{args.context})"
+    )
     print("   batch  batched ms  one-by-one ms  throughput x")
     for b in (1, 4, 16):
-        reqs = [bench.new_request(args.context // 2 + (i * args.context) // (2 * max(1, b - 1)) if b > 1 else args.context)
-                for i in range(b)]
+        reqs = [
+            bench.new_request(args.context // 2 + (i * args.context) // (2 * max(1, b - 1)) if b > 1 else args.context)
+            for i in range(b)
+        ]
         trees = [bench.tree(args.batch_k) for _ in range(b)]
         batched = bench.time(lambda: bench.verify_pass(reqs, trees))
         singles = bench.time(lambda: [bench.verify_pass([r], [t]) for r, t in zip(reqs, trees)])

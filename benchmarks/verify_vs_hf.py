@@ -50,7 +50,9 @@ def bound_s(runner: LMRunner, batch: int, context: int, new: int, peaks: Peaks) 
     item = torch.empty((), dtype=runner.dtype).element_size()
     params = runner.num_parameters
     kv = batch * context * runner.num_layers * 2 * runner.num_kv_heads * runner.head_dim * item
-    flops = 2 * params * batch * new + 4 * batch * new * context * runner.num_layers * runner.num_heads * runner.head_dim
+    flops = (
+        2 * params * batch * new + 4 * batch * new * context * runner.num_layers * runner.num_heads * runner.head_dim
+    )
     return max((params * item + kv) / (peaks.gbs * 1e9), flops / (peaks.tflops * 1e12))
 
 
@@ -96,8 +98,10 @@ class Shapes:
         """One pass over the new tokens ``ids[:, context:context + len(parents)]`` with that tree
         shape; returns per request the logits of every new token (the caches are left as they were)."""
         t = len(parents)
-        seqs = [SeqInput(c, tuple(self.ids[b, self.context:self.context + t].tolist()), tuple(parents), tuple(range(t)))
-                for b, c in enumerate(self.caches)]
+        seqs = [
+            SeqInput(c, tuple(self.ids[b, self.context : self.context + t].tolist()), tuple(parents), tuple(range(t)))
+            for b, c in enumerate(self.caches)
+        ]
         logits = self.runner.forward(seqs)
         for c in self.caches:
             c.discard_pending()
@@ -106,13 +110,15 @@ class Shapes:
     @torch.inference_mode()
     def hf(self, new: int) -> torch.Tensor:
         """The same as a chain through transformers: logits ``[batch, new, vocab]``."""
-        ids = self.ids[:, self.context:self.context + new].to(self.runner.device)
+        ids = self.ids[:, self.context : self.context + new].to(self.runner.device)
         out = self.runner.model(ids, past_key_values=self.hf_cache, use_cache=True)
         self.hf_cache.crop(-new)  # back to the context length
         return out.logits
 
 
-def compare(runner: LMRunner, context: int, batches: Sequence[int], repeats: int, peaks: Peaks | None) -> list[dict[str, float]]:
+def compare(
+    runner: LMRunner, context: int, batches: Sequence[int], repeats: int, peaks: Peaks | None
+) -> list[dict[str, float]]:
     """Print the table; return its rows (seconds)."""
     dev = runner.device
     print(f"\n3) verify pass vs a transformers forward with a DynamicCache, {context} cached tokens per request")
@@ -129,9 +135,11 @@ def compare(runner: LMRunner, context: int, batches: Sequence[int], repeats: int
             "hf_chain5": timed(lambda: s.hf(5), repeats, dev),
             "ours_tree10": timed(lambda: s.ours(TREE10), repeats, dev),
         }
-        line = (f"   {b:5d}  {row['ours_decode'] * 1e3:8.2f} ms  {row['hf_decode'] * 1e3:6.2f} ms  "
-                f"{row['ours_chain5'] * 1e3:8.2f} ms  {row['hf_chain5'] * 1e3:6.2f} ms  {row['ours_tree10'] * 1e3:8.2f} ms  "
-                f"{row['hf_chain5'] / row['ours_chain5']:14.2f}")
+        line = (
+            f"   {b:5d}  {row['ours_decode'] * 1e3:8.2f} ms  {row['hf_decode'] * 1e3:6.2f} ms  "
+            f"{row['ours_chain5'] * 1e3:8.2f} ms  {row['hf_chain5'] * 1e3:6.2f} ms  {row['ours_tree10'] * 1e3:8.2f} ms  "
+            f"{row['hf_chain5'] / row['ours_chain5']:14.2f}"
+        )
         if peaks:
             row["bound_chain5"] = bound_s(runner, b, context, 5, peaks)
             line += f"  {row['bound_chain5'] * 1e3:9.3f} ms  {row['ours_chain5'] / row['bound_chain5']:10.1f}"

@@ -127,9 +127,16 @@ def build_workload(
     reqs = []
     for i in range(n):
         domain, prompt, ids = items[i % len(items)]
-        reqs.append(BenchRequest(
-            index=i, domain=domain, prompt=prompt, prompt_ids=tuple(ids), max_new_tokens=max_new_tokens,
-            arrival_s=arrivals[i], temperature=spec.temperature,
-            seed=None if spec.greedy else rng.randrange(2**31),
-        ))
+        reqs.append(
+            BenchRequest(
+                index=i,
+                domain=domain,
+                prompt=prompt,
+                prompt_ids=tuple(ids),
+                max_new_tokens=max_new_tokens,
+                arrival_s=arrivals[i],
+                temperature=spec.temperature,
+                seed=None if spec.greedy else rng.randrange(2**31),
+            )
+        )
     return Workload(spec, reqs, offered, rates)

@@ -44,7 +44,9 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=stream, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=max(numeric, logging.WARNING), stream=stream, format="%(levelname)s %(name)s: %(message)s"
+    )
 
 
 def _add_service(service: str):

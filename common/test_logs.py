@@ -45,7 +45,9 @@ def test_stream_closed_from_another_task_unwinds_cleanly():
 
     async def main():
         loop = asyncio.get_running_loop()
-        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx.get("exception") or RuntimeError(ctx["message"])))
+        loop.set_exception_handler(
+            lambda _loop, ctx: errors.append(ctx.get("exception") or RuntimeError(ctx["message"]))
+        )
         gen = stream()
         assert await asyncio.create_task(gen.__anext__()) == 1  # the generator runs in one task's context
         await asyncio.create_task(gen.aclose())  # and is closed in another's

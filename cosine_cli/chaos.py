@@ -29,22 +29,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     from cosine_cli.chaos_run import VICTIMS
 
     p = sub.add_parser(
-        "chaos", help="kill each service of a local cluster under load (drafter, verifier, router, gateway, Redis) and report",
+        "chaos",
+        help="kill each service of a local cluster under load (drafter, verifier, router, gateway, Redis) and report",
         description="Start a local cluster (as `cosine up`, supervised), run a greedy workload once undisturbed for reference "
         "outputs, then once per victim while that process is SIGKILLed and restarted by the supervisor. Reports requests "
         "sent, completed, failed, retried (after UNAVAILABLE) and outputs that differ from the undisturbed run, per kill "
         "and in total. Exit status 0 when nothing failed or differed, 1 otherwise.",
     )
-    p.add_argument("--zoo", default=DEFAULT_ZOO, help=f"model zoo directory (default: {DEFAULT_ZOO}; the tiny test zoo works too)")
-    p.add_argument("--victims", default=",".join(VICTIMS),
-                   help=f"comma-separated processes to kill, in order (default: {','.join(VICTIMS)})")
+    p.add_argument(
+        "--zoo", default=DEFAULT_ZOO, help=f"model zoo directory (default: {DEFAULT_ZOO}; the tiny test zoo works too)"
+    )
+    p.add_argument(
+        "--victims",
+        default=",".join(VICTIMS),
+        help=f"comma-separated processes to kill, in order (default: {','.join(VICTIMS)})",
+    )
     p.add_argument("--requests", type=int, default=24, help="requests per run of the workload (default: 24)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default: 8)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
-    p.add_argument("--retry-window", type=float, default=90.0, metavar="S",
-                   help="how long a client keeps re-sending a request that failed with UNAVAILABLE (default: 90)")
-    p.add_argument("--recovery-timeout", type=float, default=180.0, metavar="S",
-                   help="how long to wait for a killed process to be back before the next kill (default: 180)")
+    p.add_argument(
+        "--retry-window",
+        type=float,
+        default=90.0,
+        metavar="S",
+        help="how long a client keeps re-sending a request that failed with UNAVAILABLE (default: 90)",
+    )
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=180.0,
+        metavar="S",
+        help="how long to wait for a killed process to be back before the next kill (default: 180)",
+    )
     p.add_argument("--drafter-processes", type=int, default=1, help="drafter processes in the cluster (default: 1)")
     p.add_argument("--log-dir", default=".cosine/chaos-logs", help="where each service writes its log")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
@@ -57,25 +73,45 @@ def _victims(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if v not in VICTIMS]
     if bad or not names:
-        raise SystemExit(f"cosine chaos: error: --victims: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(VICTIMS)}")
+        raise SystemExit(
+            f"cosine chaos: error: --victims: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(VICTIMS)}"
+        )
     return names
 
 
 def total(kills: list[Any]) -> dict[str, Any]:
     keys = ("sent", "completed", "failed", "retries", "differ", "restarts")
-    return {"name": "total", **{k: sum(getattr(r, k) for r in kills) for k in keys},
-            "killed": sorted({r.victim for r in kills if r.restarts > 0})}
+    return {
+        "name": "total",
+        **{k: sum(getattr(r, k) for r in kills) for k in keys},
+        "killed": sorted({r.victim for r in kills if r.restarts > 0}),
+    }
 
 
 def print_table(reference: Any, kills: list[Any], tot: dict[str, Any]) -> None:
-    rows = [(reference.name, reference.sent, reference.completed, reference.failed, reference.retries, "-", "-", "-", "-")]
+    rows = [
+        (reference.name, reference.sent, reference.completed, reference.failed, reference.retries, "-", "-", "-", "-")
+    ]
     for r in kills:
         back = f"{r.back_after_s:.1f} s" if r.back_after_s is not None else "not back"
         rows.append((r.name, r.sent, r.completed, r.failed, r.retries, r.differ, r.in_flight_at_kill, r.restarts, back))
-    rows.append(("total (kills)", tot["sent"], tot["completed"], tot["failed"], tot["retries"], tot["differ"], "-",
-                 tot["restarts"], "-"))
+    rows.append(
+        (
+            "total (kills)",
+            tot["sent"],
+            tot["completed"],
+            tot["failed"],
+            tot["retries"],
+            tot["differ"],
+            "-",
+            tot["restarts"],
+            "-",
+        )
+    )
     widths = [max(len(str(c)) for c in col) for col in zip(COLUMNS, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    line = lambda cells: "  ".join(
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )  # noqa: E731
     print(line(COLUMNS))
     for row in rows:
         print(line(row))
@@ -91,28 +127,56 @@ async def run_chaos(args: argparse.Namespace, victims: list[str], say) -> dict[s
     from cosine_cli.workload import mixed_workload
 
     zoo = load_zoo_or_exit(args.zoo)
-    spec = ClusterSpec(target=str(zoo.target.path), drafters={n: str(d.path) for n, d in zoo.drafters.items()},
-                       drafter_domains={n: list(d.domains) for n, d in zoo.drafters.items()}, gateway_port=0,
-                       drafter_processes=args.drafter_processes, log_dir=args.log_dir)
+    spec = ClusterSpec(
+        target=str(zoo.target.path),
+        drafters={n: str(d.path) for n, d in zoo.drafters.items()},
+        drafter_domains={n: list(d.domains) for n, d in zoo.drafters.items()},
+        gateway_port=0,
+        drafter_processes=args.drafter_processes,
+        log_dir=args.log_dir,
+    )
     prompts = [p for _, p in mixed_workload(zoo.prompts, args.requests)]
     cluster = LocalCluster(spec)
     try:
         await cluster.start_async(progress=True)
         await seed_zoo(cluster.redis_url, spec.prefix, zoo)
         cluster.supervise(backoff=Backoff(initial_s=0.5), say=say)
-        say(f"chaos      reference run: {len(prompts)} requests, {args.concurrency} at a time, {args.max_new_tokens} new tokens")
-        outcomes = await run_workload(cluster.gateway_address, prompts, args.concurrency, args.max_new_tokens, args.retry_window)
+        say(
+            f"chaos      reference run: {len(prompts)} requests, {args.concurrency} at a time, {args.max_new_tokens} new tokens"
+        )
+        outcomes = await run_workload(
+            cluster.gateway_address, prompts, args.concurrency, args.max_new_tokens, args.retry_window
+        )
         reference = tally(PhaseReport("reference"), outcomes, None)
         ref_tokens = [o.tokens for o in outcomes]
         kills = []
         for i, victim in enumerate(victims, 1):
             say(f"chaos      run {i}/{len(victims)}: kill {victim}")
-            kills.append(await kill_phase(cluster, victim, prompts, ref_tokens, args.concurrency, args.max_new_tokens,
-                                          args.retry_window, args.recovery_timeout, say))
+            kills.append(
+                await kill_phase(
+                    cluster,
+                    victim,
+                    prompts,
+                    ref_tokens,
+                    args.concurrency,
+                    args.max_new_tokens,
+                    args.retry_window,
+                    args.recovery_timeout,
+                    say,
+                )
+            )
     finally:
         cluster.stop()
-    return {"schema": REPORT_SCHEMA, "zoo": args.zoo, "requests": len(prompts), "concurrency": args.concurrency,
-            "max_new_tokens": args.max_new_tokens, "reference": reference, "kills": kills, "total": total(kills)}
+    return {
+        "schema": REPORT_SCHEMA,
+        "zoo": args.zoo,
+        "requests": len(prompts),
+        "concurrency": args.concurrency,
+        "max_new_tokens": args.max_new_tokens,
+        "reference": reference,
+        "kills": kills,
+        "total": total(kills),
+    }
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:

@@ -62,14 +62,16 @@ class PhaseReport:
         return asdict(self)
 
 
-async def generate_with_retries(client: AsyncClient, prompt: str, index: int, max_new_tokens: int,
-                                retry_window_s: float, timeout_s: float) -> Outcome:
+async def generate_with_retries(
+    client: AsyncClient, prompt: str, index: int, max_new_tokens: int, retry_window_s: float, timeout_s: float
+) -> Outcome:
     """Greedy generation of ``prompt``; UNAVAILABLE is retried with backoff within the window."""
     t0 = time.monotonic()
     attempts = 0
     try:
-        async for attempt in CHAOS_RETRY.retrying(retry=retry_if_exception(_unavailable),
-                                                  stop=stop_before_delay(retry_window_s)):
+        async for attempt in CHAOS_RETRY.retrying(
+            retry=retry_if_exception(_unavailable), stop=stop_before_delay(retry_window_s)
+        ):
             with attempt:
                 attempts += 1
                 gen = await client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0, timeout=timeout_s)
@@ -88,14 +90,22 @@ class Counts:
     finished: int = 0
 
 
-async def run_workload(address: str, prompts: Sequence[str], concurrency: int, max_new_tokens: int,
-                       retry_window_s: float = 90.0, timeout_s: float = 300.0, counts: Counts | None = None,
-                       on_done: Callable[[Counts], None] | None = None) -> list[Outcome]:
+async def run_workload(
+    address: str,
+    prompts: Sequence[str],
+    concurrency: int,
+    max_new_tokens: int,
+    retry_window_s: float = 90.0,
+    timeout_s: float = 300.0,
+    counts: Counts | None = None,
+    on_done: Callable[[Counts], None] | None = None,
+) -> list[Outcome]:
     """Every prompt once, ``concurrency`` at a time; outcomes in prompt order. ``counts`` follows
     the requests started and finished; ``on_done`` is called with it after each request."""
     sem = asyncio.Semaphore(max(1, concurrency))
     counts = counts if counts is not None else Counts()
     async with AsyncClient(address) as client:
+
         async def one(i: int, prompt: str) -> Outcome:
             async with sem:
                 counts.started += 1
@@ -108,14 +118,19 @@ async def run_workload(address: str, prompts: Sequence[str], concurrency: int, m
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-def tally(report: PhaseReport, outcomes: Sequence[Outcome], reference: Sequence[tuple[int, ...] | None] | None) -> PhaseReport:
+def tally(
+    report: PhaseReport, outcomes: Sequence[Outcome], reference: Sequence[tuple[int, ...] | None] | None
+) -> PhaseReport:
     report.sent = len(outcomes)
     report.completed = sum(o.tokens is not None for o in outcomes)
     report.failed = report.sent - report.completed
     report.retries = sum(o.attempts - 1 for o in outcomes)
     if reference is not None:
-        report.differ = sum(1 for o in outcomes if o.tokens is not None and reference[o.index] is not None
-                            and o.tokens != reference[o.index])
+        report.differ = sum(
+            1
+            for o in outcomes
+            if o.tokens is not None and reference[o.index] is not None and o.tokens != reference[o.index]
+        )
     for o in outcomes:
         if o.error:
             key = o.error.split(":", 1)[0]
@@ -149,9 +164,17 @@ async def wait_back(cluster: Any, process: str, timeout_s: float) -> float | Non
     return None
 
 
-async def kill_phase(cluster: Any, victim: str, prompts: Sequence[str], reference: Sequence[tuple[int, ...] | None],
-                     concurrency: int, max_new_tokens: int, retry_window_s: float, recovery_timeout_s: float,
-                     say: Callable[[str], None]) -> PhaseReport:
+async def kill_phase(
+    cluster: Any,
+    victim: str,
+    prompts: Sequence[str],
+    reference: Sequence[tuple[int, ...] | None],
+    concurrency: int,
+    max_new_tokens: int,
+    retry_window_s: float,
+    recovery_timeout_s: float,
+    say: Callable[[str], None],
+) -> PhaseReport:
     """Run the workload and SIGKILL ``victim`` once a quarter of it has finished; wait until the
     supervisor has brought it back and the router sees every model again."""
     process = "drafter-0" if victim == "drafter" else victim
@@ -179,8 +202,9 @@ async def kill_phase(cluster: Any, victim: str, prompts: Sequence[str], referenc
 
     t0 = time.monotonic()
     kill_task = asyncio.create_task(killer())
-    outcomes = await run_workload(cluster.gateway_address, prompts, concurrency, max_new_tokens, retry_window_s,
-                                  counts=counts, on_done=on_done)
+    outcomes = await run_workload(
+        cluster.gateway_address, prompts, concurrency, max_new_tokens, retry_window_s, counts=counts, on_done=on_done
+    )
     trigger.set()
     await kill_task
     report.wall_s = time.monotonic() - t0
@@ -197,6 +221,8 @@ async def kill_phase(cluster: Any, victim: str, prompts: Sequence[str], referenc
     report.restarts = cluster.supervisor.restarts.get(process, 0) - restarts_before
     tally(report, outcomes, reference)
     back_txt = f"back after {report.back_after_s:.1f} s" if report.back_after_s is not None else "NOT back"
-    say(f"chaos      {process} {back_txt}; {report.completed}/{report.sent} completed, {report.failed} failed, "
-        f"{report.retries} retries, {report.differ} differ")
+    say(
+        f"chaos      {process} {back_txt}; {report.completed}/{report.sent} completed, {report.failed} failed, "
+        f"{report.retries} retries, {report.differ} differ"
+    )
     return report

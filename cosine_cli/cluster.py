@@ -25,12 +25,12 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from common.platform.grpc_server import join_host_port, wait_healthy
-from cosine_cli.redis_server import RedisServer, free_port
 from common.platform.tls import TlsConfig, open_channel
+from cosine_cli.redis_server import RedisServer, free_port
 
 
 class ClusterError(RuntimeError):
@@ -63,7 +63,12 @@ def tls_args(tls: TlsConfig | None) -> list[str]:
     if tls is None or not tls.enabled:
         return []
     args = []
-    for flag, value in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca), ("--tls-server-name", tls.server_name)):
+    for flag, value in (
+        ("--tls-cert", tls.cert),
+        ("--tls-key", tls.key),
+        ("--tls-ca", tls.ca),
+        ("--tls-server-name", tls.server_name),
+    ):
         if value:
             args += [flag, value]
     return args + (["--tls-client-auth"] if tls.client_auth else [])
@@ -142,26 +147,44 @@ class LocalCluster:
         address = f"{self.spec.host}:{port}"
         metrics_port = self._port()  # every process of every local cluster: its own /metrics
         cmd = [
-            sys.executable, "-m", module, "--host", self.spec.host, "--port", str(port),
-            "--redis-url", self.redis_url, "--redis-prefix", self.spec.prefix, "--member-id", name,
-            "--metrics-port", str(metrics_port), *tls_args(self.spec.tls), *args,
+            sys.executable,
+            "-m",
+            module,
+            "--host",
+            self.spec.host,
+            "--port",
+            str(port),
+            "--redis-url",
+            self.redis_url,
+            "--redis-prefix",
+            self.spec.prefix,
+            "--member-id",
+            name,
+            "--metrics-port",
+            str(metrics_port),
+            *tls_args(self.spec.tls),
+            *args,
         ]
         if threads:
             cmd += ["--torch-threads", str(threads)]
         with open(log_path, "ab") as log:
-            popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
+            popen = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
         proc = Proc(name, popen, address, log_path, f"{self.spec.host}:{metrics_port}", cmd, env)
         self.procs.append(proc)
         return proc
 
     async def _wait(self, procs: Sequence[Proc], what: str) -> None:
         async def one(p: Proc) -> None:
-            ok = await wait_healthy(p.address, self.spec.startup_timeout_s, is_alive=lambda: p.popen.poll() is None,
-                                    tls=self.spec.tls)
+            ok = await wait_healthy(
+                p.address, self.spec.startup_timeout_s, is_alive=lambda: p.popen.poll() is None, tls=self.spec.tls
+            )
             if not ok:
                 tail = _tail(p.log_path)
-                state = f"exited with status {p.popen.returncode}" if p.popen.poll() is not None else "not healthy in time"
+                state = (
+                    f"exited with status {p.popen.returncode}" if p.popen.poll() is not None else "not healthy in time"
+                )
                 raise ClusterError(f"{p.name} {state}; last log lines:\n{tail}")
 
         await asyncio.gather(*(one(p) for p in procs))
@@ -181,12 +204,20 @@ class LocalCluster:
         v_threads, d_threads = thread_budget(cores, len(groups))
         say(f"threads    {cores} cores: verifier {v_threads}, {len(groups)} drafter process(es) x {d_threads}")
         try:
-            verifier = self._spawn("verifier", "services.verifier", self._port(), ["--target", spec.target, *spec.verifier_args], v_threads)
+            verifier = self._spawn(
+                "verifier", "services.verifier", self._port(), ["--target", spec.target, *spec.verifier_args], v_threads
+            )
             drafters = []
             for i, group in enumerate(groups):
                 args = [a for name, path in group.items() for a in ("--drafters", f"{name}={path}")]
-                drafters.append(self._spawn(f"drafter-{i}", "services.drafter", self._port(), [*args, *spec.drafter_args], d_threads))
-            say(f"starting   verifier ({spec.target}) and {len(spec.drafters)} drafter(s): {', '.join(sorted(spec.drafters))}")
+                drafters.append(
+                    self._spawn(
+                        f"drafter-{i}", "services.drafter", self._port(), [*args, *spec.drafter_args], d_threads
+                    )
+                )
+            say(
+                f"starting   verifier ({spec.target}) and {len(spec.drafters)} drafter(s): {', '.join(sorted(spec.drafters))}"
+            )
             await self._wait([verifier, *drafters], "models")
             self.verifier_address = verifier.address
             await self._start_control_plane(spec.router_args, len(spec.drafters), spec.gateway_port)
@@ -196,36 +227,60 @@ class LocalCluster:
         say(f"ready      gateway at {self.gateway_address} (logs in {spec.log_dir}/)")
         return self.gateway_address
 
-    async def _start_control_plane(self, router_args: Sequence[str], drafters: int, gateway_port: int = 0,
-                                   tag: str = "") -> ControlPlane:
+    async def _start_control_plane(
+        self, router_args: Sequence[str], drafters: int, gateway_port: int = 0, tag: str = ""
+    ) -> ControlPlane:
         """A router with ``router_args`` and its gateway; the cluster's own unless ``tag`` names
         another one (its processes are then ``router-<tag>`` and ``gateway-<tag>``)."""
         spec = self.spec
         suffix = f"-{tag}" if tag else ""
-        router = self._spawn(f"router{suffix}", "services.router", self._port(),
-                             ["--verifier-address", self.verifier_address, *router_args])
+        router = self._spawn(
+            f"router{suffix}",
+            "services.router",
+            self._port(),
+            ["--verifier-address", self.verifier_address, *router_args],
+        )
         await self._wait([router], "router")
         if not tag:
             self._ports.update(p for p in (spec.http_port, gateway_port) if p)
         http_port = (spec.http_port if not tag else 0) or self._port()
-        gateway = self._spawn(f"gateway{suffix}", "services.gateway", (gateway_port if not tag else 0) or self._port(),
-                              ["--router-address", router.address, "--tokenizer", spec.target, "--http-port", str(http_port),
-                               *spec.gateway_args])
+        gateway = self._spawn(
+            f"gateway{suffix}",
+            "services.gateway",
+            (gateway_port if not tag else 0) or self._port(),
+            [
+                "--router-address",
+                router.address,
+                "--tokenizer",
+                spec.target,
+                "--http-port",
+                str(http_port),
+                *spec.gateway_args,
+            ],
+        )
         await self._wait([gateway], "gateway")
         scheme = "https" if spec.tls is not None and spec.tls.serves_tls else "http"
         plane = ControlPlane(router.address, gateway.address, f"{scheme}://{join_host_port(spec.host, http_port)}")
         if not tag:
-            self.router_address, self.gateway_address, self.http_url = plane.router_address, plane.gateway_address, plane.http_url
+            self.router_address, self.gateway_address, self.http_url = (
+                plane.router_address,
+                plane.gateway_address,
+                plane.http_url,
+            )
         await self._wait_router_ready(drafters, router.address)
         return plane
 
-    async def add_control_plane_async(self, router_args: Sequence[str], tag: str, drafters: int | None = None) -> ControlPlane:
+    async def add_control_plane_async(
+        self, router_args: Sequence[str], tag: str, drafters: int | None = None
+    ) -> ControlPlane:
         """Another router (flags ``router_args``) and gateway beside the cluster's own, sharing its
         Redis, verifier and drafters: a benchmark compares router configurations on the same loaded
         models without restarting anything between them. ``tag`` names its processes."""
         if not tag or any(p.name in (f"router-{tag}", f"gateway-{tag}") for p in self.procs):
             raise ClusterError(f"control plane tag {tag!r} is empty or already in use")
-        return await self._start_control_plane(router_args, len(self.spec.drafters) if drafters is None else drafters, tag=tag)
+        return await self._start_control_plane(
+            router_args, len(self.spec.drafters) if drafters is None else drafters, tag=tag
+        )
 
     def add_control_plane(self, router_args: Sequence[str], tag: str, drafters: int | None = None) -> ControlPlane:
         return asyncio.run(self.add_control_plane_async(router_args, tag, drafters))
@@ -309,8 +364,9 @@ class LocalCluster:
             p.popen, p.started_at = self.redis.popen, time.monotonic()
             return p
         with open(p.log_path, "ab") as log:
-            p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=p.env,
-                                       start_new_session=True)
+            p.popen = subprocess.Popen(
+                p.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=p.env, start_new_session=True
+            )
         p.started_at = time.monotonic()
         return p
 
@@ -347,14 +403,26 @@ class LocalCluster:
         tls = self.spec.tls
         if tls is None or not tls.enabled:
             return {"tls": False}
-        return {"tls": True, "tls_ca": tls.ca, "tls_cert": tls.cert, "tls_key": tls.key, "tls_server_name": tls.server_name}
+        return {
+            "tls": True,
+            "tls_ca": tls.ca,
+            "tls_cert": tls.cert,
+            "tls_key": tls.key,
+            "tls_server_name": tls.server_name,
+        }
 
     def state(self) -> dict[str, Any]:
         """What `cosine generate` and `cosine status` need to reach the cluster (``tls``: the paths
         they dial with, when the cluster runs TLS)."""
-        return {"gateway": self.gateway_address, "http": self.http_url, "router": self.router_address, "redis_url": self.redis_url,
-                "prefix": self.spec.prefix, "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address},
-                "tls": self.client_tls()}
+        return {
+            "gateway": self.gateway_address,
+            "http": self.http_url,
+            "router": self.router_address,
+            "redis_url": self.redis_url,
+            "prefix": self.spec.prefix,
+            "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address},
+            "tls": self.client_tls(),
+        }
 
     def __enter__(self) -> LocalCluster:
         self.start(progress=False)
@@ -373,8 +441,10 @@ def _tail(path: Path, lines: int = 15) -> str:
     for line in text:
         try:
             event = json.loads(line)
-            out.append(f"  {event.get('level', '')} {event.get('event', '')} " + " ".join(
-                f"{k}={v}" for k, v in event.items() if k not in ("level", "event", "timestamp", "service")))
+            out.append(
+                f"  {event.get('level', '')} {event.get('event', '')} "
+                + " ".join(f"{k}={v}" for k, v in event.items() if k not in ("level", "event", "timestamp", "service"))
+            )
         except ValueError:
             out.append("  " + line)
     return "\n".join(out)

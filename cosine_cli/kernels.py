@@ -12,16 +12,25 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    kernels = sub.add_parser("kernels", help="the project's C++ CPU kernels (attention and projections)",
-                             description="Build the project's C++ CPU kernels for this machine's CPU and cache "
-                             "them, so that no request waits for the compiler.")
+    kernels = sub.add_parser(
+        "kernels",
+        help="the project's C++ CPU kernels (attention and projections)",
+        description="Build the project's C++ CPU kernels for this machine's CPU and cache "
+        "them, so that no request waits for the compiler.",
+    )
     what = kernels.add_subparsers(dest="kernels_command", metavar="ACTION", required=True)
-    build = what.add_parser("build", help="build and cache the kernels for this CPU (only loads a cached build)",
-                            description="Build the kernels for this CPU into the cache (COSINE_CACHE_DIR, else "
-                            "~/.cache/cosine), check them against torch, and say for which instruction set; "
-                            "where they cannot be built, say why. Exits 0 either way unless --require.")
-    build.add_argument("--require", action="store_true",
-                       help="exit 1 when the kernels are left out (for an image build that must have them)")
+    build = what.add_parser(
+        "build",
+        help="build and cache the kernels for this CPU (only loads a cached build)",
+        description="Build the kernels for this CPU into the cache (COSINE_CACHE_DIR, else "
+        "~/.cache/cosine), check them against torch, and say for which instruction set; "
+        "where they cannot be built, say why. Exits 0 either way unless --require.",
+    )
+    build.add_argument(
+        "--require",
+        action="store_true",
+        help="exit 1 when the kernels are left out (for an image build that must have them)",
+    )
     build.set_defaults(func=cmd_build)
 
 
@@ -35,4 +44,3 @@ def cmd_build(args: argparse.Namespace) -> int:
     result = streamed_linear.build_kernels()
     print(streamed_linear.describe(result), flush=True)
     return 1 if args.require and result.module is None else 0
-

@@ -27,4 +27,6 @@ def load_zoo_or_exit(path: str) -> Any:
     try:
         return load_zoo(path)
     except CheckpointError as exc:
-        raise SystemExit(f"cosine: error: {exc}\n  (build one with: cosine models build --profile smol --out {path})") from None
+        raise SystemExit(
+            f"cosine: error: {exc}\n  (build one with: cosine models build --profile smol --out {path})"
+        ) from None

@@ -16,14 +16,25 @@ from cosine_cli.local_state import DEFAULT_ZOO, load_zoo_or_exit, read_state
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    pr = sub.add_parser("profile", help="write drafter expertise profiles into Redis (a zoo's acceptance matrix, or measured)",
-                        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix, and the domain lexicon of its lexicon.json. With --measure: "
-                        "for real checkpoints, measure each drafter's mean accepted tokens per round (greedy, chain of --k) on "
-                        "prompts of each domain, then write them.")
+    pr = sub.add_parser(
+        "profile",
+        help="write drafter expertise profiles into Redis (a zoo's acceptance matrix, or measured)",
+        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix, and the domain lexicon of its lexicon.json. With --measure: "
+        "for real checkpoints, measure each drafter's mean accepted tokens per round (greedy, chain of --k) on "
+        "prompts of each domain, then write them.",
+    )
     pr.add_argument("--zoo", default=DEFAULT_ZOO, help="model zoo directory whose zoo.json holds the acceptance matrix")
-    pr.add_argument("--measure", action="store_true", help="measure instead of reading a zoo (needs --target, --drafter, --prompts)")
+    pr.add_argument(
+        "--measure", action="store_true", help="measure instead of reading a zoo (needs --target, --drafter, --prompts)"
+    )
     pr.add_argument("--target", help="target checkpoint directory (with --measure)")
-    pr.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH", help="drafter checkpoint (with --measure; repeatable)")
+    pr.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="drafter checkpoint (with --measure; repeatable)",
+    )
     pr.add_argument("--prompts", help='JSON lines of {"domain": ..., "text": ...} (with --measure)')
     pr.add_argument("--k", type=int, default=4, help="speculation length of the measurement")
     pr.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt in the measurement")
@@ -31,16 +42,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--redis-prefix", default="cosine")
     pr.add_argument("--prior-weight", type=float, default=20.0, help="how many rounds the offline figures count for")
     pr.add_argument("--reset", action="store_true", help="drop online statistics too")
-    pr.add_argument("--corpus", metavar="FILE",
-                    help='JSON lines of {"domain": ..., "text": ...}: text the target wrote (completions with their prompts, '
-                         "e.g. from your logs), tokenized with the target's tokenizer (--target, else the zoo's) and seeded as the "
-                         "routers' lookup corpus instead of the zoo's")
+    pr.add_argument(
+        "--corpus",
+        metavar="FILE",
+        help='JSON lines of {"domain": ..., "text": ...}: text the target wrote (completions with their prompts, '
+        "e.g. from your logs), tokenized with the target's tokenizer (--target, else the zoo's) and seeded as the "
+        "routers' lookup corpus instead of the zoo's",
+    )
     pr.set_defaults(func=cmd_profile)
 
 
-async def seed_profiles(redis_url: str, prefix: str, matrix: dict[str, dict[str, float]], prior_weight: float, reset: bool = False,
-                        lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
-                        corpus: Mapping[str, Sequence[Sequence[int]]] | None = None) -> int:
+async def seed_profiles(
+    redis_url: str,
+    prefix: str,
+    matrix: dict[str, dict[str, float]],
+    prior_weight: float,
+    reset: bool = False,
+    lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
+    corpus: Mapping[str, Sequence[Sequence[int]]] | None = None,
+) -> int:
     """Write the zoo's acceptance matrix as profile priors and, when given, its domain lexicon and
     the routers' lookup corpus (``reset``: drop the online figures and the lexicon routers learned)."""
     from common.platform.store import Store
@@ -64,7 +84,9 @@ async def seed_zoo(redis_url: str, prefix: str, zoo: Any) -> int:
     return await seed_profiles(redis_url, prefix, zoo.acceptance, 20.0, lexicon=zoo.lexicon, corpus=zoo.lookup_corpus)
 
 
-def measure_matrix(target: str, drafters: dict[str, str], prompts: dict[str, list[str]], k: int, new_tokens: int) -> dict[str, dict[str, float]]:
+def measure_matrix(
+    target: str, drafters: dict[str, str], prompts: dict[str, list[str]], k: int, new_tokens: int
+) -> dict[str, dict[str, float]]:
     """Drafter x domain mean accepted draft tokens per round (greedy, chains of k) on real checkpoints."""
     from common.runtime.checkpoints import load_causal_lm, load_tokenizer, read_config
     from common.runtime.draft_vocab import load_draft_vocab
@@ -73,7 +95,9 @@ def measure_matrix(target: str, drafters: dict[str, str], prompts: dict[str, lis
     tok = load_tokenizer(target)
     model = load_causal_lm(target)
     # a drafter with a reduced draft vocabulary speaks its own ids: map them like the runner does
-    models = {name: (load_causal_lm(path), load_draft_vocab(path, read_config(path))) for name, path in drafters.items()}
+    models = {
+        name: (load_causal_lm(path), load_draft_vocab(path, read_config(path))) for name, path in drafters.items()
+    }
     matrix: dict[str, dict[str, float]] = {name: {} for name in drafters}
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     for domain, texts in sorted(prompts.items()):
@@ -114,7 +138,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 2
     if args.measure:
         if not (args.target and args.drafter and args.prompts):
-            print("cosine profile: error: --measure needs --target, --drafter NAME=PATH and --prompts FILE", file=sys.stderr)
+            print(
+                "cosine profile: error: --measure needs --target, --drafter NAME=PATH and --prompts FILE",
+                file=sys.stderr,
+            )
             return 2
         drafters = dict(spec.partition("=")[::2] for spec in args.drafter)
         matrix = measure_matrix(args.target, drafters, read_prompts(args.prompts), args.k, args.new_tokens)
@@ -129,7 +156,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         corpus = read_corpus(args.corpus, tokenizer)
     for name, row in sorted(matrix.items()):
         print(f"{name:<16}" + "  ".join(f"{d}={v:.2f}" for d, v in sorted(row.items())))
-    n = asyncio.run(seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon, corpus=corpus))
-    print(f"seeded {n} drafter profile(s) from {source} into {url}" + (" with the zoo's domain lexicon" if lexicon else "")
-          + (f"; lookup corpus of {sum(map(len, corpus.values()))} sequences" if corpus else ""))
+    n = asyncio.run(
+        seed_profiles(url, args.redis_prefix, matrix, args.prior_weight, args.reset, lexicon=lexicon, corpus=corpus)
+    )
+    print(
+        f"seeded {n} drafter profile(s) from {source} into {url}"
+        + (" with the zoo's domain lexicon" if lexicon else "")
+        + (f"; lookup corpus of {sum(map(len, corpus.values()))} sequences" if corpus else "")
+    )
     return 0

@@ -43,8 +43,9 @@ class RedisServer:
     :meth:`kill`, :meth:`start` brings it back on the same port with the same directory.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, binary: str | None = None,
-                 persistent: bool = False):
+    def __init__(
+        self, host: str = "127.0.0.1", port: int | None = None, binary: str | None = None, persistent: bool = False
+    ):
         self.host = host
         self.port = port
         self.binary = binary or shutil.which("redis-server")
@@ -66,15 +67,29 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         if not self.binary:
-            raise RedisServerError("redis-server is not installed (Debian: apt-get install redis-server; `make setup` does it)")
+            raise RedisServerError(
+                "redis-server is not installed (Debian: apt-get install redis-server; `make setup` does it)"
+            )
         persistence = ["--appendonly", "yes", "--appendfsync", "no"] if self.persistent else ["--appendonly", "no"]
         for _attempt in range(5):
             port = self.port or free_port(self.host)
             if self._dir is None:
                 self._dir = tempfile.TemporaryDirectory(prefix="cosine-redis-")
             cmd = [
-                self.binary, "--port", str(port), "--bind", self.host, "--save", "", *persistence,
-                "--dir", self._dir.name, "--protected-mode", "no", "--loglevel", "warning",
+                self.binary,
+                "--port",
+                str(port),
+                "--bind",
+                self.host,
+                "--save",
+                "",
+                *persistence,
+                "--dir",
+                self._dir.name,
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
             ]
             log = open(Path(self._dir.name) / "redis.log", "ab")
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

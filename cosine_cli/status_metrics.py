@@ -48,6 +48,7 @@ def _mean(samples: Samples, histogram: str) -> float | None:
 def key_figures(per: Mapping[str, Samples]) -> dict[str, float | None]:
     """Requests, latency means, speculative-decoding totals and the round split, summed over the
     processes of each role (process names are role or role-N)."""
+
     def role(name: str) -> str:
         return name.split("-")[0]
 
@@ -61,9 +62,16 @@ def key_figures(per: Mapping[str, Samples]) -> dict[str, float | None]:
     drafted = total(router, "cosine_spec_draft_tokens_total")
     accepted = total(router, "cosine_spec_accepted_tokens_total")
     rounds = total(router, "cosine_router_rounds_total")
-    stages = {s: total(router, "cosine_router_round_seconds_total", stage=s) for s in ("draft", "verify", "orchestration")}
+    stages = {
+        s: total(router, "cosine_router_round_seconds_total", stage=s) for s in ("draft", "verify", "orchestration")
+    }
     round_time = sum(stages.values())
-    kv = [v for name, s in per.items() if role(name) in ("verifier", "drafter") for _, v in s.get("cosine_kv_cache_usage_ratio", [])]
+    kv = [
+        v
+        for name, s in per.items()
+        if role(name) in ("verifier", "drafter")
+        for _, v in s.get("cosine_kv_cache_usage_ratio", [])
+    ]
     figures: dict[str, float | None] = {
         "requests_ended": total(gateway, "cosine_requests_total"),
         "requests_running": total(gateway, "cosine_requests_running"),

@@ -40,8 +40,13 @@ class Backoff:
 class Supervisor:
     """Restarts dead processes of a :class:`~cosine_cli.cluster.LocalCluster` until stopped."""
 
-    def __init__(self, cluster: Any, interval_s: float = 0.25, backoff: Backoff | None = None,
-                 say: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        cluster: Any,
+        interval_s: float = 0.25,
+        backoff: Backoff | None = None,
+        say: Callable[[str], None] | None = None,
+    ):
         self.cluster = cluster
         self.interval_s = interval_s
         self.backoff = backoff or Backoff()

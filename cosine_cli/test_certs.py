@@ -31,7 +31,9 @@ def test_certs_writes_a_ca_a_service_and_a_client_certificate(tmp_path, capsys):
         leaf.verify_directly_issued_by(ca)
     san = service.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert {"localhost", "cosine", "gateway.example.com"} <= set(san.get_values_for_type(x509.DNSName))
-    assert {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("10.0.0.7")} <= set(san.get_values_for_type(x509.IPAddress))
+    assert {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("10.0.0.7")} <= set(
+        san.get_values_for_type(x509.IPAddress)
+    )
     usage = lambda cert: set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)  # noqa: E731
     assert usage(service) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     assert usage(client) == {ExtendedKeyUsageOID.CLIENT_AUTH}

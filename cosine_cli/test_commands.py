@@ -27,11 +27,29 @@ def test_profile_from_zoo_and_by_measuring(tiny_zoo, redis_url, redis_prefix, tm
             assert got[d].domains[domain].prior == value
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"domain": d, "text": t}) for d in tiny_zoo.domains for t in tiny_zoo.prompts[d][:2]))
+    prompts.write_text(
+        "\n".join(json.dumps({"domain": d, "text": t}) for d in tiny_zoo.domains for t in tiny_zoo.prompts[d][:2])
+    )
     prefix = redis_prefix + "-m"
     drafter = next(iter(tiny_zoo.drafters.values()))
-    rc = main(["profile", "--measure", "--target", str(tiny_zoo.target.path), "--drafter", f"x={drafter.path}",
-               "--prompts", str(prompts), "--redis-url", redis_url, "--redis-prefix", prefix, "--new-tokens", "8"])
+    rc = main(
+        [
+            "profile",
+            "--measure",
+            "--target",
+            str(tiny_zoo.target.path),
+            "--drafter",
+            f"x={drafter.path}",
+            "--prompts",
+            str(prompts),
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            prefix,
+            "--new-tokens",
+            "8",
+        ]
+    )
     assert rc == 0
     measured = profiles(redis_url, prefix, ["x"])["x"]
     assert set(measured.domains) == set(tiny_zoo.domains)
@@ -42,10 +60,28 @@ def test_profile_seeds_a_lookup_corpus_of_the_user_s_text(tiny_zoo, redis_url, r
     from common.runtime.checkpoints import load_tokenizer
 
     texts = tmp_path / "outputs.jsonl"
-    texts.write_text(json.dumps({"domain": "code", "text": "def f(x):\n    return x"}) + "\n"
-                     + json.dumps({"domain": "code", "text": "import os"}) + "\n")
-    assert main(["profile", "--zoo", str(tiny_zoo.root), "--corpus", str(texts), "--redis-url", redis_url,
-                 "--redis-prefix", redis_prefix]) == 0
+    texts.write_text(
+        json.dumps({"domain": "code", "text": "def f(x):\n    return x"})
+        + "\n"
+        + json.dumps({"domain": "code", "text": "import os"})
+        + "\n"
+    )
+    assert (
+        main(
+            [
+                "profile",
+                "--zoo",
+                str(tiny_zoo.root),
+                "--corpus",
+                str(texts),
+                "--redis-url",
+                redis_url,
+                "--redis-prefix",
+                redis_prefix,
+            ]
+        )
+        == 0
+    )
     assert "lookup corpus of 2 sequences" in capsys.readouterr().out
 
     async def load():

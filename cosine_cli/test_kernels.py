@@ -19,8 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def kernels_build(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosine_cli.main", "kernels", "build", *args], cwd=ROOT,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "cosine_cli.main", "kernels", "build", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def compiled(build_dir: Path) -> dict[str, int]:

@@ -34,11 +34,22 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    certs = sub.add_parser("certs", help="write a throwaway development CA and service/client certificates (TLS, mTLS)",
-                           description=CERTS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    certs.add_argument("--out", default=".cosine/certs", metavar="DIR", help="directory to write into (default: %(default)s)")
-    certs.add_argument("--name", action="append", default=[], metavar="NAME",
-                       help="extra DNS name or IP address for the service certificate (repeatable), e.g. gateway.example.com")
+    certs = sub.add_parser(
+        "certs",
+        help="write a throwaway development CA and service/client certificates (TLS, mTLS)",
+        description=CERTS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    certs.add_argument(
+        "--out", default=".cosine/certs", metavar="DIR", help="directory to write into (default: %(default)s)"
+    )
+    certs.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="extra DNS name or IP address for the service certificate (repeatable), e.g. gateway.example.com",
+    )
     certs.add_argument("--days", type=int, default=30, help="validity in days (default: %(default)s)")
     certs.add_argument("--force", action="store_true", help="replace certificates already in --out")
     certs.set_defaults(func=cmd_certs)
@@ -62,13 +73,33 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def add_client_tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None,
-                   help="dial TLS (implied by --tls-ca; default: $COSINE_TLS, or what `cosine up` started)")
-    p.add_argument("--tls-ca", default=None, metavar="PATH", help="CA bundle the server's certificate must chain to (default: $COSINE_TLS_CA)")
-    p.add_argument("--tls-cert", default=None, metavar="PATH", help="client certificate for a server that requires one (default: $COSINE_TLS_CERT)")
-    p.add_argument("--tls-key", default=None, metavar="PATH", help="private key of --tls-cert (default: $COSINE_TLS_KEY)")
-    p.add_argument("--tls-server-name", default=None, metavar="NAME",
-                   help="name the server's certificate must carry (default: the host dialled; $COSINE_TLS_SERVER_NAME)")
+    p.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dial TLS (implied by --tls-ca; default: $COSINE_TLS, or what `cosine up` started)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PATH",
+        help="CA bundle the server's certificate must chain to (default: $COSINE_TLS_CA)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PATH",
+        help="client certificate for a server that requires one (default: $COSINE_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key", default=None, metavar="PATH", help="private key of --tls-cert (default: $COSINE_TLS_KEY)"
+    )
+    p.add_argument(
+        "--tls-server-name",
+        default=None,
+        metavar="NAME",
+        help="name the server's certificate must carry (default: the host dialled; $COSINE_TLS_SERVER_NAME)",
+    )
 
 
 def client_tls(args: argparse.Namespace, state: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -94,7 +125,9 @@ def cluster_tls(args: argparse.Namespace) -> Any:
     if not certs.ca.exists():
         write_dev_certs(args.tls_dir)
         print(f"certs      wrote a development CA and certificates into {args.tls_dir}", file=sys.stderr)
-    tls = TlsConfig(cert=str(certs.cert.resolve()), key=str(certs.key.resolve()), ca=str(certs.ca.resolve()), client_auth=args.mtls)
+    tls = TlsConfig(
+        cert=str(certs.cert.resolve()), key=str(certs.key.resolve()), ca=str(certs.ca.resolve()), client_auth=args.mtls
+    )
     try:
         tls.check()
     except TlsError as exc:

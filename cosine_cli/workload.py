@@ -34,9 +34,16 @@ def mixed_workload(prompts: Mapping[str, Sequence[str]], count: int) -> list[tup
     return out
 
 
-async def run_workload(address: str, work: Sequence[tuple[str, str]], concurrency: int, max_new_tokens: int,
-                       progress: bool = False, desc: str = "demo requests", client_options: Mapping[str, Any] | None = None,
-                       **params) -> list[WorkResult]:
+async def run_workload(
+    address: str,
+    work: Sequence[tuple[str, str]],
+    concurrency: int,
+    max_new_tokens: int,
+    progress: bool = False,
+    desc: str = "demo requests",
+    client_options: Mapping[str, Any] | None = None,
+    **params,
+) -> list[WorkResult]:
     """Serve ``work`` through the gateway; ``client_options`` go to the AsyncClient (e.g. TLS)."""
     sem = asyncio.Semaphore(max(1, concurrency))
     bar = None
@@ -47,6 +54,7 @@ async def run_workload(address: str, work: Sequence[tuple[str, str]], concurrenc
     results: list[WorkResult] = []
 
     async with AsyncClient(address, timeout=600, **dict(client_options or {})) as client:
+
         async def one(domain: str, prompt: str) -> None:
             async with sem:
                 t0 = time.perf_counter()
@@ -88,8 +96,12 @@ def summarize(results: Sequence[WorkResult]) -> dict:
         for d, n in r.generation.stats.accepted_by_drafter.items():
             credited[r.domain][d] += n
     return {
-        "requests": len(results), "failed": len(results) - len(ok), "wall_s": wall, "tokens": tokens,
-        "tokens_per_s": tokens / wall if wall else 0.0, "rounds": rounds,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "rounds": rounds,
         "mean_accepted_len": accepted / rounds if rounds else 0.0,
         "tokens_per_round": tokens / rounds if rounds else 0.0,
         "latency_mean_s": sum(r.latency_s for r in ok) / len(ok) if ok else 0.0,
@@ -104,7 +116,9 @@ def print_summary(results: Sequence[WorkResult], router_address: str = "") -> di
     print(f"requests        {s['requests']} ({s['failed']} failed) in {s['wall_s']:.1f} s")
     print(f"throughput      {s['tokens_per_s']:.1f} tokens/s ({s['tokens']} tokens)")
     print(f"mean latency    {s['latency_mean_s']:.2f} s")
-    print(f"per round       {s['mean_accepted_len']:.2f} draft tokens accepted, {s['tokens_per_round']:.2f} tokens committed")
+    print(
+        f"per round       {s['mean_accepted_len']:.2f} draft tokens accepted, {s['tokens_per_round']:.2f} tokens committed"
+    )
     drafters = sorted({d for v in s["served"].values() for d in v})
     if drafters:
         print()
@@ -134,8 +148,18 @@ def print_speedup(cosine: dict, plain_results: Sequence[WorkResult], cosine_resu
     speedup = cosine["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
     latency = cosine["latency_mean_s"] / plain["latency_mean_s"] if plain["latency_mean_s"] else 0.0
     print()
-    print(f"target alone    {plain['tokens_per_s']:.1f} tokens/s, mean latency {plain['latency_mean_s']:.2f} s "
-          f"(same requests, drafting off)")
-    print(f"speed-up        {speedup:.2f}x throughput, {latency:.2f}x latency; "
-          f"{same}/{len(pairs)} outputs identical to the target's own")
-    return {"target_alone": plain, "speedup": speedup, "latency_ratio": latency, "identical": same, "compared": len(pairs)}
+    print(
+        f"target alone    {plain['tokens_per_s']:.1f} tokens/s, mean latency {plain['latency_mean_s']:.2f} s "
+        f"(same requests, drafting off)"
+    )
+    print(
+        f"speed-up        {speedup:.2f}x throughput, {latency:.2f}x latency; "
+        f"{same}/{len(pairs)} outputs identical to the target's own"
+    )
+    return {
+        "target_alone": plain,
+        "speedup": speedup,
+        "latency_ratio": latency,
+        "identical": same,
+        "compared": len(pairs),
+    }

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
-
 from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
 
 from common.platform.retry import RetryPolicy
@@ -41,7 +40,9 @@ def build_request(
 ) -> gateway_pb2.GenerateRequest:
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt or prompt_ids")
-    req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens, stop=list(stop), request_id=request_id, domain_hint=domain_hint)
+    req = gateway_pb2.GenerateRequest(
+        max_new_tokens=max_new_tokens, stop=list(stop), request_id=request_id, domain_hint=domain_hint
+    )
     if prompt is not None:
         req.prompt = prompt
     else:
@@ -86,15 +87,22 @@ def _remaining(deadline: float | None) -> float | None:
 
 def _generation(reply: gateway_pb2.GenerateResponse, elapsed_s: float) -> Generation:
     return Generation(
-        request_id=reply.request_id, text=reply.text, token_ids=tuple(reply.token_ids),
-        finish_reason=FINISH_REASONS.get(reply.finish_reason, "unspecified"), stats=SpecStats.from_pb(reply.stats),
-        usage=Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens), elapsed_s=elapsed_s,
+        request_id=reply.request_id,
+        text=reply.text,
+        token_ids=tuple(reply.token_ids),
+        finish_reason=FINISH_REASONS.get(reply.finish_reason, "unspecified"),
+        stats=SpecStats.from_pb(reply.stats),
+        usage=Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens),
+        elapsed_s=elapsed_s,
     )
 
 
 def _chunk(msg: gateway_pb2.GenerateChunk) -> Chunk:
     return Chunk(
-        request_id=msg.request_id, text=msg.text, token_ids=tuple(msg.token_ids), finished=msg.finished,
+        request_id=msg.request_id,
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        finished=msg.finished,
         finish_reason=FINISH_REASONS.get(msg.finish_reason, "") if msg.finished else "",
         stats=SpecStats.from_pb(msg.stats) if msg.finished else None,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if msg.finished else None,
@@ -121,9 +129,19 @@ class Client:
     ``tls=True`` alone uses the system's roots; ``tls_cert``/``tls_key`` add a client certificate
     for a gateway that requires one; ``tls=False`` forces plaintext (see :mod:`cosine_client.tls`)."""
 
-    def __init__(self, address: str, timeout: float | None = None, channel: grpc.Channel | None = None,
-                 api_key: str | None = None, *, tls: bool | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = None,
+        channel: grpc.Channel | None = None,
+        api_key: str | None = None,
+        *,
+        tls: bool | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ):
         self.address = address
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
@@ -147,8 +165,9 @@ class Client:
 
         return RESUME_RETRY.retrying_sync(retry=_broken_connection, stop=stop_after_attempt(resume + 1), sleep=pause)
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
-                 **kwargs: Any) -> Generation:
+    def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES, **kwargs: Any
+    ) -> Generation:
         """One request, the whole answer at once. When the connection to the gateway breaks (it
         died or restarts), the request is sent again, up to ``resume`` times."""
         req = build_request(prompt, **kwargs)
@@ -159,14 +178,18 @@ class Client:
             for attempt in self._attempts(resume, deadline):
                 with attempt:
                     again = attempt.retry_state.attempt_number - 1
-                    reply = self._stub.Generate(req if not again else resumed(req, again, ()),
-                                                timeout=_remaining(deadline), metadata=self._metadata)
+                    reply = self._stub.Generate(
+                        req if not again else resumed(req, again, ()),
+                        timeout=_remaining(deadline),
+                        metadata=self._metadata,
+                    )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return _generation(reply, time.perf_counter() - t0)
 
-    def stream(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
-               **kwargs: Any) -> Iterator[Chunk]:
+    def stream(
+        self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES, **kwargs: Any
+    ) -> Iterator[Chunk]:
         """The answer as it is generated. When the connection to the gateway breaks, the stream
         resumes (up to ``resume`` times) after the tokens already received: none is repeated or lost."""
         req = build_request(prompt, **kwargs)
@@ -182,8 +205,11 @@ class Client:
                     if done is not None:
                         yield done
                         return
-                    call = self._stub.GenerateStream(req if not again else resumed(req, again, received),
-                                                     timeout=_remaining(deadline), metadata=self._metadata)
+                    call = self._stub.GenerateStream(
+                        req if not again else resumed(req, again, received),
+                        timeout=_remaining(deadline),
+                        metadata=self._metadata,
+                    )
                     try:
                         for msg in call:
                             chunk = _chunk(msg)
@@ -208,9 +234,18 @@ class Client:
 class AsyncClient:
     """asyncio client; use inside a running event loop. Takes the same TLS arguments as :class:`Client`."""
 
-    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None, *,
-                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, tls_server_name: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        *,
+        tls: bool | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ):
         self.address = address
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
@@ -234,8 +269,9 @@ class AsyncClient:
 
         return RESUME_RETRY.retrying(retry=_broken_connection, stop=stop_after_attempt(resume + 1), sleep=pause)
 
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
-                       **kwargs: Any) -> Generation:
+    async def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES, **kwargs: Any
+    ) -> Generation:
         """As :meth:`Client.generate`: sent again (up to ``resume`` times) when the connection breaks."""
         req = build_request(prompt, **kwargs)
         t0 = time.perf_counter()
@@ -245,14 +281,18 @@ class AsyncClient:
             async for attempt in self._attempts(resume, deadline):
                 with attempt:
                     again = attempt.retry_state.attempt_number - 1
-                    reply = await self._stub.Generate(req if not again else resumed(req, again, ()),
-                                                      timeout=_remaining(deadline), metadata=self._metadata)
+                    reply = await self._stub.Generate(
+                        req if not again else resumed(req, again, ()),
+                        timeout=_remaining(deadline),
+                        metadata=self._metadata,
+                    )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return _generation(reply, time.perf_counter() - t0)
 
-    async def stream(self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES,
-                     **kwargs: Any) -> AsyncIterator[Chunk]:
+    async def stream(
+        self, prompt: str | None = None, *, timeout: float | None = None, resume: int = RESUMES, **kwargs: Any
+    ) -> AsyncIterator[Chunk]:
         """As :meth:`Client.stream`: resumes after the tokens already received when the connection breaks."""
         req = build_request(prompt, **kwargs)
         timeout = timeout or self.timeout
@@ -267,8 +307,11 @@ class AsyncClient:
                     if done is not None:
                         yield done
                         return
-                    call = self._stub.GenerateStream(req if not again else resumed(req, again, received),
-                                                     timeout=_remaining(deadline), metadata=self._metadata)
+                    call = self._stub.GenerateStream(
+                        req if not again else resumed(req, again, received),
+                        timeout=_remaining(deadline),
+                        metadata=self._metadata,
+                    )
                     try:
                         async for msg in call:
                             chunk = _chunk(msg)

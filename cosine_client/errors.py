@@ -46,8 +46,10 @@ class Unauthenticated(CosineError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, Unavailable, DeadlineExceeded, Cancelled, ResourceExhausted, NotFound,
-                                       Unauthenticated)}
+_BY_CODE = {
+    cls.code: cls
+    for cls in (InvalidArgument, Unavailable, DeadlineExceeded, Cancelled, ResourceExhausted, NotFound, Unauthenticated)
+}
 
 
 def from_rpc_error(exc: grpc.RpcError) -> CosineError:
@@ -59,8 +61,18 @@ def from_rpc_error(exc: grpc.RpcError) -> CosineError:
 
 # What gRPC reports when the connection itself broke or could not be made (the gateway died or is
 # restarting), as opposed to an UNAVAILABLE the gateway answered on purpose ("no verifier ...").
-TRANSPORT_FAILURES = ("socket closed", "connection reset", "failed to connect", "connection refused", "broken pipe",
-                      "goaway", "too many pings", "stream removed", "end of tcp stream", "connection aborted")
+TRANSPORT_FAILURES = (
+    "socket closed",
+    "connection reset",
+    "failed to connect",
+    "connection refused",
+    "broken pipe",
+    "goaway",
+    "too many pings",
+    "stream removed",
+    "end of tcp stream",
+    "connection aborted",
+)
 
 
 NEVER_CONNECTED = ("failed to connect", "connection refused")
@@ -83,6 +95,10 @@ def is_transport_failure(exc: grpc.RpcError, first_attempt: bool = False) -> boo
     that never connected is not one: nothing is listening there, and waiting would only hide it."""
     code = exc.code() if hasattr(exc, "code") else None
     details = ((exc.details() if hasattr(exc, "details") else str(exc)) or "").lower()
-    if code != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in TRANSPORT_FAILURES) or answered_by_gateway(exc):
+    if (
+        code != grpc.StatusCode.UNAVAILABLE
+        or not any(m in details for m in TRANSPORT_FAILURES)
+        or answered_by_gateway(exc)
+    ):
         return False
     return not (first_attempt and any(m in details for m in NEVER_CONNECTED))

@@ -19,14 +19,17 @@ class FakeError(grpc.RpcError):
         return self._details
 
 
-@pytest.mark.parametrize("details,first,expected", [
-    ("Socket closed", True, True),
-    ("recvmsg:Connection reset by peer", False, True),
-    ("Too many pings", True, True),
-    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused", True, False),
-    ("failed to connect to all addresses", False, True),
-    ("no verifier is registered (and no --tokenizer given): cannot tokenize", False, False),
-])
+@pytest.mark.parametrize(
+    "details,first,expected",
+    [
+        ("Socket closed", True, True),
+        ("recvmsg:Connection reset by peer", False, True),
+        ("Too many pings", True, True),
+        ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused", True, False),
+        ("failed to connect to all addresses", False, True),
+        ("no verifier is registered (and no --tokenizer given): cannot tokenize", False, False),
+    ],
+)
 def test_transport_failures(details, first, expected):
     assert is_transport_failure(FakeError(grpc.StatusCode.UNAVAILABLE, details), first_attempt=first) is expected
 

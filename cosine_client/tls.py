@@ -52,9 +52,15 @@ class TlsOptions:
     server_name: str = ""
 
     @classmethod
-    def resolve(cls, tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                tls_key: str | None = None, tls_server_name: str | None = None,
-                environ: Mapping[str, str] | None = None) -> TlsOptions:
+    def resolve(
+        cls,
+        tls: bool | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> TlsOptions:
         env = os.environ if environ is None else environ
         ca = env.get("COSINE_TLS_CA", "") if tls_ca is None else tls_ca
         cert = env.get("COSINE_TLS_CERT", "") if tls_cert is None else tls_cert

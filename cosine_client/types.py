@@ -19,7 +19,14 @@ class SpecStats:
 
     @classmethod
     def from_pb(cls, pb: Any) -> SpecStats:
-        return cls(pb.rounds, pb.mean_accepted_len, pb.draft_tokens, pb.accepted_tokens, tuple(pb.drafters_used), dict(pb.accepted_by_drafter))
+        return cls(
+            pb.rounds,
+            pb.mean_accepted_len,
+            pb.draft_tokens,
+            pb.accepted_tokens,
+            tuple(pb.drafters_used),
+            dict(pb.accepted_by_drafter),
+        )
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,19 @@ class Generation:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "request_id": self.request_id, "text": self.text, "token_ids": list(self.token_ids),
-            "finish_reason": self.finish_reason, "elapsed_s": self.elapsed_s,
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "elapsed_s": self.elapsed_s,
             "usage": {"prompt_tokens": self.usage.prompt_tokens, "completion_tokens": self.usage.completion_tokens},
             "stats": {
-                "rounds": self.stats.rounds, "mean_accepted_len": self.stats.mean_accepted_len,
-                "draft_tokens": self.stats.draft_tokens, "accepted_tokens": self.stats.accepted_tokens,
-                "drafters_used": list(self.stats.drafters_used), "accepted_by_drafter": dict(self.stats.accepted_by_drafter),
+                "rounds": self.stats.rounds,
+                "mean_accepted_len": self.stats.mean_accepted_len,
+                "draft_tokens": self.stats.draft_tokens,
+                "accepted_tokens": self.stats.accepted_tokens,
+                "drafters_used": list(self.stats.drafters_used),
+                "accepted_by_drafter": dict(self.stats.accepted_by_drafter),
             },
         }
 

@@ -19,18 +19,25 @@ from typing import Any
 
 import torch
 
-from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from common.logs import get_logger
+from common.runtime.checkpoints import (
+    CheckpointError,
+    check_checkpoint_dir,
+    load_causal_lm,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 from cosine_zoo import evaluate
 from cosine_zoo.build_distilled import run_distilled_build
 from cosine_zoo.corpus import Corpus, build_corpus, make_prompts, take_chars
 from cosine_zoo.manifest import FORMAT, MANIFEST, PROMPTS, Zoo, load_zoo, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile, Profile
-from cosine_zoo.tokenizer import check_conventions, encode_documents, save_tokenizer, train_tokenizer
 from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
+from cosine_zoo.tokenizer import check_conventions, encode_documents, save_tokenizer, train_tokenizer
 from cosine_zoo.train import ModelSpec, TrainResult, TrainSpec, count_params, make_llama, train_lm
 
 log = get_logger("cosine_zoo.build")
+
 
 @dataclass(frozen=True)
 class ModelJob:
@@ -60,8 +67,14 @@ def run_build(opts: BuildOptions) -> Zoo:
     if opts.force and out.exists():
         clear_zoo(out)
     out.mkdir(parents=True, exist_ok=True)
-    log.info("building zoo", out=str(out), profile=opts.profile.name, seed=opts.seed, device=device,
-             threads=torch.get_num_threads())
+    log.info(
+        "building zoo",
+        out=str(out),
+        profile=opts.profile.name,
+        seed=opts.seed,
+        device=device,
+        threads=torch.get_num_threads(),
+    )
     timings: dict[str, float] = {}
 
     corpus = build_corpus(opts.profile.corpus, opts.seed)
@@ -97,16 +110,26 @@ def run_build(opts: BuildOptions) -> Zoo:
             "fingerprint": tokenizer_fingerprint(tokenizer),
             "vocab_size": len(tokenizer),
             "bos_prepended": True,
-            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token,
         },
-        "corpus": {d: {"train_docs": len(t.train), "heldout_docs": len(t.heldout), "train_tokens": len(train_streams[d])}
-                   for d, t in corpus.domains.items()},
+        "corpus": {
+            d: {"train_docs": len(t.train), "heldout_docs": len(t.heldout), "train_tokens": len(train_streams[d])}
+            for d, t in corpus.domains.items()
+        },
         "target": manifest_entry(target_job, target_info),
-        "drafters": {job.name: manifest_entry(job, drafter_info[job.name]) for job in drafter_jobs(corpus, opts.profile)},
+        "drafters": {
+            job.name: manifest_entry(job, drafter_info[job.name]) for job in drafter_jobs(corpus, opts.profile)
+        },
         "prompts": {"path": PROMPTS, "per_domain": opts.profile.evaluation.prompts_per_domain},
         "evaluation": evaluation,
         "profile_spec": opts.profile.as_dict(),
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
         "timings": {k: round(v, 2) for k, v in timings.items()},
     }
     write_manifest(out, manifest)
@@ -171,7 +194,9 @@ def clear_zoo(out: Path) -> None:
 
 def drafter_jobs(corpus: Corpus, profile: Profile) -> list[ModelJob]:
     jobs = [ModelJob(d, f"drafters/{d}", (d,), profile.drafter, profile.drafter_train) for d in corpus.names]
-    jobs.append(ModelJob(GENERALIST, f"drafters/{GENERALIST}", tuple(corpus.names), profile.drafter, profile.drafter_train))
+    jobs.append(
+        ModelJob(GENERALIST, f"drafters/{GENERALIST}", tuple(corpus.names), profile.drafter, profile.drafter_train)
+    )
     return jobs
 
 
@@ -197,8 +222,15 @@ def tokenizer_stage(path: Path, corpus: Corpus, opts: BuildOptions) -> Any:
     return tokenizer
 
 
-def model_stage(job: ModelJob, out: Path, tokenizer: Any, streams: dict[str, torch.Tensor], opts: BuildOptions,
-                device: str, teacher: Any | None) -> tuple[Any, dict[str, Any]]:
+def model_stage(
+    job: ModelJob,
+    out: Path,
+    tokenizer: Any,
+    streams: dict[str, torch.Tensor],
+    opts: BuildOptions,
+    device: str,
+    teacher: Any | None,
+) -> tuple[Any, dict[str, Any]]:
     """Train (or load, when already built with this key) one model; returns it with its figures."""
     path = out / job.rel_path
     key = stage_key(opts, job.name)
@@ -212,8 +244,16 @@ def model_stage(job: ModelJob, out: Path, tokenizer: Any, streams: dict[str, tor
         except CheckpointError as exc:
             log.warning("retraining model", model=job.name, reason=str(exc))
     model = make_llama(job.spec, tokenizer, seed=seed_for(opts.seed, job.name))
-    result = train_lm(model, [streams[d] for d in job.domains], job.train, seed=seed_for(opts.seed, job.name + "/data"),
-                      teacher=teacher, desc=job.name, progress=opts.progress, device=device)
+    result = train_lm(
+        model,
+        [streams[d] for d in job.domains],
+        job.train,
+        seed=seed_for(opts.seed, job.name + "/data"),
+        teacher=teacher,
+        desc=job.name,
+        progress=opts.progress,
+        device=device,
+    )
     info = training_info(model, result)
     shutil.rmtree(path, ignore_errors=True)
     model.save_pretrained(str(path), safe_serialization=True)
@@ -240,20 +280,34 @@ def manifest_entry(job: ModelJob, info: dict[str, Any]) -> dict[str, Any]:
         "params": info["params"],
         "domains": list(job.domains),
         "architecture": "LlamaForCausalLM",
-        "shape": {"hidden": job.spec.hidden, "layers": job.spec.layers, "heads": job.spec.heads,
-                  "intermediate": job.spec.intermediate, "max_positions": job.spec.max_positions},
+        "shape": {
+            "hidden": job.spec.hidden,
+            "layers": job.spec.layers,
+            "heads": job.spec.heads,
+            "intermediate": job.spec.intermediate,
+            "max_positions": job.spec.max_positions,
+        },
         "training": training,
         "distill_alpha": job.train.distill_alpha if job.name != "target" else None,
     }
 
 
-def evaluate_zoo(target: Any, drafters: dict[str, Any], tokenizer: Any, prompts: dict[str, list[str]],
-                 heldout: dict[str, torch.Tensor], profile: Profile, device: str) -> dict[str, Any]:
+def evaluate_zoo(
+    target: Any,
+    drafters: dict[str, Any],
+    tokenizer: Any,
+    prompts: dict[str, list[str]],
+    heldout: dict[str, torch.Tensor],
+    profile: Profile,
+    device: str,
+) -> dict[str, Any]:
     """Target perplexity per domain and the drafter x domain acceptance matrix (greedy, chain of k)."""
     spec = profile.evaluation
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    perplexity = {d: round(evaluate.perplexity(target, s, spec.ppl_seq_len, spec.ppl_windows, device), 4)
-                  for d, s in heldout.items()}
+    perplexity = {
+        d: round(evaluate.perplexity(target, s, spec.ppl_seq_len, spec.ppl_windows, device), 4)
+        for d, s in heldout.items()
+    }
     matrix: dict[str, dict[str, float]] = {name: {} for name in drafters}
     rounds: dict[str, dict[str, int]] = {name: {} for name in drafters}
     for domain, texts in prompts.items():
@@ -264,5 +318,11 @@ def evaluate_zoo(target: Any, drafters: dict[str, Any], tokenizer: Any, prompts:
             matrix[name][domain] = round(stats.mean_accepted, 4)
             rounds[name][domain] = stats.rounds
     log.info("evaluated", perplexity=perplexity, acceptance=matrix)
-    return {"k": spec.k, "new_tokens": spec.new_tokens, "prompts_per_domain": spec.prompts_per_domain,
-            "target_perplexity": perplexity, "acceptance": matrix, "rounds": rounds}
+    return {
+        "k": spec.k,
+        "new_tokens": spec.new_tokens,
+        "prompts_per_domain": spec.prompts_per_domain,
+        "target_perplexity": perplexity,
+        "acceptance": matrix,
+        "rounds": rounds,
+    }

@@ -28,13 +28,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir, load_causal_lm, load_tokenizer, tokenizer_fingerprint
 from common.logs import get_logger
+from common.runtime.checkpoints import (
+    CheckpointError,
+    check_checkpoint_dir,
+    load_causal_lm,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 from cosine_zoo import distill, evaluate, instructions
-from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
 from cosine_zoo.corpus import DOMAINS, build_corpus, make_prompts, prompt_from
 from cosine_zoo.manifest import FORMAT, Zoo, load_zoo, write_lexicon, write_lookup_corpus, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile
+from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
 from cosine_zoo.train import count_params
 
 log = get_logger("cosine_zoo.build")
@@ -68,18 +74,39 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
 
     t0 = time.perf_counter()
     everything = [ex for d in DISTILL_DOMAINS for ex in teacher["train"][d]]
-    vocab = distill.choose_draft_vocab(everything, profile.draft_vocab, len(tokenizer),
-                                       always=[i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None])
+    vocab = distill.choose_draft_vocab(
+        everything,
+        profile.draft_vocab,
+        len(tokenizer),
+        always=[i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None],
+    )
     drafters: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
     drafters[GENERALIST], info[GENERALIST] = drafter_stage(
-        GENERALIST, DISTILL_DOMAINS, out, opts, profile, tokenizer, vocab, everything,
+        GENERALIST,
+        DISTILL_DOMAINS,
+        out,
+        opts,
+        profile,
+        tokenizer,
+        vocab,
+        everything,
         start=lambda: distill.init_drafter(target, vocab, profile.drafter_layers, seed_for(opts.seed, GENERALIST)),
-        spec=profile.generalist_train)
+        spec=profile.generalist_train,
+    )
     for d in DISTILL_DOMAINS:
         drafters[d], info[d] = drafter_stage(
-            d, (d,), out, opts, profile, tokenizer, vocab, teacher["train"][d],
-            start=lambda: load_causal_lm(out / "drafters" / GENERALIST), spec=profile.specialist_train)
+            d,
+            (d,),
+            out,
+            opts,
+            profile,
+            tokenizer,
+            vocab,
+            teacher["train"][d],
+            start=lambda: load_causal_lm(out / "drafters" / GENERALIST),
+            spec=profile.specialist_train,
+        )
     timings["drafters"] = time.perf_counter() - t0
     stages.update(1)
 
@@ -94,8 +121,10 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
     write_prompts(out, {d: [p for p in heldout_prompts[d]] for d in DISTILL_DOMAINS})
     write_lexicon(out, {d: [ex.prompt for ex in teacher["train"][d]] for d in DISTILL_DOMAINS})
     # what the target wrote for the training prompts (never the held-out ones): the routers' lookup corpus
-    write_lookup_corpus(out, {d: [ex.prompt + ex.continuation for ex in teacher["train"][d] if ex.targets is None]
-                              for d in DISTILL_DOMAINS})
+    write_lookup_corpus(
+        out,
+        {d: [ex.prompt + ex.continuation for ex in teacher["train"][d] if ex.targets is None] for d in DISTILL_DOMAINS},
+    )
     manifest = {
         "format": FORMAT,
         "profile": profile.name,
@@ -106,15 +135,26 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
             "fingerprint": tokenizer_fingerprint(tokenizer),
             "vocab_size": len(tokenizer),
             "chat_template": bool(getattr(tokenizer, "chat_template", None)),
-            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token,
         },
-        "target": {"path": "target" if target_path == out / "target" else str(target_path), "params": count_params(target),
-                   "domains": list(DISTILL_DOMAINS), "architecture": target.config.architectures[0]
-                   if target.config.architectures else "LlamaForCausalLM", "source": target_source},
-        "teacher": {d: {"generated": sum(ex.targets is None for ex in teacher["train"][d]),
-                        "teacher_forced": sum(ex.targets is not None for ex in teacher["train"][d]),
-                        "soft_labelled": sum(ex.soft is not None for ex in teacher["train"][d]),
-                        "labelled_tokens": sum(len(ex.labels) for ex in teacher["train"][d])} for d in DISTILL_DOMAINS},
+        "target": {
+            "path": "target" if target_path == out / "target" else str(target_path),
+            "params": count_params(target),
+            "domains": list(DISTILL_DOMAINS),
+            "architecture": target.config.architectures[0] if target.config.architectures else "LlamaForCausalLM",
+            "source": target_source,
+        },
+        "teacher": {
+            d: {
+                "generated": sum(ex.targets is None for ex in teacher["train"][d]),
+                "teacher_forced": sum(ex.targets is not None for ex in teacher["train"][d]),
+                "soft_labelled": sum(ex.soft is not None for ex in teacher["train"][d]),
+                "labelled_tokens": sum(len(ex.labels) for ex in teacher["train"][d]),
+            }
+            for d in DISTILL_DOMAINS
+        },
         "draft_vocab": {"size": vocab.size, "target_vocab_size": vocab.target_vocab_size},
         "drafters": {name: drafter_entry(name, info[name], profile) for name in drafters},
         "prompts": {"path": "prompts.jsonl", "per_domain": profile.evaluation.prompts_per_domain},
@@ -161,7 +201,9 @@ def link_or_copy_tree(src: Path, dest: Path) -> None:
                 shutil.copy2(f, dest / f.name)
 
 
-def domain_prompts(profile: DistillProfile, tokenizer: Any, seed: int) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+def domain_prompts(
+    profile: DistillProfile, tokenizer: Any, seed: int
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """Training prompts (from training documents) and held-out prompts (from held-out documents) per domain."""
     corpus = build_corpus(profile.corpus, seed)
     n_train, n_eval = profile.teacher.prompts_per_domain, profile.evaluation.prompts_per_domain
@@ -181,8 +223,16 @@ def encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def teacher_stage(out: Path, opts: BuildOptions, profile: DistillProfile, target: Any, target_path: Path, tokenizer: Any,
-                  train: dict[str, list[str]], heldout: dict[str, list[str]]) -> dict[str, dict[str, list[distill.Example]]]:
+def teacher_stage(
+    out: Path,
+    opts: BuildOptions,
+    profile: DistillProfile,
+    target: Any,
+    target_path: Path,
+    tokenizer: Any,
+    train: dict[str, list[str]],
+    heldout: dict[str, list[str]],
+) -> dict[str, dict[str, list[distill.Example]]]:
     path = out / "teacher"
     key = stage_key(opts, "teacher") + tokenizer_fingerprint(tokenizer)
     if read_stage(path, key) is not None:
@@ -193,19 +243,42 @@ def teacher_stage(out: Path, opts: BuildOptions, profile: DistillProfile, target
         except (OSError, RuntimeError, EOFError) as exc:
             log.warning("regenerating teacher data", reason=str(exc))
     spec = profile.teacher
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos, pad = (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
     data: dict[str, dict[str, list[distill.Example]]] = {"train": {}, "heldout": {}}
     corpus = build_corpus(profile.corpus, opts.seed) if spec.text_windows_per_domain else None
     writer = teacher_engine(target_path, profile.device) or target
     for d in DISTILL_DOMAINS:
-        data["train"][d] = distill.teacher_examples(writer, encode(tokenizer, train[d]), spec.new_tokens, eos, pad,
-                                                    spec.batch_size, f"teacher {d}", opts.progress, top_k=spec.soft_top_k)
+        data["train"][d] = distill.teacher_examples(
+            writer,
+            encode(tokenizer, train[d]),
+            spec.new_tokens,
+            eos,
+            pad,
+            spec.batch_size,
+            f"teacher {d}",
+            opts.progress,
+            top_k=spec.soft_top_k,
+        )
         if corpus is not None and d in corpus.domains:
-            windows = distill.text_windows(tokenizer, corpus.domains[d].train, spec.text_windows_per_domain, spec.window)
-            data["train"][d] += distill.teacher_forced_examples(target, windows, spec.window_context, 8,
-                                                                f"teacher-forced {d}", opts.progress, top_k=spec.soft_top_k)
-        data["heldout"][d] = distill.teacher_examples(writer, encode(tokenizer, heldout[d]), profile.evaluation.new_tokens,
-                                                      eos, pad, spec.batch_size, f"held-out {d}", opts.progress)
+            windows = distill.text_windows(
+                tokenizer, corpus.domains[d].train, spec.text_windows_per_domain, spec.window
+            )
+            data["train"][d] += distill.teacher_forced_examples(
+                target, windows, spec.window_context, 8, f"teacher-forced {d}", opts.progress, top_k=spec.soft_top_k
+            )
+        data["heldout"][d] = distill.teacher_examples(
+            writer,
+            encode(tokenizer, heldout[d]),
+            profile.evaluation.new_tokens,
+            eos,
+            pad,
+            spec.batch_size,
+            f"held-out {d}",
+            opts.progress,
+        )
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     torch.save(data, path / TEACHER_FILE)
@@ -227,9 +300,18 @@ def teacher_engine(target_path: Path, device: str) -> Any:
         return None
 
 
-def drafter_stage(name: str, domains: tuple[str, ...], out: Path, opts: BuildOptions, profile: DistillProfile,
-                  tokenizer: Any, vocab: Any, examples: list[distill.Example], start: Any,
-                  spec: distill.DistillTrain) -> tuple[Any, dict[str, Any]]:
+def drafter_stage(
+    name: str,
+    domains: tuple[str, ...],
+    out: Path,
+    opts: BuildOptions,
+    profile: DistillProfile,
+    tokenizer: Any,
+    vocab: Any,
+    examples: list[distill.Example],
+    start: Any,
+    spec: distill.DistillTrain,
+) -> tuple[Any, dict[str, Any]]:
     path = out / "drafters" / name
     key = stage_key(opts, "drafter/" + name)
     record = read_stage(path, key)
@@ -241,11 +323,18 @@ def drafter_stage(name: str, domains: tuple[str, ...], out: Path, opts: BuildOpt
         except CheckpointError as exc:
             log.warning("retraining drafter", drafter=name, reason=str(exc))
     drafter = start()
-    result = distill.train_drafter(drafter, examples, vocab, spec, seed_for(opts.seed, name + "/data"),
-                                   f"drafter {name}", opts.progress)
-    info = {"params": count_params(drafter), "domains": list(domains), "steps": result.steps, "tokens": result.tokens,
-            "final_loss": round(result.final_loss, 5), "seconds": round(result.seconds, 2),
-            "tokens_per_s": round(result.tokens / result.seconds) if result.seconds else 0}
+    result = distill.train_drafter(
+        drafter, examples, vocab, spec, seed_for(opts.seed, name + "/data"), f"drafter {name}", opts.progress
+    )
+    info = {
+        "params": count_params(drafter),
+        "domains": list(domains),
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "final_loss": round(result.final_loss, 5),
+        "seconds": round(result.seconds, 2),
+        "tokens_per_s": round(result.tokens / result.seconds) if result.seconds else 0,
+    }
     tmp = path.with_name(name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -260,8 +349,11 @@ def drafter_stage(name: str, domains: tuple[str, ...], out: Path, opts: BuildOpt
 
 def drafter_entry(name: str, info: dict[str, Any], profile: DistillProfile) -> dict[str, Any]:
     return {
-        "path": f"drafters/{name}", "params": info["params"], "domains": info["domains"],
-        "architecture": "LlamaForCausalLM", "init": "target layers " + ",".join(map(str, profile.drafter_layers)),
+        "path": f"drafters/{name}",
+        "params": info["params"],
+        "domains": info["domains"],
+        "architecture": "LlamaForCausalLM",
+        "init": "target layers " + ",".join(map(str, profile.drafter_layers)),
         "draft_vocab": profile.draft_vocab,
         "training": {k: info[k] for k in ("steps", "tokens", "final_loss")},
     }
@@ -270,8 +362,13 @@ def drafter_entry(name: str, info: dict[str, Any], profile: DistillProfile) -> d
 # ---- evaluation ------------------------------------------------------------------------------
 
 
-def evaluate_distilled(target: Any, drafters: dict[str, Any], vocab: Any, heldout: dict[str, list[distill.Example]],
-                       profile: DistillProfile) -> dict[str, Any]:
+def evaluate_distilled(
+    target: Any,
+    drafters: dict[str, Any],
+    vocab: Any,
+    heldout: dict[str, list[distill.Example]],
+    profile: DistillProfile,
+) -> dict[str, Any]:
     spec = profile.evaluation
     matrix = {name: {} for name in drafters}
     rounds = {name: {} for name in drafters}
@@ -284,10 +381,18 @@ def evaluate_distilled(target: Any, drafters: dict[str, Any], vocab: Any, heldou
     perplexity = {}
     for d in DISTILL_DOMAINS:
         stream = torch.tensor([t for ex in heldout[d] for t in ex.prompt])
-        perplexity[d] = round(evaluate.perplexity(target, stream, min(spec.ppl_seq_len, len(stream) - 1), spec.ppl_windows), 4)
+        perplexity[d] = round(
+            evaluate.perplexity(target, stream, min(spec.ppl_seq_len, len(stream) - 1), spec.ppl_windows), 4
+        )
     log.info("evaluated", acceptance=matrix)
-    return {"k": spec.k, "new_tokens": spec.new_tokens, "prompts_per_domain": spec.prompts_per_domain,
-            "target_perplexity": perplexity, "acceptance": matrix, "rounds": rounds}
+    return {
+        "k": spec.k,
+        "new_tokens": spec.new_tokens,
+        "prompts_per_domain": spec.prompts_per_domain,
+        "target_perplexity": perplexity,
+        "acceptance": matrix,
+        "rounds": rounds,
+    }
 
 
 def step_costs(target_path: Path, drafter_paths: dict[str, Path], profile: DistillProfile) -> dict[str, Any]:
@@ -297,6 +402,7 @@ def step_costs(target_path: Path, drafter_paths: dict[str, Path], profile: Disti
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+
         def step_ms(path: Path) -> float:
             runner = LMRunner.from_checkpoint(path, backend="sdpa")
             pool = runner.new_pool(None)
@@ -319,5 +425,11 @@ def step_costs(target_path: Path, drafter_paths: dict[str, Path], profile: Disti
     finally:
         torch.set_num_threads(saved)
     worst = max(drafter_ms.values())
-    return {"context": profile.step_cost_context, "threads": 1, "batch": 1, "target_ms": round(target_ms, 3),
-            "drafter_ms": drafter_ms, "worst_ratio": round(worst / target_ms, 4)}
+    return {
+        "context": profile.step_cost_context,
+        "threads": 1,
+        "batch": 1,
+        "target_ms": round(target_ms, 3),
+        "drafter_ms": drafter_ms,
+        "worst_ratio": round(worst / target_ms, 4),
+    }

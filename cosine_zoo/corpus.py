@@ -213,10 +213,46 @@ def worked_multiplication(rng: random.Random) -> str:
     return "\n".join(lines)
 
 
-FIRST_NAMES = ("Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Julia",
-               "Kofi", "Lena", "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara")
-LAST_NAMES = ("Smith", "Garcia", "Nguyen", "Okafor", "Muller", "Rossi", "Kowalski", "Tanaka", "Silva",
-              "Haddad", "Jensen", "Novak", "Ivanova", "Dubois", "Moreau", "Larsen")
+FIRST_NAMES = (
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dana",
+    "Emeka",
+    "Farah",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Julia",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nadia",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tara",
+)
+LAST_NAMES = (
+    "Smith",
+    "Garcia",
+    "Nguyen",
+    "Okafor",
+    "Muller",
+    "Rossi",
+    "Kowalski",
+    "Tanaka",
+    "Silva",
+    "Haddad",
+    "Jensen",
+    "Novak",
+    "Ivanova",
+    "Dubois",
+    "Moreau",
+    "Larsen",
+)
 CITIES = ("Lyon", "Porto", "Osaka", "Lagos", "Quito", "Oslo", "Turin", "Graz", "Leeds", "Pune", "Perth", "Cork")
 PRODUCTS = ("keyboard", "monitor", "cable", "lamp", "chair", "desk", "router", "headset", "webcam", "mouse")
 STATUSES = ("paid", "pending", "shipped", "refunded", "cancelled")

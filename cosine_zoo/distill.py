@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from common.runtime.draft_vocab import DraftVocab
 from common.logs import get_logger
+from common.runtime.draft_vocab import DraftVocab
 
 log = get_logger("cosine_zoo.distill")
 
@@ -93,15 +93,25 @@ def soft_labels(logits: torch.Tensor, top_k: int) -> SoftLabels:
 
 
 @torch.no_grad()
-def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: int, eos_id: int, pad_id: int,
-                     batch_size: int, desc: str, progress: bool, device: str = "cpu", top_k: int = 0) -> list[Example]:
+def teacher_examples(
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    batch_size: int,
+    desc: str,
+    progress: bool,
+    device: str = "cpu",
+    top_k: int = 0,
+) -> list[Example]:
     """The target's greedy continuation of every prompt: ``target`` is the verifier engine
     (:func:`~cosine_zoo.evaluate.engine_continuations`) or a transformers model (batched
     ``generate``, left padding). With ``top_k``, each example carries the target's top-k at every
     continuation token: recorded from the logits the engine decodes with (no pass of its own), or
     from one teacher-forced pass of the transformers model (:func:`with_soft_labels`)."""
-    from cosine_zoo.evaluate import engine_continuations, greedy_continuations
     from common.runtime.verifier_engine import VerifierEngine
+    from cosine_zoo.evaluate import engine_continuations, greedy_continuations
 
     out: list[Example] = []
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, leave=False)
@@ -119,7 +129,9 @@ def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: 
                     soft = SoftLabels(torch.cat([x.ids for x in r]), torch.cat([x.logprobs for x in r]))
                 out.append(Example(tuple(p), tuple(c), soft=soft))
         else:
-            conts = greedy_continuations(target, chunk, new_tokens, eos_id, pad_id, batch_size=batch_size, device=device)
+            conts = greedy_continuations(
+                target, chunk, new_tokens, eos_id, pad_id, batch_size=batch_size, device=device
+            )
             got = [Example(tuple(p), tuple(c)) for p, c in zip(chunk, conts)]
             out += with_soft_labels(target, got, top_k, batch_size, device) if top_k > 0 else got
         bar.update(len(chunk))
@@ -128,8 +140,16 @@ def teacher_examples(target: Any, prompts: Sequence[Sequence[int]], new_tokens: 
 
 
 @torch.no_grad()
-def teacher_forced_examples(target: Any, windows: Sequence[Sequence[int]], context: int, batch_size: int,
-                            desc: str, progress: bool, device: str = "cpu", top_k: int = 0) -> list[Example]:
+def teacher_forced_examples(
+    target: Any,
+    windows: Sequence[Sequence[int]],
+    context: int,
+    batch_size: int,
+    desc: str,
+    progress: bool,
+    device: str = "cpu",
+    top_k: int = 0,
+) -> list[Example]:
     """Real-text windows labelled with the target's argmax at every position after the first ``context``
     tokens: five times cheaper per labelled token than generation, and the labels are still the target's
     (with ``top_k``, its top-k there too)."""
@@ -150,8 +170,9 @@ def teacher_forced_examples(target: Any, windows: Sequence[Sequence[int]], conte
 
 
 @torch.no_grad()
-def with_soft_labels(model: Any, examples: Sequence[Example], top_k: int, batch_size: int,
-                     device: str = "cpu") -> list[Example]:
+def with_soft_labels(
+    model: Any, examples: Sequence[Example], top_k: int, batch_size: int, device: str = "cpu"
+) -> list[Example]:
     """Every example with a transformers model's top-``top_k`` at each continuation token, from one
     teacher-forced pass a batch (right padding)."""
     from cosine_zoo.evaluate import right_pad
@@ -179,8 +200,9 @@ def text_windows(tokenizer: Any, docs: Sequence[str], count: int, length: int) -
     return [stream[i : i + length] for i in range(0, len(stream) - length + 1, length)][:count]
 
 
-def choose_draft_vocab(examples: Sequence[Example], size: int, target_vocab_size: int,
-                       always: Sequence[int] = ()) -> DraftVocab:
+def choose_draft_vocab(
+    examples: Sequence[Example], size: int, target_vocab_size: int, always: Sequence[int] = ()
+) -> DraftVocab:
     """The ``size`` most frequent target tokens of the teacher data (ties by id), ``always`` included.
 
     Target id of draft id 0 is the fallback for unknown inputs, so the most frequent token goes first.
@@ -217,13 +239,22 @@ def init_drafter(target: Any, vocab: DraftVocab, layers: Sequence[int], seed: in
     tc = target.config
     picked = resolve_layers(layers, tc.num_hidden_layers)
     cfg = LlamaConfig(
-        vocab_size=vocab.size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-        num_hidden_layers=len(picked), num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", None),
-        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
-        rope_parameters=getattr(tc, "rope_parameters", None), hidden_act=tc.hidden_act,
-        tie_word_embeddings=True, bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
-        pad_token_id=tc.pad_token_id, attention_bias=getattr(tc, "attention_bias", False),
+        vocab_size=vocab.size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=len(picked),
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", None),
+        max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_parameters=getattr(tc, "rope_parameters", None),
+        hidden_act=tc.hidden_act,
+        tie_word_embeddings=True,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=tc.pad_token_id,
+        attention_bias=getattr(tc, "attention_bias", False),
     )
     torch.manual_seed(seed)
     drafter = LlamaForCausalLM(cfg)
@@ -277,10 +308,12 @@ def soft_batch(batch: Sequence[Example], vocab: DraftVocab, width: int) -> tuple
     return idx, probs
 
 
-def distill_loss(logits: torch.Tensor, labels: torch.Tensor, soft: tuple[torch.Tensor, torch.Tensor] | None,
-                 soft_weight: float) -> torch.Tensor:
+def distill_loss(
+    logits: torch.Tensor, labels: torch.Tensor, soft: tuple[torch.Tensor, torch.Tensor] | None, soft_weight: float
+) -> torch.Tensor:
     """Cross-entropy on the teacher's tokens, mixed with cross-entropy against its top-k
     distribution (``soft_weight`` of the loss) where the batch carries one."""
+
     def hard() -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
@@ -293,8 +326,16 @@ def distill_loss(logits: torch.Tensor, labels: torch.Tensor, soft: tuple[torch.T
     return against_top_k if soft_weight >= 1 else (1 - soft_weight) * hard() + soft_weight * against_top_k
 
 
-def train_drafter(drafter: Any, examples: Sequence[Example], vocab: DraftVocab, spec: DistillTrain, seed: int,
-                  desc: str, progress: bool, device: str = "cpu") -> DistillResult:
+def train_drafter(
+    drafter: Any,
+    examples: Sequence[Example],
+    vocab: DraftVocab,
+    spec: DistillTrain,
+    seed: int,
+    desc: str,
+    progress: bool,
+    device: str = "cpu",
+) -> DistillResult:
     """Cross-entropy on the teacher's continuations (mixed with its top-k distribution where the
     examples carry one, ``spec.soft_weight``); frozen embedding; cosine-decayed AdamW."""
     if not examples:
@@ -343,8 +384,9 @@ def lr_at(step: int, spec: DistillTrain) -> float:
 
 
 @torch.no_grad()
-def draft_matches(drafter: Any, vocab: DraftVocab | None, examples: Sequence[Example], batch_size: int = 16,
-                  device: str = "cpu") -> list[list[bool]]:
+def draft_matches(
+    drafter: Any, vocab: DraftVocab | None, examples: Sequence[Example], batch_size: int = 16, device: str = "cpu"
+) -> list[list[bool]]:
     """Per continuation token: does the drafter's greedy token after ``prompt + continuation[:j]`` equal it?
 
     Teacher-forced, one pass per batch (see :mod:`cosine_zoo.evaluate`); in target ids.

@@ -41,24 +41,41 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
 
 
 @torch.no_grad()
-def greedy_continuations(model: Any, prompts: list[list[int]], new_tokens: int, eos_id: int, pad_id: int,
-                         batch_size: int = 16, device: str = "cpu") -> list[list[int]]:
+def greedy_continuations(
+    model: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    batch_size: int = 16,
+    device: str = "cpu",
+) -> list[list[int]]:
     """The target's greedy continuation of each prompt: ``new_tokens`` tokens, or up to its first EOS."""
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         ids, mask = left_pad(chunk, pad_id)
         gen = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, do_sample=False,
-            eos_token_id=eos_id, pad_token_id=pad_id,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
         )
         for row in gen[:, ids.shape[1] :].tolist():
             out.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
     return out
 
 
-def engine_continuations(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int, eos_id: int,
-                         batch_size: int = 32, observe: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
+def engine_continuations(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    eos_id: int,
+    batch_size: int = 32,
+    observe: Callable[[int, torch.Tensor], None] | None = None,
+) -> list[list[int]]:
     """The continuations of :func:`greedy_continuations`, decoded by the verifier engine itself
     (:class:`common.runtime.verifier_engine.VerifierEngine`): one ``verify`` call a batch, the prompts'
     prefill and then ``new_tokens`` plain steps that stop at ``eos_id``, so the argmax is the one the
@@ -76,8 +93,12 @@ def engine_continuations(engine: Any, prompts: Sequence[Sequence[int]], new_toke
         if observe is not None:
             engine.observe_logits = lambda rid, logits: observe(index[rid], logits)
         try:
-            outcome = engine.verify([VerifyItem(rid, append_ids=tuple(p), plain_steps=new_tokens, stop_ids=(eos_id,))
-                                     for rid, p in zip(ids, chunk)])
+            outcome = engine.verify(
+                [
+                    VerifyItem(rid, append_ids=tuple(p), plain_steps=new_tokens, stop_ids=(eos_id,))
+                    for rid, p in zip(ids, chunk)
+                ]
+            )
             for verdict in outcome.verdicts:
                 if not verdict.ok:
                     raise RuntimeError(f"teacher prompt {verdict.request_id}: {verdict.error}")
@@ -110,8 +131,14 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def draft_matches(drafter: Any, prompts: list[list[int]], continuations: list[list[int]], pad_id: int,
-                  batch_size: int = 16, device: str = "cpu") -> list[list[bool]]:
+def draft_matches(
+    drafter: Any,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    pad_id: int,
+    batch_size: int = 16,
+    device: str = "cpu",
+) -> list[list[bool]]:
     """For each continuation token c[j]: does the drafter's greedy token after ``prompt + c[:j]`` equal c[j]?"""
     out: list[list[bool]] = []
     for i in range(0, len(prompts), batch_size):

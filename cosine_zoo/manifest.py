@@ -104,8 +104,12 @@ def write_lexicon(root: Path, prompts: Mapping[str, Iterable[Sequence[int]]]) ->
 
 def read_lexicon(path: Path) -> dict[str, tuple[int, dict[int, int]]]:
     """``write_lexicon``'s file as domain -> (examples, counts); {} when the zoo has none."""
-    return _read_domains(path, LEXICON_FORMAT, "lexicon",
-                         lambda v: (int(v["examples"]), {int(t): int(c) for t, c in v["counts"].items()}))
+    return _read_domains(
+        path,
+        LEXICON_FORMAT,
+        "lexicon",
+        lambda v: (int(v["examples"]), {int(t): int(c) for t, c in v["counts"].items()}),
+    )
 
 
 def _read_domains(path: Path, fmt: str, what: str, parse: Callable[[Any], Any]) -> dict[str, Any]:
@@ -131,7 +135,9 @@ def write_lookup_corpus(root: Path, sequences: Mapping[str, Iterable[Sequence[in
 
 def read_lookup_corpus(path: Path) -> dict[str, tuple[tuple[int, ...], ...]]:
     """``write_lookup_corpus``'s file as domain -> sequences; {} when the zoo has none."""
-    return _read_domains(path, LOOKUP_CORPUS_FORMAT, "lookup corpus", lambda seqs: tuple(tuple(int(t) for t in seq) for seq in seqs))
+    return _read_domains(
+        path, LOOKUP_CORPUS_FORMAT, "lookup corpus", lambda seqs: tuple(tuple(int(t) for t in seq) for seq in seqs)
+    )
 
 
 def load_zoo(path: str | Path, check_tokenizers: bool = True) -> Zoo:
@@ -191,7 +197,9 @@ def zoo_from_manifest(root: Path, m: Mapping[str, Any]) -> Zoo:
 
 
 def model_entry(root: Path, name: str, entry: Mapping[str, Any]) -> ModelEntry:
-    return ModelEntry(name=name, path=root / entry["path"], params=int(entry["params"]), domains=tuple(entry["domains"]))
+    return ModelEntry(
+        name=name, path=root / entry["path"], params=int(entry["params"]), domains=tuple(entry["domains"])
+    )
 
 
 def read_prompts(path: Path, domains: tuple[str, ...]) -> dict[str, tuple[str, ...]]:

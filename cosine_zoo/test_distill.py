@@ -11,7 +11,15 @@ from cosine_zoo.build import BuildOptions, build_zoo
 from cosine_zoo.build_distilled import DISTILL_DOMAINS
 from cosine_zoo.distill import Example, choose_draft_vocab, make_batch, resolve_layers
 from cosine_zoo.instructions import instructions, render, subjects
-from cosine_zoo.manifest import LEXICON, LOOKUP_CORPUS, ZooError, read_lexicon, read_lookup_corpus, write_lexicon, write_lookup_corpus
+from cosine_zoo.manifest import (
+    LEXICON,
+    LOOKUP_CORPUS,
+    ZooError,
+    read_lexicon,
+    read_lookup_corpus,
+    write_lexicon,
+    write_lookup_corpus,
+)
 from cosine_zoo.profiles import tiny_distill
 
 
@@ -26,12 +34,15 @@ def test_distilled_zoo_has_every_drafter_and_figure(tiny_distilled_zoo, tiny_zoo
     cost = zoo.manifest["evaluation"]["step_cost"]
     assert cost["target_ms"] > 0 and set(cost["drafter_ms"]) == set(zoo.drafters)
     assert zoo.manifest["draft_vocab"]["size"] == tiny_distill().draft_vocab
-    assert {d: len(p) for d, p in zoo.prompts.items()} == {d: tiny_distill().evaluation.prompts_per_domain for d in zoo.domains}
+    assert {d: len(p) for d, p in zoo.prompts.items()} == {
+        d: tiny_distill().evaluation.prompts_per_domain for d in zoo.domains
+    }
 
 
 def test_rebuild_skips_finished_stages_and_reproduces_figures(tiny_distilled_zoo, tiny_zoo, tmp_path):
-    opts = BuildOptions(out=tmp_path / "zoo", profile=tiny_distill(), seed=0, progress=False, threads=1,
-                        target=tiny_zoo.target.path)
+    opts = BuildOptions(
+        out=tmp_path / "zoo", profile=tiny_distill(), seed=0, progress=False, threads=1, target=tiny_zoo.target.path
+    )
     first = build_zoo(opts)
     assert first.acceptance == tiny_distilled_zoo.acceptance  # same seed, same figures
     stamp = (tmp_path / "zoo" / "drafters" / "code" / "model.safetensors").stat().st_mtime_ns
@@ -43,12 +54,12 @@ def test_rebuild_skips_finished_stages_and_reproduces_figures(tiny_distilled_zoo
 def test_distilled_drafters_serve_losslessly(tiny_distilled_zoo):
     """Router core with the distilled (reduced-vocabulary) drafters: output equals the target's greedy decode."""
     from common.runtime.drafter_engine import DrafterEngine
-    from services.router.core import RouterCore
-    from services.router.settings import RouterSettings
-    from services.router.inprocess import LocalDrafterPool, LocalVerifier
-    from services.router.test_core import generate_all
-    from common.runtime.verifier_engine import VerifierEngine
     from common.runtime.test_greedy_equality import hf_greedy
+    from common.runtime.verifier_engine import VerifierEngine
+    from services.router.core import RouterCore
+    from services.router.inprocess import LocalDrafterPool, LocalVerifier
+    from services.router.settings import RouterSettings
+    from services.router.test_core import generate_all
 
     zoo = tiny_distilled_zoo
     verifier = VerifierEngine.from_checkpoint(zoo.target.path, attention_backend="sdpa")
@@ -56,7 +67,9 @@ def test_distilled_drafters_serve_losslessly(tiny_distilled_zoo):
     from common.runtime.checkpoints import load_tokenizer
 
     tok = load_tokenizer(zoo.tokenizer_path)
-    prompts = {f"{d}-{i}": tok(text)["input_ids"] for d, texts in zoo.prompts.items() for i, text in enumerate(texts[:1])}
+    prompts = {
+        f"{d}-{i}": tok(text)["input_ids"] for d, texts in zoo.prompts.items() for i, text in enumerate(texts[:1])
+    }
     expected = hf_greedy(zoo.target.path, prompts, 16)
     for config in (RouterSettings(drafters_per_request=2, tree_width=3), RouterSettings(fusion="chunk")):
         core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
@@ -98,14 +111,18 @@ def test_soft_labels_are_the_target_s_top_k_while_it_writes(tiny_zoo):
     import torch
 
     from common.runtime.checkpoints import load_causal_lm
-    from cosine_zoo.distill import teacher_examples, teacher_forced_examples
     from common.runtime.verifier_engine import VerifierEngine
+    from cosine_zoo.distill import teacher_examples, teacher_forced_examples
 
     target = load_causal_lm(tiny_zoo.target.path)
     engine = VerifierEngine.from_checkpoint(tiny_zoo.target.path, attention_backend="sdpa")
     prompts = [[3, 4, 5, 6], [10, 11], [20, 21, 22]]
-    by_engine = teacher_examples(engine, prompts, 6, eos_id=-1, pad_id=0, batch_size=2, desc="t", progress=False, top_k=5)
-    by_model = teacher_examples(target, prompts, 6, eos_id=-1, pad_id=0, batch_size=3, desc="t", progress=False, top_k=5)
+    by_engine = teacher_examples(
+        engine, prompts, 6, eos_id=-1, pad_id=0, batch_size=2, desc="t", progress=False, top_k=5
+    )
+    by_model = teacher_examples(
+        target, prompts, 6, eos_id=-1, pad_id=0, batch_size=3, desc="t", progress=False, top_k=5
+    )
     assert [ex.continuation for ex in by_engine] == [ex.continuation for ex in by_model]
     for ex, other in zip(by_engine, by_model):
         with torch.no_grad():  # the teacher-forced distribution at each continuation token
@@ -118,7 +135,9 @@ def test_soft_labels_are_the_target_s_top_k_while_it_writes(tiny_zoo):
         assert ex.soft.ids[:, 0].tolist() == list(ex.continuation)  # greedy: its top-1 is what it wrote
     assert engine.observe_logits is None and engine.active_requests == 0
     assert teacher_examples(engine, prompts[:1], 3, -1, 0, 1, "t", False)[0].soft is None  # asked for none
-    forced = teacher_forced_examples(target, [list(range(3, 15))], context=4, batch_size=1, desc="t", progress=False, top_k=3)
+    forced = teacher_forced_examples(
+        target, [list(range(3, 15))], context=4, batch_size=1, desc="t", progress=False, top_k=3
+    )
     assert forced[0].soft.ids[:, 0].tolist() == list(forced[0].targets) and forced[0].soft.ids.shape == (8, 3)
 
 
@@ -130,8 +149,10 @@ def test_soft_batches_hold_the_teacher_s_distribution_inside_the_vocabulary():
     from cosine_zoo.distill import SoftLabels, distill_loss, soft_batch
 
     vocab = choose_draft_vocab([Example((4, 5), (6, 7))], size=4, target_vocab_size=10)
-    soft = SoftLabels(torch.tensor([[6, 9], [7, 6]], dtype=torch.int32),  # 9 is off the map
-                      torch.tensor([[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.25)]], dtype=torch.float16))
+    soft = SoftLabels(
+        torch.tensor([[6, 9], [7, 6]], dtype=torch.int32),  # 9 is off the map
+        torch.tensor([[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.25)]], dtype=torch.float16),
+    )
     batch = [Example((4, 5), (6, 7), soft=soft), Example((5,), (6,))]
     ids, labels = make_batch(batch, vocab)
     idx, probs = soft_batch(batch, vocab, ids.shape[1])
@@ -181,9 +202,25 @@ def test_cli_reports_bad_target_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "cosine_cli.main", "models", "build", "--profile", "tiny-distill",
-                           "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "z"), "--quiet"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cosine_cli.main",
+            "models",
+            "build",
+            "--profile",
+            "tiny-distill",
+            "--target",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "z"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     err = proc.stderr
     assert proc.returncode == 1 and "Traceback" not in err
     lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
@@ -205,7 +242,9 @@ def test_zoo_carries_the_domain_lexicon_of_its_training_prompts(tiny_distilled_z
     zoo = tiny_distilled_zoo
     m = json.loads((zoo.root / "zoo.json").read_text())
     # every training example's prompt is counted under its domain
-    assert {d: n for d, (n, _) in zoo.lexicon.items()} == {d: v["generated"] + v["teacher_forced"] for d, v in m["teacher"].items()}
+    assert {d: n for d, (n, _) in zoo.lexicon.items()} == {
+        d: v["generated"] + v["teacher_forced"] for d, v in m["teacher"].items()
+    }
     assert all(sum(counts.values()) > 0 for _, counts in zoo.lexicon.values())
     write_lexicon(tmp_path, {"code": [(5, 5, 6)], "chat": [(7,), (7, 8)]})
     assert read_lexicon(tmp_path / LEXICON) == {"code": (1, {5: 2, 6: 1}), "chat": (2, {7: 2, 8: 1})}
@@ -219,7 +258,9 @@ def test_zoo_carries_the_target_s_continuations_of_its_training_prompts_as_looku
     zoo = tiny_distilled_zoo
     m = json.loads((zoo.root / "zoo.json").read_text())
     # the generated examples only (a teacher-forced window is real text, not the target's): prompt then continuation
-    assert {d: len(seqs) for d, seqs in zoo.lookup_corpus.items()} == {d: v["generated"] for d, v in m["teacher"].items()}
+    assert {d: len(seqs) for d, seqs in zoo.lookup_corpus.items()} == {
+        d: v["generated"] for d, v in m["teacher"].items()
+    }
     assert all(len(seq) > 1 for seqs in zoo.lookup_corpus.values() for seq in seqs)
     write_lookup_corpus(tmp_path, {"code": [(5, 5, 6)], "chat": [[7, 8]]})
     assert read_lookup_corpus(tmp_path / LOOKUP_CORPUS) == {"code": ((5, 5, 6),), "chat": ((7, 8),)}

@@ -59,7 +59,9 @@ def test_shortcut_equals_reference_speculative_decoding(tiny_zoo):
         matches = evaluate.draft_matches(drafter, prompts, conts, tok.pad_token_id)
         for prompt, m in zip(prompts, matches):
             stats = evaluate.simulate_rounds(m, 4)
-            assert (stats.rounds, stats.accepted) == reference_speculative(target, drafter, prompt, 12, 4, tok.eos_token_id)
+            assert (stats.rounds, stats.accepted) == reference_speculative(
+                target, drafter, prompt, 12, 4, tok.eos_token_id
+            )
 
 
 def test_perplexity_is_finite_and_above_one(tiny_zoo):

@@ -33,25 +33,35 @@ def test_imported_target_is_an_ordinary_checkpoint(smollm2):
     model = AutoModelForCausalLM.from_pretrained(str(smollm2))
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     cfg = model.config
-    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
-        "llama", 30, 576, 9, 3)
+    assert (
+        cfg.model_type,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    ) == ("llama", 30, 576, 9, 3)
     assert cfg.vocab_size == len(tok) == 49152 and cfg.tie_word_embeddings
     assert model.dtype == torch.float32 and getattr(cfg, "quantization_config", None) is None
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
 
 
 @pytest.mark.slow
 def test_runner_reproduces_hf_greedy_on_the_real_target(smollm2):
     from common.runtime.checkpoints import load_tokenizer
-    from common.runtime.verifier_engine import VerifierEngine
     from common.runtime.sim import EmptySource, RandomSource, speculative_generate
     from common.runtime.test_greedy_equality import hf_greedy
+    from common.runtime.verifier_engine import VerifierEngine
 
     tok = load_tokenizer(smollm2)
-    texts = ["def fibonacci(n):\n", "The capital of France is",
-             tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
-                                     add_generation_prompt=True)]
+    texts = [
+        "def fibonacci(n):\n",
+        "The capital of France is",
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Name three colours."}], tokenize=False, add_generation_prompt=True
+        ),
+    ]
     prompts = {f"p{i}": tok(t)["input_ids"] for i, t in enumerate(texts)}
     expected = hf_greedy(smollm2, prompts, 12)
     engine = VerifierEngine.from_checkpoint(smollm2, attention_backend="sdpa")

@@ -33,10 +33,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int = 102
     )
     tok.train_from_iterator(texts, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]),
-    ])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+            ),
+        ]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,

@@ -157,9 +157,18 @@ def train_lm(
     bar.close()
     model.eval()
     tail = losses[-max(1, len(losses) // 10) :]
-    result = TrainResult(steps=spec.steps, tokens=tokens, final_loss=sum(tail) / len(tail), seconds=time.perf_counter() - start)
-    log.info("trained", model=desc, steps=result.steps, tokens=result.tokens, final_loss=round(result.final_loss, 4),
-             seconds=round(result.seconds, 1), tokens_per_s=round(result.tokens_per_s))
+    result = TrainResult(
+        steps=spec.steps, tokens=tokens, final_loss=sum(tail) / len(tail), seconds=time.perf_counter() - start
+    )
+    log.info(
+        "trained",
+        model=desc,
+        steps=result.steps,
+        tokens=result.tokens,
+        final_loss=round(result.final_loss, 4),
+        seconds=round(result.seconds, 1),
+        tokens_per_s=round(result.tokens_per_s),
+    )
     return result
 
 

@@ -54,8 +54,13 @@ def user_values(values_files: Sequence[str | Path] = (), set_values: Sequence[st
     return merge(values, parse_set(set_values))
 
 
-def render(chart: str | Path, values_files: Sequence[str | Path] = (), set_values: Sequence[str] = (),
-           name: str = "cosine", namespace: str = "default") -> dict[str, str]:
+def render(
+    chart: str | Path,
+    values_files: Sequence[str | Path] = (),
+    set_values: Sequence[str] = (),
+    name: str = "cosine",
+    namespace: str = "default",
+) -> dict[str, str]:
     """Template path -> rendered text, rendered by Helm."""
     from helm_python import HelmError
     from helm_python.chart import Chart
@@ -67,8 +72,13 @@ def render(chart: str | Path, values_files: Sequence[str | Path] = (), set_value
         raise ChartError(f"{chart}: {exc}") from None
 
 
-def render_objects(chart: str | Path, values_files: Sequence[str | Path] = (), set_values: Sequence[str] = (),
-                   name: str = "cosine", namespace: str = "default") -> list[dict]:
+def render_objects(
+    chart: str | Path,
+    values_files: Sequence[str | Path] = (),
+    set_values: Sequence[str] = (),
+    name: str = "cosine",
+    namespace: str = "default",
+) -> list[dict]:
     """The Kubernetes objects of the rendered chart (NOTES.txt and empty documents dropped)."""
     objects = []
     for path, text in sorted(render(chart, values_files, set_values, name, namespace).items()):
@@ -92,11 +102,15 @@ def lint(chart: str | Path, values_files: Sequence[str | Path] = (), set_values:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.helm_chart",
-                                     description="Render a Helm chart with Helm's own library (like `helm template`).")
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.helm_chart",
+        description="Render a Helm chart with Helm's own library (like `helm template`).",
+    )
     parser.add_argument("chart", help="chart directory (e.g. k8s)")
     parser.add_argument("-f", "--values", action="append", default=[], help="values file (repeatable, later wins)")
-    parser.add_argument("--set", action="append", default=[], dest="set_values", metavar="KEY=VALUE", help="set one value (repeatable)")
+    parser.add_argument(
+        "--set", action="append", default=[], dest="set_values", metavar="KEY=VALUE", help="set one value (repeatable)"
+    )
     parser.add_argument("--name", default="cosine", help="release name")
     parser.add_argument("-n", "--namespace", default="default")
     args = parser.parse_args(argv)

@@ -39,7 +39,9 @@ class ServiceSpec:
 
 def _settings_class(name: str) -> type:
     module = importlib.import_module(f"services.{name}.settings")
-    classes = [obj for obj in vars(module).values() if isinstance(obj, type) and obj.__name__ == f"{name.capitalize()}Settings"]
+    classes = [
+        obj for obj in vars(module).values() if isinstance(obj, type) and obj.__name__ == f"{name.capitalize()}Settings"
+    ]
     if len(classes) != 1:
         raise LookupError(f"services/{name}/settings.py: expected one {name.capitalize()}Settings class")
     return classes[0]

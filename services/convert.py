@@ -6,8 +6,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from common.spec.fusion import DraftTree
-from common.spec.types import DraftItem, DraftResult, ModelInfo, SamplingParams, StepLookup, TokenTree, Verdict, VerifyItem
 from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
+from common.spec.types import (
+    DraftItem,
+    DraftResult,
+    ModelInfo,
+    SamplingParams,
+    StepLookup,
+    TokenTree,
+    Verdict,
+    VerifyItem,
+)
 from cosine.v1 import common_pb2, drafter_pb2, router_pb2, verifier_pb2
 from services.gateway.progress import FinishReason, RouterChunk, SpecStats
 
@@ -22,26 +31,44 @@ def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         # only an unset (0) top_p means "off": NaN or a negative value must reach validation, not become 1
-        temperature=float(pb.temperature), top_p=float(pb.top_p) if pb.top_p != 0 else 1.0, top_k=int(pb.top_k),
+        temperature=float(pb.temperature),
+        top_p=float(pb.top_p) if pb.top_p != 0 else 1.0,
+        top_k=int(pb.top_k),
         seed=int(pb.seed) if pb.HasField("seed") else None,
     )
 
 
 def tree_to_pb(t: TokenTree) -> common_pb2.TokenTree:
-    return common_pb2.TokenTree(tokens=t.tokens, parents=t.parents, draft_probs=t.draft_probs,
-                                source_masks=t.source_masks, drafter_ids=t.drafter_ids)
+    return common_pb2.TokenTree(
+        tokens=t.tokens,
+        parents=t.parents,
+        draft_probs=t.draft_probs,
+        source_masks=t.source_masks,
+        drafter_ids=t.drafter_ids,
+    )
 
 
 def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:
-    return TokenTree(tuple(pb.tokens), tuple(pb.parents), tuple(pb.draft_probs), tuple(pb.source_masks), tuple(pb.drafter_ids))
+    return TokenTree(
+        tuple(pb.tokens), tuple(pb.parents), tuple(pb.draft_probs), tuple(pb.source_masks), tuple(pb.drafter_ids)
+    )
 
 
 def model_info_to_pb(info: ModelInfo, model_id: str, domains: Sequence[str] = ()) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
-        model_id=model_id, model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
-        tokenizer_fingerprint=info.tokenizer_fingerprint, num_parameters=info.num_parameters, dtype=info.dtype,
-        device=info.device, attention_backend=info.attention_backend, domains=list(domains), max_context=info.max_context,
-        pass_rows=[r for r, _ in info.pass_times], pass_seconds=[s for _, s in info.pass_times],
+        model_id=model_id,
+        model_name=info.model_name,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        num_parameters=info.num_parameters,
+        dtype=info.dtype,
+        device=info.device,
+        attention_backend=info.attention_backend,
+        domains=list(domains),
+        max_context=info.max_context,
+        pass_rows=[r for r, _ in info.pass_times],
+        pass_seconds=[s for _, s in info.pass_times],
     )
 
 
@@ -51,8 +78,13 @@ def model_info_to_pb(info: ModelInfo, model_id: str, domains: Sequence[str] = ()
 def draft_items_to_pb(items: Sequence[DraftItem]) -> list[drafter_pb2.DraftItem]:
     return [
         drafter_pb2.DraftItem(
-            request_id=i.request_id, truncate_to=i.truncate_to, append_ids=i.append_ids, top_n=i.top_n,
-            release=i.release, chain_len=i.chain_len, score_append=i.score_append,
+            request_id=i.request_id,
+            truncate_to=i.truncate_to,
+            append_ids=i.append_ids,
+            top_n=i.top_n,
+            release=i.release,
+            chain_len=i.chain_len,
+            score_append=i.score_append,
         )
         for i in items
     ]
@@ -79,8 +111,13 @@ def draft_group_results_from_pb(reply: drafter_pb2.DraftStepResult) -> dict[str,
 def draft_items_from_pb(step: drafter_pb2.DraftStep | drafter_pb2.DraftGroup) -> list[DraftItem]:
     return [
         DraftItem(
-            request_id=i.request_id, truncate_to=i.truncate_to, append_ids=tuple(i.append_ids), top_n=i.top_n,
-            release=i.release, chain_len=i.chain_len, score_append=i.score_append,
+            request_id=i.request_id,
+            truncate_to=i.truncate_to,
+            append_ids=tuple(i.append_ids),
+            top_n=i.top_n,
+            release=i.release,
+            chain_len=i.chain_len,
+            score_append=i.score_append,
         )
         for i in step.items
     ]
@@ -100,8 +137,13 @@ def draft_result_from_pb(pb: drafter_pb2.Candidates) -> DraftResult:
     positions = tuple((tuple(p.token_ids), tuple(p.probs)) for p in pb.positions)
     first = positions[0] if positions else ((), ())
     return DraftResult(
-        request_id=pb.request_id, token_ids=first[0], probs=first[1], cache_len=pb.cache_len, error=pb.error,
-        positions=positions, append_logprob=pb.append_logprob if pb.append_logprob != 0 else None,
+        request_id=pb.request_id,
+        token_ids=first[0],
+        probs=first[1],
+        cache_len=pb.cache_len,
+        error=pb.error,
+        positions=positions,
+        append_logprob=pb.append_logprob if pb.append_logprob != 0 else None,
     )
 
 
@@ -112,10 +154,19 @@ def verify_batch_to_pb(batch_id: int, items: Sequence[VerifyItem]) -> verifier_p
     return verifier_pb2.VerifyBatch(
         batch_id=batch_id,
         items=[
-            verifier_pb2.VerifyItem(request_id=i.request_id, append_ids=i.append_ids, tree=tree_to_pb(i.tree),
-                                    sampling=sampling_to_pb(i.sampling), release=i.release,
-                                    plain_steps=i.plain_steps, stop_ids=i.stop_ids, step_lookup=i.step_lookup,
-                                    step_corpus=i.step_corpus, domain=i.domain, max_tokens=i.max_tokens)
+            verifier_pb2.VerifyItem(
+                request_id=i.request_id,
+                append_ids=i.append_ids,
+                tree=tree_to_pb(i.tree),
+                sampling=sampling_to_pb(i.sampling),
+                release=i.release,
+                plain_steps=i.plain_steps,
+                stop_ids=i.stop_ids,
+                step_lookup=i.step_lookup,
+                step_corpus=i.step_corpus,
+                domain=i.domain,
+                max_tokens=i.max_tokens,
+            )
             for i in items
         ],
     )
@@ -123,66 +174,139 @@ def verify_batch_to_pb(batch_id: int, items: Sequence[VerifyItem]) -> verifier_p
 
 def verify_items_from_pb(batch: verifier_pb2.VerifyBatch) -> list[VerifyItem]:
     return [
-        VerifyItem(request_id=i.request_id, append_ids=tuple(i.append_ids), tree=tree_from_pb(i.tree),
-                   sampling=sampling_from_pb(i.sampling), release=i.release, plain_steps=max(1, i.plain_steps),
-                   stop_ids=tuple(i.stop_ids), step_lookup=tuple(i.step_lookup),
-                   step_corpus=tuple(i.step_corpus), domain=i.domain, max_tokens=i.max_tokens)
+        VerifyItem(
+            request_id=i.request_id,
+            append_ids=tuple(i.append_ids),
+            tree=tree_from_pb(i.tree),
+            sampling=sampling_from_pb(i.sampling),
+            release=i.release,
+            plain_steps=max(1, i.plain_steps),
+            stop_ids=tuple(i.stop_ids),
+            step_lookup=tuple(i.step_lookup),
+            step_corpus=tuple(i.step_corpus),
+            domain=i.domain,
+            max_tokens=i.max_tokens,
+        )
         for i in batch.items
     ]
 
 
 def verdict_to_pb(v: Verdict) -> verifier_pb2.Verdict:
     return verifier_pb2.Verdict(
-        request_id=v.request_id, accepted_nodes=v.accepted_nodes, accepted_tokens=v.accepted_tokens,
-        next_token=v.next_token, node_accepted=v.node_accepted, committed_len=v.committed_len, error=v.error,
-        error_kind=v.error_kind, plain_tokens=v.plain_tokens, step_passes=v.step_passes, step_drafted=v.step_drafted,
+        request_id=v.request_id,
+        accepted_nodes=v.accepted_nodes,
+        accepted_tokens=v.accepted_tokens,
+        next_token=v.next_token,
+        node_accepted=v.node_accepted,
+        committed_len=v.committed_len,
+        error=v.error,
+        error_kind=v.error_kind,
+        plain_tokens=v.plain_tokens,
+        step_passes=v.step_passes,
+        step_drafted=v.step_drafted,
         step_accepted=v.step_accepted,
-        step_lookups=[verifier_pb2.StepLookup(source=s.source, match=s.match, tried=s.tried, accepted=s.accepted)
-                      for s in v.step_lookups],
+        step_lookups=[
+            verifier_pb2.StepLookup(source=s.source, match=s.match, tried=s.tried, accepted=s.accepted)
+            for s in v.step_lookups
+        ],
     )
 
 
 def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
     return Verdict(
-        request_id=pb.request_id, accepted_nodes=tuple(pb.accepted_nodes), accepted_tokens=tuple(pb.accepted_tokens),
-        next_token=pb.next_token, node_accepted=tuple(pb.node_accepted), committed_len=pb.committed_len,
-        error=pb.error, error_kind=pb.error_kind, plain_tokens=tuple(pb.plain_tokens), step_passes=pb.step_passes,
-        step_drafted=pb.step_drafted, step_accepted=pb.step_accepted,
+        request_id=pb.request_id,
+        accepted_nodes=tuple(pb.accepted_nodes),
+        accepted_tokens=tuple(pb.accepted_tokens),
+        next_token=pb.next_token,
+        node_accepted=tuple(pb.node_accepted),
+        committed_len=pb.committed_len,
+        error=pb.error,
+        error_kind=pb.error_kind,
+        plain_tokens=tuple(pb.plain_tokens),
+        step_passes=pb.step_passes,
+        step_drafted=pb.step_drafted,
+        step_accepted=pb.step_accepted,
         step_lookups=tuple(StepLookup(s.source, s.match, s.tried, s.accepted) for s in pb.step_lookups),
     )
 
 
-def fuse_round_to_pb(step_id: int, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]) -> drafter_pb2.DraftStep:
+def fuse_round_to_pb(
+    step_id: int, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+) -> drafter_pb2.DraftStep:
     """A whole round of token fusion for one drafter process (see common/spec/token_fusion.py)."""
-    fuse = drafter_pb2.FuseRound(width=width, pricing=drafter_pb2.FusePricing(
-        priced=pricing.priced, threshold=pricing.threshold, calibration=pricing.calibration,
-        step_tokens=pricing.step_tokens, row_tokens=pricing.row_tokens))
+    fuse = drafter_pb2.FuseRound(
+        width=width,
+        pricing=drafter_pb2.FusePricing(
+            priced=pricing.priced,
+            threshold=pricing.threshold,
+            calibration=pricing.calibration,
+            step_tokens=pricing.step_tokens,
+            row_tokens=pricing.row_tokens,
+        ),
+    )
     for r in requests:
-        fuse.requests.add(request_id=r.request_id, steps=r.steps, sources=[
-            drafter_pb2.FuseSource(drafter_id=s.drafter_id, weight=s.weight, truncate_to=s.first.truncate_to,
-                                   append_ids=s.first.append_ids, cache_len=s.cache_len) for s in r.sources])
+        fuse.requests.add(
+            request_id=r.request_id,
+            steps=r.steps,
+            sources=[
+                drafter_pb2.FuseSource(
+                    drafter_id=s.drafter_id,
+                    weight=s.weight,
+                    truncate_to=s.first.truncate_to,
+                    append_ids=s.first.append_ids,
+                    cache_len=s.cache_len,
+                )
+                for s in r.sources
+            ],
+        )
     return drafter_pb2.DraftStep(step_id=step_id, fuse=fuse)
 
 
 def fuse_round_from_pb(fuse: drafter_pb2.FuseRound) -> tuple[int, StepPricing, list[FusionRequest]]:
     p = fuse.pricing
-    pricing = StepPricing(priced=p.priced, threshold=p.threshold, calibration=tuple(p.calibration),
-                          step_tokens=p.step_tokens, row_tokens=p.row_tokens)
-    requests = [FusionRequest(request_id=r.request_id, steps=r.steps, sources=tuple(
-        FusionSource(drafter_id=s.drafter_id, weight=s.weight, cache_len=s.cache_len,
-                     first=DraftItem(request_id=r.request_id, truncate_to=s.truncate_to, append_ids=tuple(s.append_ids)))
-        for s in r.sources)) for r in fuse.requests]
+    pricing = StepPricing(
+        priced=p.priced,
+        threshold=p.threshold,
+        calibration=tuple(p.calibration),
+        step_tokens=p.step_tokens,
+        row_tokens=p.row_tokens,
+    )
+    requests = [
+        FusionRequest(
+            request_id=r.request_id,
+            steps=r.steps,
+            sources=tuple(
+                FusionSource(
+                    drafter_id=s.drafter_id,
+                    weight=s.weight,
+                    cache_len=s.cache_len,
+                    first=DraftItem(request_id=r.request_id, truncate_to=s.truncate_to, append_ids=tuple(s.append_ids)),
+                )
+                for s in r.sources
+            ),
+        )
+        for r in fuse.requests
+    ]
     return fuse.width, pricing, requests
 
 
-def fusion_outcomes_to_pb(outcomes: Mapping[str, FusionOutcome], step_seconds: Sequence[float]) -> drafter_pb2.FuseRoundResult:
+def fusion_outcomes_to_pb(
+    outcomes: Mapping[str, FusionOutcome], step_seconds: Sequence[float]
+) -> drafter_pb2.FuseRoundResult:
     pb = drafter_pb2.FuseRoundResult(step_seconds=step_seconds)
     for rid, out in outcomes.items():
         t = out.tree
         top1_masks = [t.mask_of(top) for top in t.top1]  # before drafter_ids is read: it may grow
-        tree = pb.trees.add(request_id=rid, tokens=t.tokens, parents=t.parents, probs=t.probs,
-                            drafter_ids=t.drafter_ids, source_masks=t.source_masks,
-                            top1_masks=top1_masks, fused=out.fused)
+        tree = pb.trees.add(
+            request_id=rid,
+            tokens=t.tokens,
+            parents=t.parents,
+            probs=t.probs,
+            drafter_ids=t.drafter_ids,
+            source_masks=t.source_masks,
+            top1_masks=top1_masks,
+            fused=out.fused,
+        )
         for d, n in out.cache_len.items():
             tree.sources.add(drafter_id=d, cache_len=n)
         for d, why in out.failed.items():
@@ -194,13 +318,20 @@ def fusion_outcomes_from_pb(pb: drafter_pb2.FuseRoundResult) -> tuple[dict[str, 
     outcomes = {}
     for t in pb.trees:
         ids = list(t.drafter_ids)
-        tree = DraftTree(drafter_ids=ids, tokens=list(t.tokens), parents=list(t.parents), probs=list(t.probs),
-                         source_masks=list(t.source_masks),
-                         top1=[frozenset(d for i, d in enumerate(ids) if m >> i & 1) for m in t.top1_masks])
+        tree = DraftTree(
+            drafter_ids=ids,
+            tokens=list(t.tokens),
+            parents=list(t.parents),
+            probs=list(t.probs),
+            source_masks=list(t.source_masks),
+            top1=[frozenset(d for i, d in enumerate(ids) if m >> i & 1) for m in t.top1_masks],
+        )
         outcomes[t.request_id] = FusionOutcome(
-            tree=tree, fused=list(t.fused),
+            tree=tree,
+            fused=list(t.fused),
             cache_len={s.drafter_id: s.cache_len for s in t.sources if not s.error},
-            failed={s.drafter_id: s.error for s in t.sources if s.error})
+            failed={s.drafter_id: s.error for s in t.sources if s.error},
+        )
     return outcomes, list(pb.step_seconds)
 
 
@@ -226,24 +357,49 @@ def finish_reason_to_pb(reason: FinishReason) -> common_pb2.FinishReason:
 
 
 def spec_stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
-    return SpecStats(rounds=pb.rounds, mean_accepted_len=pb.mean_accepted_len, draft_tokens=pb.draft_tokens,
-                     accepted_tokens=pb.accepted_tokens, drafters_used=tuple(pb.drafters_used),
-                     accepted_by_drafter=dict(pb.accepted_by_drafter))
+    return SpecStats(
+        rounds=pb.rounds,
+        mean_accepted_len=pb.mean_accepted_len,
+        draft_tokens=pb.draft_tokens,
+        accepted_tokens=pb.accepted_tokens,
+        drafters_used=tuple(pb.drafters_used),
+        accepted_by_drafter=dict(pb.accepted_by_drafter),
+    )
 
 
 def spec_stats_to_pb(s: SpecStats) -> common_pb2.SpecStats:
-    return common_pb2.SpecStats(rounds=s.rounds, mean_accepted_len=s.mean_accepted_len, draft_tokens=s.draft_tokens,
-                                accepted_tokens=s.accepted_tokens, drafters_used=s.drafters_used,
-                                accepted_by_drafter=s.accepted_by_drafter)
+    return common_pb2.SpecStats(
+        rounds=s.rounds,
+        mean_accepted_len=s.mean_accepted_len,
+        draft_tokens=s.draft_tokens,
+        accepted_tokens=s.accepted_tokens,
+        drafters_used=s.drafters_used,
+        accepted_by_drafter=s.accepted_by_drafter,
+    )
 
 
-def submit_to_pb(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop_token_ids: Sequence[int], domain_hint: str) -> router_pb2.SubmitRequest:
-    return router_pb2.SubmitRequest(request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                    sampling=sampling_to_pb(sampling), stop_token_ids=stop_token_ids,
-                                    domain_hint=domain_hint)
+def submit_to_pb(
+    request_id: str,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_token_ids: Sequence[int],
+    domain_hint: str,
+) -> router_pb2.SubmitRequest:
+    return router_pb2.SubmitRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling_to_pb(sampling),
+        stop_token_ids=stop_token_ids,
+        domain_hint=domain_hint,
+    )
 
 
 def token_chunk_from_pb(pb: router_pb2.TokenChunk) -> RouterChunk:
-    return RouterChunk(token_ids=tuple(pb.token_ids), finished=pb.finished,
-                       finish_reason=finish_reason_from_pb(pb.finish_reason), stats=spec_stats_from_pb(pb.stats))
+    return RouterChunk(
+        token_ids=tuple(pb.token_ids),
+        finished=pb.finished,
+        finish_reason=finish_reason_from_pb(pb.finish_reason),
+        stats=spec_stats_from_pb(pb.stats),
+    )

@@ -33,13 +33,18 @@ async def corpus_from_store(store: Store, known_version: int) -> tuple[int, Doma
         log.warning("lookup corpus unreadable; lookup drafts from the requests' own text meanwhile", error=str(exc))
         return None
     corpora = await asyncio.to_thread(DomainCorpora.build, loaded) if loaded else None
-    log.info("lookup corpus loaded", version=version, tokens=len(corpora.everything) if corpora else 0,
-             sequences={d: c.sequences for d, c in sorted(corpora.by_domain.items())} if corpora else {})
+    log.info(
+        "lookup corpus loaded",
+        version=version,
+        tokens=len(corpora.everything) if corpora else 0,
+        sequences={d: c.sequences for d, c in sorted(corpora.by_domain.items())} if corpora else {},
+    )
     return version, corpora
 
 
-async def keep_corpus_loaded(load: CorpusLoader, use: Callable[[DomainCorpora | None], None], closed: Callable[[], bool],
-                             every_s: float = 2.0) -> None:
+async def keep_corpus_loaded(
+    load: CorpusLoader, use: Callable[[DomainCorpora | None], None], closed: Callable[[], bool], every_s: float = 2.0
+) -> None:
     """Load the lookup corpus, and again whenever it is seeded anew, handing each to ``use``, until ``closed()``."""
     version = 0
     while not closed():

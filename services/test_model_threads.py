@@ -5,12 +5,12 @@ import asyncio
 import threading
 
 from common.platform.settings import load_settings
+from common.runtime.drafter_engine import DrafterEngine
+from common.runtime.verifier_engine import VerifierEngine
 from common.spec.types import DraftItem, TokenTree, VerifyItem
 from services.drafter import server as drafter_server
-from common.runtime.drafter_engine import DrafterEngine
 from services.drafter.settings import DrafterSettings
 from services.verifier import server as verifier_server
-from common.runtime.verifier_engine import VerifierEngine
 from services.verifier.settings import VerifierSettings
 
 
@@ -56,19 +56,27 @@ def test_the_drafter_loads_and_drafts_on_its_model_thread(monkeypatch, llama_nea
     seen: dict[str, set[int]] = {}
     _record(monkeypatch, DrafterEngine, ("from_checkpoint", "run_step", "release"), seen)
     _keep_torch_settings(monkeypatch, drafter_server)
-    settings = load_settings(DrafterSettings, ["--drafters", f"near={llama_near}", "--drafters", f"small={llama_small}"], {})
+    settings = load_settings(
+        DrafterSettings, ["--drafters", f"near={llama_near}", "--drafters", f"small={llama_small}"], {}
+    )
 
     async def main():
         app = await drafter_server.build_app(settings, None)
         try:
-            answers, _ = await app.run_groups([("near", [DraftItem("a", append_ids=(1, 2, 3), top_n=2)]),
-                                               ("small", [DraftItem("a", append_ids=(1, 2, 3), top_n=2)])])
+            answers, _ = await app.run_groups(
+                [
+                    ("near", [DraftItem("a", append_ids=(1, 2, 3), top_n=2)]),
+                    ("small", [DraftItem("a", append_ids=(1, 2, 3), top_n=2)]),
+                ]
+            )
             await app.release({"near": {"a"}, "small": {"a"}})
             return app.model_thread.ident, answers
         finally:
             await app.stop()
 
     ident, answers = asyncio.run(main())
-    assert [len(a) for a in answers] == [1, 1] and all(len(a[0].token_ids) == 2 and a[0].cache_len == 3 for a in answers)
+    assert [len(a) for a in answers] == [1, 1] and all(
+        len(a[0].token_ids) == 2 and a[0].cache_len == 3 for a in answers
+    )
     assert seen == {"from_checkpoint": {ident}, "run_step": {ident}, "release": {ident}}
     assert ident != threading.get_ident()

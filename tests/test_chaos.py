@@ -21,10 +21,32 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_chaos_reports_every_kill_consistently(tiny_zoo, tmp_path):
     requests = 8
     proc = subprocess.run(
-        [sys.executable, "-m", "cosine_cli.main", "chaos", "--zoo", str(tiny_zoo.root), "--requests", str(requests),
-         "--concurrency", "4", "--max-new-tokens", "16", "--retry-window", "60", "--recovery-timeout", "120",
-         "--log-dir", str(tmp_path / "logs"), "--json"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=540,
+        [
+            sys.executable,
+            "-m",
+            "cosine_cli.main",
+            "chaos",
+            "--zoo",
+            str(tiny_zoo.root),
+            "--requests",
+            str(requests),
+            "--concurrency",
+            "4",
+            "--max-new-tokens",
+            "16",
+            "--retry-window",
+            "60",
+            "--recovery-timeout",
+            "120",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads(proc.stdout)

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from common.platform.store import Store
+from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc
 from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.profiles import seed_profiles
@@ -26,8 +26,11 @@ MAX_NEW = 24
 
 def spec_for(zoo, tmp_path, **kw) -> ClusterSpec:
     return ClusterSpec(
-        target=str(zoo.target.path), drafters={n: str(d.path) for n, d in zoo.drafters.items()},
-        log_dir=str(tmp_path / "logs"), cores=2, **kw,
+        target=str(zoo.target.path),
+        drafters={n: str(d.path) for n, d in zoo.drafters.items()},
+        log_dir=str(tmp_path / "logs"),
+        cores=2,
+        **kw,
     )
 
 
@@ -38,7 +41,9 @@ def cluster(tiny_zoo, tmp_path_factory):
     # the drafters' time unpriced and every request drafts whenever its nodes pay their rows.
     # Token fusion, so that the drafter process's fused rounds are tested over real sockets (the
     # other cluster tests run the default, chunk fusion).
-    c = LocalCluster(spec_for(tiny_zoo, tmp_path_factory.mktemp("cluster"), router_args=("--no-draft-pricing", "--fusion", "token")))
+    c = LocalCluster(
+        spec_for(tiny_zoo, tmp_path_factory.mktemp("cluster"), router_args=("--no-draft-pricing", "--fusion", "token"))
+    )
     c.start(progress=False)
     asyncio.run(seed_profiles(c.redis_url, c.spec.prefix, tiny_zoo.acceptance, 20.0))
     yield c
@@ -50,6 +55,7 @@ def generate_while_killing(cluster: LocalCluster, work, victim: str, timeout_s: 
     as soon as the first tokens reach a client (so that streams are cut mid-way however fast the
     machine is), and return each request's ``token_ids`` and ``text``, in ``work`` order, with
     ``cut``: whether its stream was still open at the kill."""
+
     async def body():
         first_tokens = asyncio.Event()
 
@@ -92,9 +98,15 @@ def greedy_reference(zoo, prompts, max_new_tokens: int = MAX_NEW) -> dict[str, l
     out = {}
     for prompt in prompts:
         ids = torch.tensor([tok(prompt).input_ids])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        out[prompt] = gen[0, ids.shape[1]:].tolist()
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        out[prompt] = gen[0, ids.shape[1] :].tolist()
     return out
 
 
@@ -116,8 +128,11 @@ def expertise_hits(zoo, workload, results, routed_only: bool) -> list[bool]:
         top = max(zoo.acceptance[d][domain] for d in zoo.drafters)
         if top > 0:
             best[domain] = {d for d in zoo.drafters if zoo.acceptance[d][domain] == top}
-    return [bool(best[d] & set(r.stats.drafters_used)) for (d, _), r in zip(workload, results)
-            if d in best and (not routed_only or set(r.stats.drafters_used) - {LOOKUP_ID})]
+    return [
+        bool(best[d] & set(r.stats.drafters_used))
+        for (d, _), r in zip(workload, results)
+        if d in best and (not routed_only or set(r.stats.drafters_used) - {LOOKUP_ID})
+    ]
 
 
 def test_concurrent_greedy_equals_target_across_domains(cluster, workload, reference, tiny_zoo):
@@ -212,8 +227,11 @@ def test_unknown_field_is_rejected(cluster):
     req = gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=4)
     raw = req.SerializeToString() + bytes([0xF8, 0x06, 0x01])  # field 111, varint 1
     with grpc.insecure_channel(cluster.gateway_address) as channel:
-        call = channel.unary_unary("/cosine.v1.Gateway/Generate", request_serializer=lambda b: b,
-                                   response_deserializer=gateway_pb2.GenerateResponse.FromString)
+        call = channel.unary_unary(
+            "/cosine.v1.Gateway/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=gateway_pb2.GenerateResponse.FromString,
+        )
         with pytest.raises(grpc.RpcError) as info:
             call(raw, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "111" in info.value.details()
@@ -276,6 +294,7 @@ def test_deadline_and_cancel_free_request_state(cluster, workload):
 def test_200_concurrent_streams_complete(cluster, workload):
     async def body():
         async with AsyncClient(cluster.gateway_address, timeout=300) as client:
+
             async def one(i):
                 _, prompt = workload[i % len(workload)]
                 tokens = []
@@ -307,12 +326,28 @@ def test_killed_drafter_does_not_fail_its_requests(tiny_zoo, tmp_path, workload,
 
 def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
     from common.platform.settings import load_settings
-    from tests.support.testing import start_service
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
+    from tests.support.testing import start_service
 
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--redis-url", redis_url,
-                                               "--redis-prefix", redis_prefix], {})
+    settings = load_settings(
+        GatewaySettings,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            redis_prefix,
+        ],
+        {},
+    )
     server, port = start_service(settings, build_app, prog="gateway")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -325,8 +360,8 @@ def test_gateway_without_cluster_is_unavailable(redis_url, redis_prefix):
 
 
 def test_the_verifier_reports_its_pass_time_by_rows_timed_at_load(cluster):
-    from services.router.clients import GrpcVerifier
     from common.runtime.pass_times import PASS_ROWS
+    from services.router.clients import GrpcVerifier
 
     async def body():
         verifier = GrpcVerifier(cluster.verifier_address)
@@ -374,11 +409,12 @@ def test_duplicate_request_id_gets_already_exists_and_leaves_the_first_alone(clu
 
     res, dup = asyncio.run(body())
     assert dup is not None and dup.code == grpc.StatusCode.ALREADY_EXISTS and "request_id" in dup.message
-    assert list(res.token_ids)[:len(reference[prompt])] == reference[prompt]
+    assert list(res.token_ids)[: len(reference[prompt])] == reference[prompt]
 
 
-def test_a_lookup_corpus_seeded_into_redis_is_drafted_from_and_the_output_stays_the_target_s(cluster, workload, reference,
-                                                                                            tiny_zoo):
+def test_a_lookup_corpus_seeded_into_redis_is_drafted_from_and_the_output_stays_the_target_s(
+    cluster, workload, reference, tiny_zoo
+):
     """Last in this module (the router keeps the corpus it loaded): the target's own continuations
     of these prompts, seeded through Redis as `cosine up` seeds a zoo's, reach the running router
     (it checks the corpus's version every few seconds) and its lookup drafter proposes from them."""
@@ -400,7 +436,9 @@ def test_a_lookup_corpus_seeded_into_redis_is_drafted_from_and_the_output_stays_
     assert after["corpus_accepted"] - before["corpus_accepted"] > 0
     # seeded anew (as `cosine profile --corpus` does): the running router picks the new one up
     first = sorted(corpus)[0]
-    asyncio.run(seed_profiles(cluster.redis_url, cluster.spec.prefix, tiny_zoo.acceptance, 20.0, corpus={first: corpus[first]}))
+    asyncio.run(
+        seed_profiles(cluster.redis_url, cluster.spec.prefix, tiny_zoo.acceptance, 20.0, corpus={first: corpus[first]})
+    )
     deadline = time.monotonic() + 20
     while router_counters(cluster)["corpus_sequences"] != len(corpus[first]) and time.monotonic() < deadline:
         time.sleep(0.2)

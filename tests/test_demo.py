@@ -13,9 +13,27 @@ import pytest
 @pytest.mark.slow
 def test_demo_reports_speedup_against_the_target_alone(tiny_zoo, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "cosine_cli.main", "demo", "--zoo", str(tiny_zoo.root), "--requests", "6",
-         "--concurrency", "3", "--max-new-tokens", "8", "--gateway-port", "0", "--log-dir", str(tmp_path / "logs")],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "cosine_cli.main",
+            "demo",
+            "--zoo",
+            str(tiny_zoo.root),
+            "--requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--gateway-port",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout

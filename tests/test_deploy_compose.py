@@ -111,7 +111,9 @@ def test_every_required_variable_is_in_env_example(env):
     required = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?\?)", COMPOSE_FILE.read_text()))
     assert "REDIS_PASSWORD" in required
     assert required <= set(env), f"variables without default missing in .env.example: {required - set(env)}"
-    assert set(env) - used <= {"COMPOSE_PROFILES"}, f".env.example sets variables compose never reads: {set(env) - used - {'COMPOSE_PROFILES'}}"
+    assert set(env) - used <= {"COMPOSE_PROFILES"}, (
+        f".env.example sets variables compose never reads: {set(env) - used - {'COMPOSE_PROFILES'}}"
+    )
     with pytest.raises(compose.InterpolationError, match="REDIS_PASSWORD"):
         compose.load(COMPOSE_FILE, {k: v for k, v in env.items() if k != "REDIS_PASSWORD"})
 
@@ -239,7 +241,10 @@ def test_zoo_one_shot_builds_only_when_absent(doc):
 def test_redis_has_a_volume_a_password_and_a_health_check(doc):
     redis = doc["services"]["redis"]
     assert "--requirepass" in " ".join(redis["command"])
-    assert redis["environment"]["REDIS_PASSWORD"] and redis["environment"]["REDISCLI_AUTH"] == redis["environment"]["REDIS_PASSWORD"]
+    assert (
+        redis["environment"]["REDIS_PASSWORD"]
+        and redis["environment"]["REDISCLI_AUTH"] == redis["environment"]["REDIS_PASSWORD"]
+    )
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     # persistence: profiles and request state survive a Redis restart (append-only file on the volume)
     command = " ".join(redis["command"])
@@ -287,7 +292,10 @@ def test_dockerfile_targets_match_the_services(dockerfile):
         assert f"ENV COSINE_PORT={spec.default_port}" in text
         assert f"EXPOSE {spec.default_port}" in text
         (health,) = [line for line in lines if line.startswith("HEALTHCHECK")]
-        assert '-m common.platform.healthcheck "127.0.0.1:${COSINE_PORT}"' in health and f"--service {spec.health_service}" in health
+        assert (
+            '-m common.platform.healthcheck "127.0.0.1:${COSINE_PORT}"' in health
+            and f"--service {spec.health_service}" in health
+        )
         assert f'CMD ["python", "-m", "{spec.module}"]' in lines
         assert (ROOT / spec.module.replace(".", "/") / "__main__.py").is_file()
 

@@ -13,7 +13,9 @@ from tests.support.testing import start_service
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common.platform.healthcheck", *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "common.platform.healthcheck", *args], capture_output=True, text=True, timeout=30
+    )
 
 
 @pytest.fixture()
@@ -21,7 +23,24 @@ def gateway(redis_url, redis_prefix):
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
 
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--redis-url", redis_url, "--redis-prefix", redis_prefix], {})
+    settings = load_settings(
+        GatewaySettings,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            redis_prefix,
+        ],
+        {},
+    )
     server, port = start_service(settings, build_app, prog="gateway")
     stopped = []
 

@@ -27,7 +27,12 @@ MULTI = CHART / "examples" / "values-multi-drafter.yaml"
 SPECS = service_specs()
 K8S_VERSIONS = ("1.30.0", "1.37.0")  # oldest and newest schema sets checked
 TLS = ["tls.enabled=true", "tls.secretName=cosine-tls"]
-EXTERNAL = ["redis.enabled=false", "redis.externalUrl=redis://:pw@redis.example.internal:6379/0", "verifier.gpu.enabled=false", "networkPolicy.enabled=false"]
+EXTERNAL = [
+    "redis.enabled=false",
+    "redis.externalUrl=redis://:pw@redis.example.internal:6379/0",
+    "verifier.gpu.enabled=false",
+    "networkPolicy.enabled=false",
+]
 
 RENDERS = {
     "default": dict(),
@@ -88,7 +93,11 @@ def container_env(objects, container):
             value = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}[item["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             ref = item["valueFrom"]["secretKeyRef"]
-            value = secrets[ref["name"]]["stringData"][ref["key"]] if ref["name"] in secrets else "redis://:external@redis:6379/0"
+            value = (
+                secrets[ref["name"]]["stringData"][ref["key"]]
+                if ref["name"] in secrets
+                else "redis://:external@redis:6379/0"
+            )
         env[item["name"]] = value
     return env
 
@@ -100,7 +109,11 @@ def probe_check(probe, tls: bool) -> dict:
     if not tls:
         return probe.get("grpc") or {}
     cmd = (probe.get("exec") or {}).get("command") or []
-    if cmd[:3] != ["python", "-m", "common.platform.healthcheck"] or len(cmd) < 4 or not cmd[3].startswith("127.0.0.1:"):
+    if (
+        cmd[:3] != ["python", "-m", "common.platform.healthcheck"]
+        or len(cmd) < 4
+        or not cmd[3].startswith("127.0.0.1:")
+    ):
         return {}
     service = cmd[cmd.index("--service") + 1] if "--service" in cmd else ""
     return {"port": int(cmd[3].rsplit(":", 1)[1]), "service": service}
@@ -141,9 +154,13 @@ def problems(objects) -> list[str]:
         if ports.get("grpc") != settings.port:
             out.append(f"{where}: containerPort {ports.get('grpc')} but the service listens on {settings.port}")
         if ports.get("metrics", -1) != settings.metrics_port:
-            out.append(f"{where}: metrics containerPort {ports.get('metrics')} but /metrics is on {settings.metrics_port}")
+            out.append(
+                f"{where}: metrics containerPort {ports.get('metrics')} but /metrics is on {settings.metrics_port}"
+            )
         if ports.get("http", -1) != getattr(settings, "http_port", -1):
-            out.append(f"{where}: http containerPort {ports.get('http')} but the HTTP API is on {getattr(settings, 'http_port', -1)}")
+            out.append(
+                f"{where}: http containerPort {ports.get('http')} but the HTTP API is on {getattr(settings, 'http_port', -1)}"
+            )
         scrape = (template["metadata"].get("annotations") or {}).get("prometheus.io/port")
         if scrape is not None and int(scrape) != settings.metrics_port:
             out.append(f"{where}: scrape annotation on port {scrape}, /metrics is on {settings.metrics_port}")
@@ -166,9 +183,13 @@ def problems(objects) -> list[str]:
             out.append(f"{where}: no Service selects it")
         for s in matching:
             for p in s["spec"]["ports"]:
-                listening = {"grpc": settings.port, "http": getattr(settings, "http_port", -1)}.get(p["name"], settings.port)
+                listening = {"grpc": settings.port, "http": getattr(settings, "http_port", -1)}.get(
+                    p["name"], settings.port
+                )
                 if ports.get(p["targetPort"], p["targetPort"]) != listening:
-                    out.append(f"Service {s['metadata']['name']}: targetPort {p['targetPort']} is not the {spec.name} port")
+                    out.append(
+                        f"Service {s['metadata']['name']}: targetPort {p['targetPort']} is not the {spec.name} port"
+                    )
     return out
 
 
@@ -191,7 +212,9 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered, version
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {exc.message} at {'/'.join(map(str, exc.path))}")
+            pytest.fail(
+                f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {exc.message} at {'/'.join(map(str, exc.path))}"
+            )
 
 
 def test_settings_ports_and_probes_match_the_services(rendered):
@@ -213,8 +236,12 @@ def test_a_misspelt_setting_fails_the_check():
 def test_one_drafter_deployment_per_listed_model(values):
     objects = render_objects(CHART, [values] if values else [])
     listed = yaml.safe_load((values or CHART / "values.yaml").read_text())["drafters"]
-    drafters = {c_env["COSINE_DRAFTERS"]: w for w, _, c, spec in cosine_containers(objects) if spec.name == "drafter"
-                for c_env in [container_env(objects, c)]}
+    drafters = {
+        c_env["COSINE_DRAFTERS"]: w
+        for w, _, c, spec in cosine_containers(objects)
+        if spec.name == "drafter"
+        for c_env in [container_env(objects, c)]
+    }
     assert sorted(drafters) == sorted(f"{d['name']}={d['path']}" for d in listed)
     assert len(listed) >= 2
     hpas = by_kind(objects, "HorizontalPodAutoscaler")
@@ -250,7 +277,9 @@ def test_every_workload_has_requests_and_a_pdb(rendered):
             assert c["resources"]["requests"], f"{workload['metadata']['name']}: no resource requests"
         if workload["kind"] == "Deployment":
             labels = template["metadata"]["labels"]
-            assert any(p["spec"]["selector"]["matchLabels"].items() <= labels.items() for p in pdbs.values()), workload["metadata"]["name"]
+            assert any(p["spec"]["selector"]["matchLabels"].items() <= labels.items() for p in pdbs.values()), workload[
+                "metadata"
+            ]["name"]
 
 
 def test_redis_statefulset_or_external_url():
@@ -267,7 +296,9 @@ def test_redis_statefulset_or_external_url():
     assert secret["redis-url"] == f"redis://:{secret['redis-password']}@cosine-redis:6379/0"
     external = render_objects(CHART, set_values=EXTERNAL)
     assert "StatefulSet" not in {o["kind"] for o in external}
-    assert by_kind(external, "Secret")["cosine-redis"]["stringData"] == {"redis-url": "redis://:pw@redis.example.internal:6379/0"}
+    assert by_kind(external, "Secret")["cosine-redis"]["stringData"] == {
+        "redis-url": "redis://:pw@redis.example.internal:6379/0"
+    }
     with pytest.raises(ChartError, match="redis.externalUrl is required"):
         render_objects(CHART, set_values=["redis.enabled=false"])
 
@@ -290,9 +321,14 @@ def _peers_allowed(objects, policy):
                 continue
             sel = peer["podSelector"]
             for comp in components:
-                labels = {"app.kubernetes.io/name": "cosine", "app.kubernetes.io/instance": "cosine", "app.kubernetes.io/component": comp}
+                labels = {
+                    "app.kubernetes.io/name": "cosine",
+                    "app.kubernetes.io/instance": "cosine",
+                    "app.kubernetes.io/component": comp,
+                }
                 ok = sel.get("matchLabels", {}).items() <= labels.items() and all(
-                    labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", ()))
+                    labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", ())
+                )
                 if ok:
                     allowed.add(comp)
     return allowed
@@ -312,9 +348,19 @@ def test_network_policies_expose_only_the_gateway(values):
         allowed[comp] = _peers_allowed(objects, policy)
     expected_gateway = {"*"} if values is None else {"ip:10.0.0.0/8"}
     # Redis: every CoSine service registers its membership there, so all four reach it; nothing else.
-    assert allowed == {"gateway": expected_gateway, "router": {"gateway"}, "verifier": {"router"}, "drafter": {"router"},
-                       "redis": {"gateway", "router", "verifier", "drafter"}}
-    ports = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p["spec"]["ingress"][0]["ports"][0]["port"] for p in policies.values()}
+    assert allowed == {
+        "gateway": expected_gateway,
+        "router": {"gateway"},
+        "verifier": {"router"},
+        "drafter": {"router"},
+        "redis": {"gateway", "router", "verifier", "drafter"},
+    }
+    ports = {
+        p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p["spec"]["ingress"][0]["ports"][0][
+            "port"
+        ]
+        for p in policies.values()
+    }
     assert ports == {**{n: SPECS[n].default_port for n in SPECS}, "redis": 6379}
     gateway_policy = policies["cosine-gateway"]["spec"]["ingress"][0]
     assert [p["port"] for p in gateway_policy["ports"]] == [SPECS["gateway"].default_port, 8000]  # gRPC and HTTP
@@ -327,7 +373,9 @@ def test_network_policies_expose_only_the_gateway(values):
             assert len(rules) == 1
         else:
             assert len(rules) == 2 and [q["port"] for q in rules[1]["ports"]] == [metrics_ports[comp]], comp
-    assert by_kind(objects, "Service")["cosine-gateway"]["spec"]["type"] == ("ClusterIP" if values is None else "LoadBalancer")
+    assert by_kind(objects, "Service")["cosine-gateway"]["spec"]["type"] == (
+        "ClusterIP" if values is None else "LoadBalancer"
+    )
     for name, svc in by_kind(objects, "Service").items():
         if name != "cosine-gateway":
             assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", name
@@ -395,11 +443,17 @@ def test_metrics_ports_annotations_and_pod_monitor(tmp_path):
         services += 1
     assert services >= 5  # gateway, router, verifier and two drafters
     assert "PodMonitor" not in {o["kind"] for o in objects}
-    monitored = render_objects(CHART, set_values=["metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=prom"])
+    monitored = render_objects(
+        CHART, set_values=["metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=prom"]
+    )
     (pm,) = [o for o in monitored if o["kind"] == "PodMonitor"]
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and pm["metadata"]["labels"]["release"] == "prom"
     scoped = tmp_path / "scrapers.yaml"
-    scoped.write_text(yaml.safe_dump({"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}}))
+    scoped.write_text(
+        yaml.safe_dump(
+            {"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}}
+        )
+    )
     for policy in by_kind(render_objects(CHART, [scoped]), "NetworkPolicy").values():
         rules = policy["spec"].get("ingress", [])
         if len(rules) == 2:
@@ -426,7 +480,11 @@ def test_api_keys_on_by_default_from_a_secret(tmp_path):
     assert by_kind(render_objects(CHART, [given]), "Secret")["cosine-api-keys"]["stringData"]["keys"] == "k-one\nk-two"
     own = render_objects(CHART, set_values=["gateway.apiKeys.existingSecret=team-keys"])
     assert "cosine-api-keys" not in by_kind(own, "Secret")
-    volume = next(v for v in by_kind(own, "Deployment")["cosine-gateway"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys")
+    volume = next(
+        v
+        for v in by_kind(own, "Deployment")["cosine-gateway"]["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "api-keys"
+    )
     assert volume["secret"]["secretName"] == "team-keys"
     off = render_objects(CHART, set_values=["gateway.apiKeys.enabled=false"])
     assert "cosine-api-keys" not in by_kind(off, "Secret") and problems(off) == []
@@ -441,7 +499,11 @@ def test_tls_mounts_the_secret_and_turns_on_mtls_between_services():
     for _, template, c, spec in cosine_containers(objects):
         env = container_env(objects, c)
         settings = spec.load(env)
-        assert (settings.tls_cert, settings.tls_key, settings.tls_ca) == ("/etc/cosine/tls/tls.crt", "/etc/cosine/tls/tls.key", "/etc/cosine/tls/ca.crt")
+        assert (settings.tls_cert, settings.tls_key, settings.tls_ca) == (
+            "/etc/cosine/tls/tls.crt",
+            "/etc/cosine/tls/tls.key",
+            "/etc/cosine/tls/ca.crt",
+        )
         assert settings.tls_server_name == "cosine"
         (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "tls"]
         assert volume["secret"]["secretName"] == "cosine-tls" and volume["secret"]["defaultMode"] == 0o440
@@ -456,8 +518,10 @@ def test_tls_mounts_the_secret_and_turns_on_mtls_between_services():
         settings = spec.load(container_env(both, c))
         assert settings.tls_client_auth and settings.tls_server_name == "cosine.internal"
     plain_inside = render_objects(CHART, set_values=[*TLS, "tls.mtls=false"])
-    assert {spec.name: spec.load(container_env(plain_inside, c)).tls_client_auth
-            for _, _, c, spec in cosine_containers(plain_inside)} == {"gateway": False, "router": False, "verifier": False, "drafter": False}
+    assert {
+        spec.name: spec.load(container_env(plain_inside, c)).tls_client_auth
+        for _, _, c, spec in cosine_containers(plain_inside)
+    } == {"gateway": False, "router": False, "verifier": False, "drafter": False}
 
 
 def test_tls_off_is_plaintext_with_grpc_probes_and_a_missing_secret_is_an_error():

@@ -92,7 +92,9 @@ def test_sigterm_drains_a_drafter_replica_without_failing_a_request(tiny_zoo, tm
         assert victim.popen.wait(30) == 0  # drained and exited by itself, not killed
         members = store_call(c, lambda s: s.members("drafter"))
         assert [m.member_id for m in members] == ["drafter-replica"]
-        events = [json.loads(line).get("event") for line in victim.log_path.read_text().splitlines() if line.startswith("{")]
+        events = [
+            json.loads(line).get("event") for line in victim.log_path.read_text().splitlines() if line.startswith("{")
+        ]
         assert "draining" in events and "drained" in events
         health = router_drafters(c.router_address)  # every drafter still served, by the replica
         assert set(health) >= set(tiny_zoo.drafters) and all(health[d] for d in tiny_zoo.drafters)

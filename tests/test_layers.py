@@ -18,9 +18,25 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "deploy")
 # layer -> prefixes of modules it may never import
 FORBIDDEN = {
-    "common.runtime": ("common.platform", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "tests"),
+    "common.runtime": (
+        "common.platform",
+        "services",
+        "cosine_cli",
+        "cosine_client",
+        "cosine_zoo",
+        "benchmarks",
+        "tests",
+    ),
     "common.spec": ("common.platform", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "tests"),
-    "common.platform": ("common.runtime", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "tests"),
+    "common.platform": (
+        "common.runtime",
+        "services",
+        "cosine_cli",
+        "cosine_client",
+        "cosine_zoo",
+        "benchmarks",
+        "tests",
+    ),
     "common.logs": ("common.", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "tests"),
     "services": ("cosine_cli", "cosine_zoo", "benchmarks", "tests"),
     "cosine_client": ("common.runtime", "common.spec", "services", "cosine_cli", "cosine_zoo", "benchmarks", "tests"),
@@ -81,7 +97,7 @@ def test_no_module_imports_itself_through_others():
         state[m] = "open"
         for d in sorted(g[m]):
             if state.get(d) == "open":
-                circles.append(" -> ".join(path[path.index(d):] + [m, d]) if d in path else f"{m} -> {d}")
+                circles.append(" -> ".join(path[path.index(d) :] + [m, d]) if d in path else f"{m} -> {d}")
             elif d not in state:
                 visit(d, path + [m])
         state[m] = "done"

@@ -31,8 +31,12 @@ def by_label(samples, name, label) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def scraped(tiny_zoo, tmp_path_factory):
-    spec = ClusterSpec(target=str(tiny_zoo.target.path), drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
-                       log_dir=str(tmp_path_factory.mktemp("metrics") / "logs"), cores=2)
+    spec = ClusterSpec(
+        target=str(tiny_zoo.target.path),
+        drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
+        log_dir=str(tmp_path_factory.mktemp("metrics") / "logs"),
+        cores=2,
+    )
     with LocalCluster(spec) as cluster:
         asyncio.run(seed_profiles(cluster.redis_url, spec.prefix, tiny_zoo.acceptance, 20.0))
         prompts = [p for d in sorted(tiny_zoo.prompts) for p in tiny_zoo.prompts[d][:2]]
@@ -60,12 +64,17 @@ def test_gateway_latency_histograms(scraped):
     per, requests = scraped
     g = per["gateway"]
     assert total(g, "cosine_requests_total") == requests
-    assert total(g, "cosine_requests_total", outcome="length") + total(g, "cosine_requests_total", outcome="eos") == requests
+    assert (
+        total(g, "cosine_requests_total", outcome="length") + total(g, "cosine_requests_total", outcome="eos")
+        == requests
+    )
     for hist in ("cosine_time_to_first_token_seconds", "cosine_e2e_request_latency_seconds"):
         assert total(g, f"{hist}_count") == requests and total(g, f"{hist}_sum") > 0
     assert total(g, "cosine_time_per_output_token_seconds_count") > 0
     assert total(g, "cosine_generation_tokens_total") > 0 and total(g, "cosine_prompt_tokens_total") > 0
-    assert total(g, "grpc_server_handled_total", grpc_method="/cosine.v1.Gateway/Generate", grpc_code="OK") == requests - 1
+    assert (
+        total(g, "grpc_server_handled_total", grpc_method="/cosine.v1.Gateway/Generate", grpc_code="OK") == requests - 1
+    )
 
 
 def test_speculative_counters_add_up(scraped):

@@ -13,19 +13,21 @@ import openai
 import pytest
 
 from common.platform.settings import load_settings
-from tests.support.testing import start_service
 from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.profiles import seed_profiles
 from cosine_client import Client
 from services.gateway.server import build_app
 from services.gateway.settings import GatewaySettings
+from tests.support.testing import start_service
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16
 KEY = "test-key"
 # A plain chat template for the tiny zoo's tokenizer (the default zoo's target brings its own).
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +44,20 @@ def chat_tokenizer(tiny_zoo, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny_zoo, chat_tokenizer, tmp_path_factory):
     spec = ClusterSpec(
-        target=str(tiny_zoo.target.path), drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
-        log_dir=str(tmp_path_factory.mktemp("openai-cluster") / "logs"), cores=2,
-        gateway_args=("--tokenizer", str(chat_tokenizer), "--api-keys", KEY, "--max-inflight", "1",
-                      "--served-model-name", "tiny-target"),
+        target=str(tiny_zoo.target.path),
+        drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
+        log_dir=str(tmp_path_factory.mktemp("openai-cluster") / "logs"),
+        cores=2,
+        gateway_args=(
+            "--tokenizer",
+            str(chat_tokenizer),
+            "--api-keys",
+            KEY,
+            "--max-inflight",
+            "1",
+            "--served-model-name",
+            "tiny-target",
+        ),
     )
     c = LocalCluster(spec)
     c.start(progress=False)
@@ -91,8 +103,16 @@ def test_completion_equals_grpc_at_temperature_zero(cluster, client, prompts):
 def test_streamed_completion_equals_unary(client, prompts):
     prompt = prompts[0]
     unary = client.completions.create(model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
-    chunks = list(client.completions.create(model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny-target",
+            prompt=prompt,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == unary.choices[0].text
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -101,10 +121,12 @@ def test_streamed_completion_equals_unary(client, prompts):
 
 
 def test_stop_string_is_cut_and_reported(client, prompts):
-    texts = [client.completions.create(model="tiny-target", prompt=p, max_tokens=MAX_NEW, temperature=0).choices[0].text
-             for p in prompts]
+    texts = [
+        client.completions.create(model="tiny-target", prompt=p, max_tokens=MAX_NEW, temperature=0).choices[0].text
+        for p in prompts
+    ]
     prompt, full = max(zip(prompts, texts), key=lambda pt: len(set(pt[1])))
-    stop = full[len(full) // 2:][:2]
+    stop = full[len(full) // 2 :][:2]
     assert stop, texts
     cut = client.completions.create(model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0, stop=[stop])
     assert cut.choices[0].text == full[: full.index(stop)]
@@ -114,12 +136,23 @@ def test_stop_string_is_cut_and_reported(client, prompts):
 def test_max_tokens_and_sampling_parameters(client, prompts):
     short = client.completions.create(model="tiny-target", prompt=prompts[0], max_tokens=3, temperature=0)
     assert short.usage.completion_tokens <= 3
-    greedy = client.completions.create(model="tiny-target", prompt=prompts[2], max_tokens=MAX_NEW, temperature=0).choices[0].text
+    greedy = (
+        client.completions.create(model="tiny-target", prompt=prompts[2], max_tokens=MAX_NEW, temperature=0)
+        .choices[0]
+        .text
+    )
     # temperature 1 with a nucleus of the single most likely token is greedy decoding: top_p reaches the target
-    nucleus = client.completions.create(model="tiny-target", prompt=prompts[2], max_tokens=MAX_NEW, temperature=1.0,
-                                        top_p=1e-6, seed=3).choices[0].text
+    nucleus = (
+        client.completions.create(
+            model="tiny-target", prompt=prompts[2], max_tokens=MAX_NEW, temperature=1.0, top_p=1e-6, seed=3
+        )
+        .choices[0]
+        .text
+    )
     assert nucleus == greedy
-    sampled = client.completions.create(model="tiny-target", prompt=prompts[2], max_tokens=MAX_NEW, temperature=1.5, seed=11)
+    sampled = client.completions.create(
+        model="tiny-target", prompt=prompts[2], max_tokens=MAX_NEW, temperature=1.5, seed=11
+    )
     assert sampled.usage.completion_tokens >= 1
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny-target", prompt=prompts[2], max_tokens=2, seed=-1)
@@ -134,12 +167,17 @@ def test_chat_uses_the_template_and_streams(cluster, client, chat_tokenizer):
     message = reply.choices[0].message
     assert message.role == "assistant" and reply.object == "chat.completion"
     tok = load_tokenizer(str(chat_tokenizer))
-    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+    ids = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
     assert reply.usage.prompt_tokens == len(ids)
     with Client(cluster.gateway_address, timeout=120, api_key=KEY) as c:
         assert message.content == c.generate(prompt_ids=ids, max_new_tokens=MAX_NEW).text
-    chunks = list(client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=MAX_NEW,
-                                                 temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-target", messages=messages, max_tokens=MAX_NEW, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
 
@@ -150,7 +188,7 @@ def test_bad_fields_are_400_naming_the_field(client, prompts):
         (dict(prompt=prompts[0], max_tokens=100_000), "max_tokens"),
         (dict(prompt=prompts[0], n=2), "n"),
         (dict(prompt=[], max_tokens=4), "prompt"),
-        (dict(prompt=[10 ** 9], max_tokens=4), "prompt"),
+        (dict(prompt=[10**9], max_tokens=4), "prompt"),
         (dict(prompt=prompts[0], top_p=2), "top_p"),
     ]
     for kw, field in cases:
@@ -164,8 +202,12 @@ def test_bad_fields_are_400_naming_the_field(client, prompts):
 
 def test_wrong_key_is_401_and_unknown_model_404(cluster, client, prompts):
     for key in ("wrong", ""):
-        bad = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=key or "x", max_retries=0,
-                            default_headers={} if key else {"Authorization": ""})
+        bad = openai.OpenAI(
+            base_url=cluster.http_url + "/v1",
+            api_key=key or "x",
+            max_retries=0,
+            default_headers={} if key else {"Authorization": ""},
+        )
         with pytest.raises(openai.AuthenticationError) as err:
             bad.completions.create(model="tiny-target", prompt=prompts[0], max_tokens=2)
         assert err.value.status_code == 401 and "tiny" not in json.dumps(err.value.body)
@@ -178,7 +220,9 @@ def test_wrong_key_is_401_and_unknown_model_404(cluster, client, prompts):
 
 def test_queue_full_is_429(cluster, client, prompts):
     """The cluster's gateway admits one request at a time: while a long stream runs, another gets 429."""
-    stream = client.completions.create(model="tiny-target", prompt=prompts[0], max_tokens=400, temperature=0, stream=True)
+    stream = client.completions.create(
+        model="tiny-target", prompt=prompts[0], max_tokens=400, temperature=0, stream=True
+    )
     try:
         next(iter(stream))  # admitted and generating
         with pytest.raises(openai.RateLimitError) as err:
@@ -190,8 +234,24 @@ def test_queue_full_is_429(cluster, client, prompts):
 
 def test_not_ready_is_503(redis_url, redis_prefix):
     """A gateway with no verifier or router registered answers 503 until the cluster is up."""
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "0",
-                                               "--redis-url", redis_url, "--redis-prefix", redis_prefix], {})
+    settings = load_settings(
+        GatewaySettings,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            redis_prefix,
+        ],
+        {},
+    )
     apps = []
 
     async def factory(s, store):
@@ -218,9 +278,26 @@ def test_http_port_in_use_is_one_line(redis_url):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "services.gateway", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
-                               "--http-port", str(port), "--redis-url", redis_url], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--http-port",
+                str(port),
+                "--redis-url",
+                redis_url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and not line.startswith("{")]
     assert len(errors) == 1 and f"cannot serve HTTP on port {port}" in errors[0], proc.stderr
-

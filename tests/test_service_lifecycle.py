@@ -22,9 +22,21 @@ ENV = {**os.environ, "COSINE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
 
 def start(name, *args):
     return subprocess.Popen(
-        [sys.executable, "-m", f"services.{name}", "--port", "0", "--metrics-port", "0",
-         *(["--http-port", "0"] if name == "gateway" else []), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True,
+        [
+            sys.executable,
+            "-m",
+            f"services.{name}",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            *(["--http-port", "0"] if name == "gateway" else []),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        text=True,
     )
 
 
@@ -51,10 +63,14 @@ def test_service_serves_health_reflection_and_stops_on_sigterm(name, redis_url, 
     try:
         port, member_id = wait_serving_port(proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=f"cosine.v1.{name.capitalize()}"), timeout=5)
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=f"cosine.v1.{name.capitalize()}"), timeout=5
+            )
             assert status.status == health_pb2.HealthCheckResponse.SERVING
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+            replies = list(
+                stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            )
             names = {s.name for s in replies[0].list_services_response.service}
             assert f"cosine.v1.{name.capitalize()}" in names and "grpc.health.v1.Health" in names
 
@@ -89,7 +105,9 @@ def test_service_serves_health_reflection_and_stops_on_sigterm(name, redis_url, 
     ],
 )
 def test_bad_settings_end_with_one_clear_line(args, code, needle):
-    proc = subprocess.run([sys.executable, "-m", "services.router", *args], capture_output=True, text=True, env=ENV, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.router", *args], capture_output=True, text=True, env=ENV, timeout=30
+    )
     assert proc.returncode == code
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and not line.startswith("{")]
     assert len(errors) == 1 and needle in errors[0], proc.stderr
@@ -98,7 +116,9 @@ def test_bad_settings_end_with_one_clear_line(args, code, needle):
 
 @pytest.mark.parametrize("name", SERVICES)
 def test_help_explains_every_flag(name):
-    proc = subprocess.run([sys.executable, "-m", f"services.{name}", "--help"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"services.{name}", "--help"], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0
     assert "--redis-url" in proc.stdout and "COSINE_REDIS_URL" in proc.stdout
 
@@ -110,8 +130,23 @@ def test_port_in_use_is_one_line(redis_url):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url],
-                              capture_output=True, text=True, env=ENV, timeout=30)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--redis-url",
+                redis_url,
+            ],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=30,
+        )
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and not line.startswith("{")]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0], proc.stderr
@@ -119,11 +154,28 @@ def test_port_in_use_is_one_line(redis_url):
 
 def test_in_process_helper_returns_server_and_port(redis_url, redis_prefix):
     from common.platform.settings import load_settings
-    from tests.support.testing import start_service
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
+    from tests.support.testing import start_service
 
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--redis-url", redis_url, "--redis-prefix", redis_prefix], {})
+    settings = load_settings(
+        GatewaySettings,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            redis_prefix,
+        ],
+        {},
+    )
     server, port = start_service(settings, build_app, prog="gateway")
     try:
         assert port > 0

@@ -14,12 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from common.platform.tls import TlsConfig
+from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from cosine.v1 import router_pb2, router_pb2_grpc
 from cosine_cli.cluster import ClusterSpec, LocalCluster
-from cosine_cli.profiles import seed_profiles
 from cosine_cli.main import main
+from cosine_cli.profiles import seed_profiles
 from cosine_client import AsyncClient, Client, TlsSetupError, Unavailable
 
 pytestmark = pytest.mark.slow
@@ -33,8 +33,13 @@ def mtls(dev_certs) -> TlsConfig:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_zoo, mtls, tmp_path_factory):
-    spec = ClusterSpec(target=str(tiny_zoo.target.path), drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
-                       log_dir=str(tmp_path_factory.mktemp("tls-cluster") / "logs"), cores=2, tls=mtls)
+    spec = ClusterSpec(
+        target=str(tiny_zoo.target.path),
+        drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
+        log_dir=str(tmp_path_factory.mktemp("tls-cluster") / "logs"),
+        cores=2,
+        tls=mtls,
+    )
     c = LocalCluster(spec)
     c.start(progress=False)  # returns once the router, over mTLS, sees the verifier and every drafter
     asyncio.run(seed_profiles(c.redis_url, spec.prefix, tiny_zoo.acceptance, 20.0))
@@ -56,9 +61,15 @@ def reference(tiny_zoo, prompts):
     out = {}
     for prompt in prompts:
         ids = torch.tensor([tok(prompt).input_ids])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        out[prompt] = gen[0, ids.shape[1]:].tolist()
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        out[prompt] = gen[0, ids.shape[1] :].tolist()
     return out
 
 
@@ -105,7 +116,9 @@ def test_sdk_is_refused_without_a_client_certificate_or_with_another_cas(cluster
         dict(tls=False),  # plaintext
         dict(tls_ca=str(dev_certs.ca)),  # TLS, no client certificate
         dict(tls_ca=str(dev_certs.ca), tls_cert=str(other_certs.client_cert), tls_key=str(other_certs.client_key)),
-        dict(tls_ca=str(other_certs.ca), tls_cert=str(dev_certs.client_cert), tls_key=str(dev_certs.client_key)),  # distrusts the gateway
+        dict(
+            tls_ca=str(other_certs.ca), tls_cert=str(dev_certs.client_cert), tls_key=str(dev_certs.client_key)
+        ),  # distrusts the gateway
     ]
     for kwargs in refused:
         with Client(cluster.gateway_address, timeout=10, **kwargs) as client:
@@ -124,12 +137,47 @@ def test_sdk_reads_tls_from_the_environment(cluster, dev_certs, prompts, referen
 
 
 def test_cli_generate_and_status_take_tls_flags(cluster, dev_certs, prompts, reference, capsys):
-    flags = ["--tls-ca", str(dev_certs.ca), "--tls-cert", str(dev_certs.client_cert), "--tls-key", str(dev_certs.client_key)]
-    assert main(["generate", "--address", cluster.gateway_address, "--max-new-tokens", str(MAX_NEW), "--json", *flags, prompts[0]]) == 0
+    flags = [
+        "--tls-ca",
+        str(dev_certs.ca),
+        "--tls-cert",
+        str(dev_certs.client_cert),
+        "--tls-key",
+        str(dev_certs.client_key),
+    ]
+    assert (
+        main(
+            [
+                "generate",
+                "--address",
+                cluster.gateway_address,
+                "--max-new-tokens",
+                str(MAX_NEW),
+                "--json",
+                *flags,
+                prompts[0],
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["token_ids"] == reference[prompts[0]]
     assert main(["status", "--router", cluster.router_address, "--json", *flags]) == 0
     assert json.loads(capsys.readouterr().out)["verifier"]["healthy"] is True
-    assert main(["generate", "--address", cluster.gateway_address, "--timeout", "10", "--tls-ca", str(dev_certs.ca), prompts[0]]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                "--address",
+                cluster.gateway_address,
+                "--timeout",
+                "10",
+                "--tls-ca",
+                str(dev_certs.ca),
+                prompts[0],
+            ]
+        )
+        == 1
+    )
     assert "UNAVAILABLE" in capsys.readouterr().err
     assert main(["status", "--router", cluster.router_address, "--no-tls"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
@@ -138,14 +186,34 @@ def test_cli_generate_and_status_take_tls_flags(cluster, dev_certs, prompts, ref
 def public_gateway(cluster, tiny_zoo, *tls_flags):
     """One more gateway, in process, in front of the cluster's router (same Redis)."""
     from common.platform.settings import load_settings
-    from tests.support.testing import InProcessService
     from services.gateway.server import build_app
     from services.gateway.settings import GatewaySettings
+    from tests.support.testing import InProcessService
 
-    settings = load_settings(GatewaySettings, [
-        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--redis-url", cluster.redis_url,
-        "--redis-prefix", cluster.spec.prefix, "--router-address", cluster.router_address,
-        "--tokenizer", str(tiny_zoo.target.path), *tls_flags], {})
+    settings = load_settings(
+        GatewaySettings,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--http-port",
+            "-1",
+            "--redis-url",
+            cluster.redis_url,
+            "--redis-prefix",
+            cluster.spec.prefix,
+            "--router-address",
+            cluster.router_address,
+            "--tokenizer",
+            str(tiny_zoo.target.path),
+            *tls_flags,
+        ],
+        {},
+    )
+
     async def factory(s, store):
         app = await build_app(s, store)
         server.apps.append(app)
@@ -157,12 +225,26 @@ def public_gateway(cluster, tiny_zoo, *tls_flags):
     return server
 
 
-def test_a_public_tls_gateway_without_client_auth_in_front_of_the_mtls_router(cluster, tiny_zoo, dev_certs, prompts, reference):
+def test_a_public_tls_gateway_without_client_auth_in_front_of_the_mtls_router(
+    cluster, tiny_zoo, dev_certs, prompts, reference
+):
     """Clients need only the CA; the gateway itself shows its certificate to the mTLS router."""
     import openai
 
-    server = public_gateway(cluster, tiny_zoo, "--tls-cert", str(dev_certs.cert), "--tls-key", str(dev_certs.key),
-                            "--tls-ca", str(dev_certs.ca), "--http-port", "0", "--served-model-name", "tiny")
+    server = public_gateway(
+        cluster,
+        tiny_zoo,
+        "--tls-cert",
+        str(dev_certs.cert),
+        "--tls-key",
+        str(dev_certs.key),
+        "--tls-ca",
+        str(dev_certs.ca),
+        "--http-port",
+        "0",
+        "--served-model-name",
+        "tiny",
+    )
     try:
         with Client(server.address, timeout=120, tls_ca=str(dev_certs.ca)) as client:
             grpc_text = client.generate(prompts[0], max_new_tokens=MAX_NEW)
@@ -172,8 +254,13 @@ def test_a_public_tls_gateway_without_client_auth_in_front_of_the_mtls_router(cl
                 client.generate(prompts[0], max_new_tokens=2)
         # the OpenAI-compatible HTTP port serves HTTPS with the same certificate
         port = server.apps[0].http.port
-        https = openai.OpenAI(base_url=f"https://localhost:{port}/v1", api_key="none", max_retries=0, timeout=120,
-                              http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(dev_certs.ca))))
+        https = openai.OpenAI(
+            base_url=f"https://localhost:{port}/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=120,
+            http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(dev_certs.ca))),
+        )
         reply = https.completions.create(model="tiny", prompt=prompts[0], max_tokens=MAX_NEW, temperature=0)
         assert reply.choices[0].text == grpc_text.text
         plain = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="none", max_retries=0, timeout=10)

@@ -53,8 +53,12 @@ class DevCerts:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "CoSine development"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "CoSine development"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
@@ -67,39 +71,78 @@ def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(entries)
 
 
-def make_ca(common_name: str = "CoSine development CA", days: int = 30) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def make_ca(
+    common_name: str = "CoSine development CA", days: int = 30
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.timezone.utc)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name)).issuer_name(_name(common_name))
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     return cert, key
 
 
-def issue(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str, names: Sequence[str] = (),
-          server: bool = True, client: bool = True, days: int = 30) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def issue(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    names: Sequence[str] = (),
+    server: bool = True,
+    client: bool = True,
+    days: int = 30,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A leaf certificate signed by the CA, for server and/or client authentication."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.timezone.utc)
-    usages = [u for u, on in ((ExtendedKeyUsageOID.SERVER_AUTH, server), (ExtendedKeyUsageOID.CLIENT_AUTH, client)) if on]
+    usages = [
+        u for u, on in ((ExtendedKeyUsageOID.SERVER_AUTH, server), (ExtendedKeyUsageOID.CLIENT_AUTH, client)) if on
+    ]
     builder = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name)).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False, crl_sign=False,
-                                     content_commitment=False, data_encipherment=False, key_agreement=True,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
     )
@@ -113,7 +156,9 @@ def cert_pem(cert: x509.Certificate) -> bytes:
 
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
@@ -122,21 +167,32 @@ def _write(path: Path, data: bytes, private: bool) -> None:
         f.write(data)
 
 
-def write_dev_certs(out_dir: str | Path, names: Sequence[str] = (), days: int = 30, overwrite: bool = False) -> DevCerts:
+def write_dev_certs(
+    out_dir: str | Path, names: Sequence[str] = (), days: int = 30, overwrite: bool = False
+) -> DevCerts:
     """Write a new CA, a service certificate and a client certificate into ``out_dir``.
     ``names`` are added to the service certificate's DNS/IP names. Refuses to replace existing
     files unless ``overwrite``: certificates signed by the old CA would stop being trusted."""
     paths = DevCerts.at(out_dir)
     paths.dir.mkdir(parents=True, exist_ok=True)
-    existing = [p.name for p in (paths.ca, paths.ca_key, paths.cert, paths.key, paths.client_cert, paths.client_key) if p.exists()]
+    existing = [
+        p.name
+        for p in (paths.ca, paths.ca_key, paths.cert, paths.key, paths.client_cert, paths.client_key)
+        if p.exists()
+    ]
     if existing and not overwrite:
         raise FileExistsError(f"{paths.dir} already holds {', '.join(existing)} (use --force to replace them)")
     ca, ca_key = make_ca(days=days)
     all_names = list(dict.fromkeys([*DEFAULT_NAMES, *names]))
     service, service_key = issue(ca, ca_key, "cosine-service", all_names, server=True, client=True, days=days)
     client, client_key = issue(ca, ca_key, "cosine-client", (), server=False, client=True, days=days)
-    for path, data, private in ((paths.ca, cert_pem(ca), False), (paths.ca_key, key_pem(ca_key), True),
-                                (paths.cert, cert_pem(service), False), (paths.key, key_pem(service_key), True),
-                                (paths.client_cert, cert_pem(client), False), (paths.client_key, key_pem(client_key), True)):
+    for path, data, private in (
+        (paths.ca, cert_pem(ca), False),
+        (paths.ca_key, key_pem(ca_key), True),
+        (paths.cert, cert_pem(service), False),
+        (paths.key, key_pem(service_key), True),
+        (paths.client_cert, cert_pem(client), False),
+        (paths.client_key, key_pem(client_key), True),
+    ):
         _write(path, data, private)
     return paths

@@ -13,8 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.platform.tls import TlsConfig, add_port, open_channel
 from common.platform.malformed import MalformedMessageInterceptor, handler_replies, handler_reply
+from common.platform.tls import TlsConfig, add_port, open_channel
 
 # Generous limits: a verify batch of many trees with logits-free payloads stays far below this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -80,7 +80,9 @@ async def create_server(
     names = tuple(service_names)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     try:
         port = add_port(server, address, tls)
     except RuntimeError as exc:
@@ -121,6 +123,7 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
                     return await handler_reply(fn, request_or_iterator, context)
                 except Exception as exc:
                     await self._abort_or_raise(exc, context)
+
             return wrapped
 
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,13 +133,17 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
                         yield item
                 except Exception as exc:
                     await self._abort_or_raise(exc, context)
+
             return wrapped
 
         return rewrap_handler(handler, unary, streaming)
 
 
-def rewrap_handler(handler: grpc.RpcMethodHandler, unary: Callable[[Callable[..., Any]], Callable[..., Any]],
-                   streaming: Callable[[Callable[..., Any]], Callable[..., Any]]) -> grpc.RpcMethodHandler:
+def rewrap_handler(
+    handler: grpc.RpcMethodHandler,
+    unary: Callable[[Callable[..., Any]], Callable[..., Any]],
+    streaming: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> grpc.RpcMethodHandler:
     """The same method with its behaviour wrapped: ``unary`` wraps handlers that answer once,
     ``streaming`` those that answer with a stream (what server interceptors need)."""
     kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
@@ -179,14 +186,21 @@ async def channel_serving(channel: grpc.aio.Channel, service: str = "", timeout_
     """True when the server behind ``channel`` answers SERVING for ``service`` through that very
     channel (so calls made on it next find it connected)."""
     try:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+        )
     except grpc.aio.AioRpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def wait_healthy(address: str, timeout_s: float, service: str = "", is_alive: Callable[[], bool] | None = None,
-                       tls: TlsConfig | None = None) -> bool:
+async def wait_healthy(
+    address: str,
+    timeout_s: float,
+    service: str = "",
+    is_alive: Callable[[], bool] | None = None,
+    tls: TlsConfig | None = None,
+) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while asyncio.get_running_loop().time() < deadline:
         if is_alive is not None and not is_alive():

@@ -54,15 +54,31 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         description="Check a CoSine service over the gRPC health protocol; exit 0 when SERVING, 1 otherwise.",
     )
     parser.add_argument("address", help="host:port of the service, e.g. 127.0.0.1:50051")
-    parser.add_argument("--service", default="", help="health service name, e.g. cosine.v1.Gateway (default: the whole server)")
+    parser.add_argument(
+        "--service", default="", help="health service name, e.g. cosine.v1.Gateway (default: the whole server)"
+    )
     parser.add_argument("--timeout", type=float, default=3.0, metavar="S", help="deadline of the check in seconds")
-    parser.add_argument("--tls-ca", default=env.get("COSINE_TLS_CA", ""), metavar="PATH",
-                        help="dial TLS and check the server against this CA bundle [env COSINE_TLS_CA]")
-    parser.add_argument("--tls-cert", default=env.get("COSINE_TLS_CERT", ""), metavar="PATH",
-                        help="client certificate, for a server that requires one [env COSINE_TLS_CERT]")
-    parser.add_argument("--tls-key", default=env.get("COSINE_TLS_KEY", ""), metavar="PATH", help="its private key [env COSINE_TLS_KEY]")
-    parser.add_argument("--tls-server-name", default=env.get("COSINE_TLS_SERVER_NAME", ""), metavar="NAME",
-                        help="name the server's certificate must carry (default: the host dialled) [env COSINE_TLS_SERVER_NAME]")
+    parser.add_argument(
+        "--tls-ca",
+        default=env.get("COSINE_TLS_CA", ""),
+        metavar="PATH",
+        help="dial TLS and check the server against this CA bundle [env COSINE_TLS_CA]",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=env.get("COSINE_TLS_CERT", ""),
+        metavar="PATH",
+        help="client certificate, for a server that requires one [env COSINE_TLS_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key", default=env.get("COSINE_TLS_KEY", ""), metavar="PATH", help="its private key [env COSINE_TLS_KEY]"
+    )
+    parser.add_argument(
+        "--tls-server-name",
+        default=env.get("COSINE_TLS_SERVER_NAME", ""),
+        metavar="NAME",
+        help="name the server's certificate must carry (default: the host dialled) [env COSINE_TLS_SERVER_NAME]",
+    )
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error("--timeout must be greater than 0")

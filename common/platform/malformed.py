@@ -22,8 +22,12 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 # wire types of the protobuf encoding
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 _PACKABLE_WIRE = {
-    FieldDescriptor.TYPE_DOUBLE: I64, FieldDescriptor.TYPE_FIXED64: I64, FieldDescriptor.TYPE_SFIXED64: I64,
-    FieldDescriptor.TYPE_FLOAT: I32, FieldDescriptor.TYPE_FIXED32: I32, FieldDescriptor.TYPE_SFIXED32: I32,
+    FieldDescriptor.TYPE_DOUBLE: I64,
+    FieldDescriptor.TYPE_FIXED64: I64,
+    FieldDescriptor.TYPE_SFIXED64: I64,
+    FieldDescriptor.TYPE_FLOAT: I32,
+    FieldDescriptor.TYPE_FIXED32: I32,
+    FieldDescriptor.TYPE_SFIXED32: I32,
 }
 
 
@@ -170,6 +174,7 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
                     if isinstance(request, Malformed):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                     yield request
+
             return gen()
 
         def unary_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -177,6 +182,7 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
                 if isinstance(request, Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 return await handler_reply(fn, request, context)
+
             return call
 
         def unary_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -185,17 +191,20 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 async for reply in handler_replies(fn, request, context):
                     yield reply
+
             return call
 
         def stream_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
                 return await handler_reply(fn, checked(requests, context), context)
+
             return call
 
         def stream_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 async for reply in handler_replies(fn, checked(requests, context), context):
                     yield reply
+
             return call
 
         kwargs = {"request_deserializer": safe, "response_serializer": handler.response_serializer}

@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from common.platform.grpc_server import rewrap_handler
 from common.logs import get_logger
+from common.platform.grpc_server import rewrap_handler
 from common.platform.malformed import handler_replies, handler_reply
 
 log = get_logger(__name__)
@@ -40,10 +40,12 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()
         self.port: int | None = None
         self._server: Any = None
-        self.rpc_handled = self.counter("grpc_server_handled_total", "RPCs completed, by method and status code",
-                                        ["grpc_method", "grpc_code"])
-        self.rpc_seconds = self.histogram("grpc_server_handling_seconds", "RPC handling time (a stream: its life)",
-                                          ["grpc_method"], LATENCY_BUCKETS)
+        self.rpc_handled = self.counter(
+            "grpc_server_handled_total", "RPCs completed, by method and status code", ["grpc_method", "grpc_code"]
+        )
+        self.rpc_seconds = self.histogram(
+            "grpc_server_handling_seconds", "RPC handling time (a stream: its life)", ["grpc_method"], LATENCY_BUCKETS
+        )
 
     # ---- families ----------------------------------------------------------------------------
 
@@ -53,8 +55,9 @@ class ServiceMetrics:
     def gauge(self, name: str, doc: str, labels: list[str] | None = None) -> Gauge:
         return Gauge(name, doc, labels or [], registry=self.registry)
 
-    def histogram(self, name: str, doc: str, labels: list[str] | None = None,
-                  buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+    def histogram(
+        self, name: str, doc: str, labels: list[str] | None = None, buckets: tuple[float, ...] = LATENCY_BUCKETS
+    ) -> Histogram:
         return Histogram(name, doc, labels or [], buckets=buckets, registry=self.registry)
 
     # ---- exporter ----------------------------------------------------------------------------
@@ -117,6 +120,7 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
             async def wrapped(request_or_iterator: Any, context: Any) -> Any:
                 with observed(context):
                     return await handler_reply(fn, request_or_iterator, context)
+
             return wrapped
 
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,6 +128,7 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
                 with observed(context):
                     async for item in handler_replies(fn, request_or_iterator, context):
                         yield item
+
             return wrapped
 
         return rewrap_handler(handler, unary, streaming)
@@ -136,8 +141,9 @@ def bind_engine_metrics(metrics: ServiceMetrics, engine: Callable[[], Any], mode
     fams = getattr(metrics, "_engine_families", None)
     if fams is None:
         fams = (
-            metrics.gauge("cosine_kv_cache_tokens", "KV cache tokens reserved by live requests, and the budget",
-                          ["model", "kind"]),
+            metrics.gauge(
+                "cosine_kv_cache_tokens", "KV cache tokens reserved by live requests, and the budget", ["model", "kind"]
+            ),
             metrics.gauge("cosine_kv_cache_usage_ratio", "reserved / budget (0 when unbounded)", ["model"]),
             metrics.gauge("cosine_engine_requests", "requests holding a KV cache", ["model"]),
         )

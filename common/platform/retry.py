@@ -56,15 +56,27 @@ class RetryPolicy:
         state.attempt_number = failures
         return self.wait()(state)
 
-    def retrying(self, *, retry: RetryBaseT, stop: StopBaseT = stop_never,
-                 sleep: Callable[[float], Awaitable[None]] | None = None, **kwargs: Any) -> AsyncRetrying:
+    def retrying(
+        self,
+        *,
+        retry: RetryBaseT,
+        stop: StopBaseT = stop_never,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+        **kwargs: Any,
+    ) -> AsyncRetrying:
         """Attempts for an asyncio caller; the last failure is raised as it is (``reraise``)."""
         if sleep is not None:
             kwargs["sleep"] = sleep
         return AsyncRetrying(wait=self.wait(), retry=retry, stop=stop, reraise=True, **kwargs)
 
-    def retrying_sync(self, *, retry: RetryBaseT, stop: StopBaseT = stop_never,
-                      sleep: Callable[[float], None] | None = None, **kwargs: Any) -> Retrying:
+    def retrying_sync(
+        self,
+        *,
+        retry: RetryBaseT,
+        stop: StopBaseT = stop_never,
+        sleep: Callable[[float], None] | None = None,
+        **kwargs: Any,
+    ) -> Retrying:
         """Attempts for a blocking caller; the last failure is raised as it is (``reraise``)."""
         if sleep is not None:
             kwargs["sleep"] = sleep

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from common.logs import LEVELS, configure_logging, get_logger
 from common.platform.grpc_server import (
     ErrorStatusInterceptor,
     PortInUse,
@@ -33,8 +34,15 @@ from common.platform.grpc_server import (
     wait_for_shutdown_signal,
 )
 from common.platform.metrics import ServiceMetrics
-from common.logs import LEVELS, configure_logging, get_logger
-from common.platform.settings import SettingsError, load_settings, port_check, positive, redis_url_check, setting, settings_as_dict
+from common.platform.settings import (
+    SettingsError,
+    load_settings,
+    port_check,
+    positive,
+    redis_url_check,
+    setting,
+    settings_as_dict,
+)
 from common.platform.store import Member, Store, StoreUnavailable
 from common.platform.tls import TlsConfig, TlsError
 
@@ -55,22 +63,41 @@ class ServiceSettings:
     advertise_address: str = setting(
         "", help="host:port other services use to reach this one (default: host:port as bound)"
     )
-    redis_url: str = setting("redis://127.0.0.1:6379/0", help="Redis URL for profiles, request state and membership", check=redis_url_check)
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0", help="Redis URL for profiles, request state and membership", check=redis_url_check
+    )
     redis_prefix: str = setting("cosine", help="prefix of every Redis key this cluster uses")
     member_id: str = setting("", help="identity in the membership registry (default: hostname-pid)")
     heartbeat_s: float = setting(2.0, help="membership heartbeat period in seconds", check=positive)
     member_ttl_s: float = setting(6.0, help="membership entry lifetime without heartbeat, seconds", check=positive)
-    metrics_port: int = setting(-1, help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
-                                check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port")
+    metrics_port: int = setting(
+        -1,
+        help="port of the Prometheus /metrics endpoint (0: any free port, -1: off)",
+        check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port",
+    )
     shutdown_grace_s: float = setting(3.0, help="seconds in-flight RPCs get to finish on SIGTERM", check=positive)
     log_level: str = setting("info", help="log level", choices=LEVELS)
-    log_format: str = setting("auto", help="log format: json, console, or auto (console on a terminal)", choices=("auto", "json", "console"))
+    log_format: str = setting(
+        "auto", help="log format: json, console, or auto (console on a terminal)", choices=("auto", "json", "console")
+    )
     # TLS (common/platform/tls.py): give every service the same three files and every hop is mutual TLS.
-    tls_cert: str = setting("", help="PEM certificate (chain) to serve TLS with; also presented to peers that ask for a client certificate (none: plaintext)", metavar="PATH")
+    tls_cert: str = setting(
+        "",
+        help="PEM certificate (chain) to serve TLS with; also presented to peers that ask for a client certificate (none: plaintext)",
+        metavar="PATH",
+    )
     tls_key: str = setting("", help="PEM private key of --tls-cert", metavar="PATH")
-    tls_ca: str = setting("", help="PEM CA bundle: peers this service calls are dialled over TLS and checked against it; with --tls-client-auth it also checks clients", metavar="PATH")
+    tls_ca: str = setting(
+        "",
+        help="PEM CA bundle: peers this service calls are dialled over TLS and checked against it; with --tls-client-auth it also checks clients",
+        metavar="PATH",
+    )
     tls_client_auth: bool = setting(False, help="mutual TLS: refuse clients without a certificate signed by --tls-ca")
-    tls_server_name: str = setting("", help="name peers' certificates must carry, instead of the host dialled (peers are dialled by IP in Kubernetes)", metavar="NAME")
+    tls_server_name: str = setting(
+        "",
+        help="name peers' certificates must carry, instead of the host dialled (peers are dialled by IP in Kubernetes)",
+        metavar="NAME",
+    )
 
 
 class ServiceApp(Protocol):
@@ -122,7 +149,9 @@ def run_service(
     raise SystemExit(0)
 
 
-async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    settings: Any, factory: AppFactory, prog: str, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
     """Serve until SIGTERM/SIGINT (or until ``stop`` is set, for in-process tests)."""
     log = get_logger(prog)
     log.info("starting", settings=settings_as_dict(settings))
@@ -140,10 +169,17 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
             app.bind_metrics(metrics)
         try:
             address = join_host_port(settings.host, settings.port)
-            handle = await create_server(address, app.register, app.service_names,
-                                         interceptors=[metrics.interceptor(), *getattr(app, "interceptors", ()),
-                                                       ErrorStatusInterceptor({StoreUnavailable: grpc.StatusCode.UNAVAILABLE})],
-                                         tls=tls)
+            handle = await create_server(
+                address,
+                app.register,
+                app.service_names,
+                interceptors=[
+                    metrics.interceptor(),
+                    *getattr(app, "interceptors", ()),
+                    ErrorStatusInterceptor({StoreUnavailable: grpc.StatusCode.UNAVAILABLE}),
+                ],
+                tls=tls,
+            )
             try:
                 metrics_port = metrics.serve(settings.host, settings.metrics_port)
             except OSError as exc:
@@ -160,8 +196,15 @@ async def serve(settings: Any, factory: AppFactory, prog: str, ready: asyncio.Ev
             except StoreUnavailable as exc:  # Redis restarting: the heartbeat registers us when it is back
                 log.warning("not registered yet; the heartbeat will retry", error=str(exc))
             heartbeat = asyncio.create_task(_heartbeat(store, member, settings.heartbeat_s, settings.member_ttl_s, log))
-            log.info("serving", address=advertised, port=handle.port, role=app.role, member_id=member.member_id,
-                     metrics_port=metrics_port, tls=tls.describe())
+            log.info(
+                "serving",
+                address=advertised,
+                port=handle.port,
+                role=app.role,
+                member_id=member.member_id,
+                metrics_port=metrics_port,
+                tls=tls.describe(),
+            )
             if ready is not None:
                 ready.port = handle.port  # type: ignore[attr-defined]
                 ready.set()

@@ -60,8 +60,18 @@ from common.platform.store_outage import OUTAGE_ERRORS, STORE_ERRORS, StoreUnava
 from common.platform.store_state import APPEND_SCRIPT, Member, Membership, RequestExists, RequestState
 
 # the names the services import from here
-__all__ = ["DEFAULT_PREFIX", "POOL_CONNECTIONS", "STORE_ERRORS", "DomainStats", "DrafterProfile", "Member", "RequestExists",
-           "Store", "StoreUnavailable", "sum_acceptance"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "POOL_CONNECTIONS",
+    "STORE_ERRORS",
+    "DomainStats",
+    "DrafterProfile",
+    "Member",
+    "RequestExists",
+    "Store",
+    "StoreUnavailable",
+    "sum_acceptance",
+]
 
 DEFAULT_PREFIX = "cosine"
 POOL_CONNECTIONS = 64  # Redis connections one process keeps at most
@@ -86,9 +96,15 @@ class Store(SharedKnowledge, RequestState, Membership):
         # one immediate retry: after a Redis restart the first command meets a stale pooled connection.
         # A burst of requests (hundreds of streams admitted at once) waits for a pooled connection
         # instead of failing with "Too many connections" once the pool is out of them.
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S,
-                                                        decode_responses=True, socket_connect_timeout=3, socket_timeout=10,
-                                                        retry=Retry(NoBackoff(), 1))
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=POOL_CONNECTIONS,
+            timeout=POOL_WAIT_S,
+            decode_responses=True,
+            socket_connect_timeout=3,
+            socket_timeout=10,
+            retry=Retry(NoBackoff(), 1),
+        )
         return cls(aioredis.Redis.from_pool(pool), prefix, request_ttl_s)  # closing the client closes the pool
 
     async def ping(self) -> None:
@@ -100,8 +116,11 @@ class Store(SharedKnowledge, RequestState, Membership):
 
     def backlog(self) -> dict[str, int]:
         """Writes an outage deferred: requests with unwritten tokens, and deletes not made yet."""
-        return {"requests": len(self._unwritten), "tokens": sum(map(len, self._unwritten.values())),
-                "deletes": len(self._undeleted)}
+        return {
+            "requests": len(self._unwritten),
+            "tokens": sum(map(len, self._unwritten.values())),
+            "deletes": len(self._undeleted),
+        }
 
     async def close(self) -> None:
         await self._r.aclose()

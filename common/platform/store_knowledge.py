@@ -66,7 +66,9 @@ class SharedKnowledge:
     # ---- expertise profiles ----------------------------------------------------------------
 
     @outage
-    async def seed_profile(self, drafter_id: str, priors: Mapping[str, float], prior_weight: float, reset: bool = False) -> None:
+    async def seed_profile(
+        self, drafter_id: str, priors: Mapping[str, float], prior_weight: float, reset: bool = False
+    ) -> None:
         """Write offline acceptance figures (domain -> mean accepted per round) as priors."""
         key = self.profile_key(drafter_id)
         async with self._r.pipeline(transaction=True) as pipe:
@@ -115,12 +117,17 @@ class SharedKnowledge:
     async def seed_lexicon(self, domains: Mapping[str, tuple[int, Mapping[int, int]]], reset: bool = False) -> None:
         """Write the seed lexicon (domain -> (prompts, token id -> count)), replacing any earlier
         seed; ``reset`` also drops what routers learned online."""
-        stale = [key async for key in self._r.scan_iter(match=self.lexicon_key("seed" if not reset else "*", "*"), count=200)]
+        stale = [
+            key async for key in self._r.scan_iter(match=self.lexicon_key("seed" if not reset else "*", "*"), count=200)
+        ]
         async with self._r.pipeline(transaction=True) as pipe:
             if stale:
                 pipe.delete(*stale)
             for domain, (examples, counts) in domains.items():
-                pipe.hset(self.lexicon_key("seed", domain), mapping={"examples": int(examples), **{str(t): int(c) for t, c in counts.items()}})
+                pipe.hset(
+                    self.lexicon_key("seed", domain),
+                    mapping={"examples": int(examples), **{str(t): int(c) for t, c in counts.items()}},
+                )
             await pipe.execute()
 
     @outage
@@ -165,7 +172,9 @@ class SharedKnowledge:
         returns False when that very corpus is seeded already: every router reloads the corpus
         when its version moves (parsing and indexing it costs the router CPU time beside the verifier's),
         so re-seeding profiles must not move it for nothing."""
-        rows = {domain: [" ".join(str(int(t)) for t in seq) for seq in sequences] for domain, sequences in corpus.items()}
+        rows = {
+            domain: [" ".join(str(int(t)) for t in seq) for seq in sequences] for domain, sequences in corpus.items()
+        }
         digest = hashlib.sha256(json.dumps(sorted(rows.items())).encode()).hexdigest()
         seeded, version = await self._r.mget(self.corpus_digest_key(), self.corpus_version_key())
         if seeded == digest and version:
@@ -198,8 +207,10 @@ class SharedKnowledge:
         return {key.split(":")[-1]: [[int(t) for t in row.split()] for row in rows] for key, rows in zip(keys, raw)}
 
 
-def sum_acceptance(updates: Iterable[tuple[str, str, float, float]],
-                   into: dict[tuple[str, str], tuple[float, float, float]] | None = None) -> dict[tuple[str, str], tuple[float, float, float]]:
+def sum_acceptance(
+    updates: Iterable[tuple[str, str, float, float]],
+    into: dict[tuple[str, str], tuple[float, float, float]] | None = None,
+) -> dict[tuple[str, str], tuple[float, float, float]]:
     """Per-round updates (drafter_id, domain, accepted, proposed) summed per (drafter_id, domain)
     into (rounds, accepted, proposed), added to ``into`` when given."""
     out = {} if into is None else into

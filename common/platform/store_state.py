@@ -67,7 +67,9 @@ class RequestState:
         return f"{self.prefix}:request:{request_id}:tokens"
 
     @outage
-    async def create_request(self, request_id: str, prompt_ids: list[int], params: Mapping[str, Any], owner: str) -> None:
+    async def create_request(
+        self, request_id: str, prompt_ids: list[int], params: Mapping[str, Any], owner: str
+    ) -> None:
         """Claim ``request_id`` cluster-wide and write its state. Raises :class:`RequestExists`
         (touching nothing) when a request with that id is already running, and
         :class:`StoreUnavailable` when Redis cannot take the state (the request must not start)."""
@@ -101,18 +103,28 @@ class RequestState:
         pending.extend(int(t) for t in token_ids)
         start = self._written.get(request_id, -1)
         try:
-            total = await self._append(keys=[self.request_key(request_id), self.tokens_key(request_id)],
-                                       args=[start, status, time.time(), self.request_ttl_s, *pending])
+            total = await self._append(
+                keys=[self.request_key(request_id), self.tokens_key(request_id)],
+                args=[start, status, time.time(), self.request_ttl_s, *pending],
+            )
         except OUTAGE_ERRORS as exc:
             self.outage_writes += 1
             if self.outage_writes in (1, 10) or self.outage_writes % 100 == 0:
-                log.warning("request state not written; kept for the next write", request_id=request_id,
-                            unwritten=len(pending), error=str(exc) or type(exc).__name__, deferred=self.outage_writes)
+                log.warning(
+                    "request state not written; kept for the next write",
+                    request_id=request_id,
+                    unwritten=len(pending),
+                    error=str(exc) or type(exc).__name__,
+                    deferred=self.outage_writes,
+                )
             return False
         del self._unwritten[request_id]
         if total < 0:
-            log.warning("request state lost by Redis; not rewritten", request_id=request_id,
-                        reason="gone" if total == -1 else "tokens missing")
+            log.warning(
+                "request state lost by Redis; not rewritten",
+                request_id=request_id,
+                reason="gone" if total == -1 else "tokens missing",
+            )
             self._written.pop(request_id, None)
             return False
         if start >= 0:
@@ -205,5 +217,7 @@ class Membership:
             if value is None:  # expired between SCAN and MGET
                 continue
             data = json.loads(value)
-            out.append(Member(role, key[len(prefix) :], data["address"], data.get("info", {}), data.get("started_at", 0.0)))
+            out.append(
+                Member(role, key[len(prefix) :], data["address"], data.get("info", {}), data.get("started_at", 0.0))
+            )
         return out

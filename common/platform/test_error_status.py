@@ -26,10 +26,13 @@ async def _stream(request: bytes, context):
 
 
 async def _call_all() -> dict[str, tuple[grpc.StatusCode, str]]:
-    handler = grpc.method_handlers_generic_handler("t.T", {
-        "U": grpc.unary_unary_rpc_method_handler(_unary),
-        "S": grpc.unary_stream_rpc_method_handler(_stream),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        "t.T",
+        {
+            "U": grpc.unary_unary_rpc_method_handler(_unary),
+            "S": grpc.unary_stream_rpc_method_handler(_stream),
+        },
+    )
     server = grpc.aio.server(interceptors=[ErrorStatusInterceptor({StoreUnavailable: grpc.StatusCode.UNAVAILABLE})])
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -62,4 +65,3 @@ def test_mapped_exceptions_get_their_status_and_others_stay_unknown():
     assert out["bug"][0] == grpc.StatusCode.UNKNOWN
     assert out["stream"][0] == grpc.StatusCode.UNAVAILABLE
     assert out["stream_messages"][1] == "first"  # what was streamed before the outage arrived
-

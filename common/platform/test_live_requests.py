@@ -28,6 +28,8 @@ def test_a_refusal_leaves_a_live_request_live_and_the_last_success_decides():
 
 def test_keys_may_be_tuples():
     live = LiveRequests()
-    live.settle(live.begin([(("code", "r"), False), (("prose", "r"), False)]),
-                [(("code", "r"), False, True), (("prose", "r"), False, False)])
+    live.settle(
+        live.begin([(("code", "r"), False), (("prose", "r"), False)]),
+        [(("code", "r"), False, True), (("prose", "r"), False, False)],
+    )
     assert live.ids == {("code", "r")}

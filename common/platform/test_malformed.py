@@ -25,10 +25,19 @@ def bad_utf8(msg, placeholder: bytes) -> bytes:
         (gateway_pb2.GenerateRequest, bad_utf8(gateway_pb2.GenerateRequest(prompt="zz"), b"zz"), "prompt"),
         (gateway_pb2.GenerateRequest, b"\x18\xff", "max_new_tokens"),
         (gateway_pb2.GenerateRequest, bad_utf8(gateway_pb2.GenerateRequest(stop=["a", "zz"]), b"zz"), "stop"),
-        (verifier_pb2.VerifyBatch,
-         bad_utf8(verifier_pb2.VerifyBatch(items=[verifier_pb2.VerifyItem(request_id="a"),
-                                                  verifier_pb2.VerifyItem(request_id="b", tree={"drafter_ids": ["zz"]})]), b"zz"),
-         "items[1].tree.drafter_ids"),
+        (
+            verifier_pb2.VerifyBatch,
+            bad_utf8(
+                verifier_pb2.VerifyBatch(
+                    items=[
+                        verifier_pb2.VerifyItem(request_id="a"),
+                        verifier_pb2.VerifyItem(request_id="b", tree={"drafter_ids": ["zz"]}),
+                    ]
+                ),
+                b"zz",
+            ),
+            "items[1].tree.drafter_ids",
+        ),
         (verifier_pb2.VerifyBatch, b"\x12\x05\x0a", "items[0]"),
     ],
 )
@@ -66,14 +75,17 @@ def test_malformed_requests_get_invalid_argument_naming_the_field():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
                 generate = channel.unary_unary("/cosine.v1.Gateway/Generate")
                 ok = gateway_pb2.GenerateResponse.FromString(
-                    await generate(gateway_pb2.GenerateRequest(request_id="r1").SerializeToString(), timeout=10))
+                    await generate(gateway_pb2.GenerateRequest(request_id="r1").SerializeToString(), timeout=10)
+                )
                 assert ok.request_id == "r1"
                 with pytest.raises(grpc.aio.AioRpcError) as unary:
                     await generate(bad_utf8(gateway_pb2.GenerateRequest(request_id="zz"), b"zz"), timeout=10)
 
                 verify = channel.stream_stream("/cosine.v1.Verifier/Verify")
                 good = verifier_pb2.VerifyBatch(batch_id=7).SerializeToString()
-                bad = bad_utf8(verifier_pb2.VerifyBatch(batch_id=8, items=[verifier_pb2.VerifyItem(request_id="zz")]), b"zz")
+                bad = bad_utf8(
+                    verifier_pb2.VerifyBatch(batch_id=8, items=[verifier_pb2.VerifyItem(request_id="zz")]), b"zz"
+                )
                 call = verify(iter([good, bad, good]), timeout=10)
                 replies = []
                 with pytest.raises(grpc.aio.AioRpcError) as stream:

@@ -28,8 +28,9 @@ def test_attempts_retry_what_they_are_told_to_and_raise_the_last_failure_itself(
     async def body(fail: list[Exception]) -> int:
         tries = 0
         policy = RetryPolicy(initial_s=0.01, max_s=0.04)
-        async for attempt in policy.retrying(retry=retry_if_exception_type(ConnectionError), stop=stop_after_attempt(3),
-                                             sleep=sleep):
+        async for attempt in policy.retrying(
+            retry=retry_if_exception_type(ConnectionError), stop=stop_after_attempt(3), sleep=sleep
+        ):
             with attempt:
                 tries += 1
                 if fail:

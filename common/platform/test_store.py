@@ -131,7 +131,9 @@ def test_lexicon_seed_and_learned_prompts_add_up(redis_url, redis_prefix):
         store = Store.from_url(redis_url, prefix=redis_prefix)
         try:
             await store.seed_lexicon({"code": (2, {7: 3, 8: 1}), "prose": (1, {9: 4})})
-            await store.seed_lexicon({"code": (2, {7: 3, 8: 1}), "prose": (1, {9: 4})})  # seeding again replaces, never adds
+            await store.seed_lexicon(
+                {"code": (2, {7: 3, 8: 1}), "prose": (1, {9: 4})}
+            )  # seeding again replaces, never adds
             await store.add_to_lexicon("code", [7, 7, 10])
             await store.add_to_lexicon("chat", [11])
             both = await store.load_lexicon()

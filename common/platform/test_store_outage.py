@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from cosine_cli.redis_server import RedisServer
 from common.platform.store import Store, StoreUnavailable
+from cosine_cli.redis_server import RedisServer
 
 
 def test_writes_survive_a_redis_restart_and_land_once():

@@ -32,7 +32,9 @@ async def health_code(port: int, tls: TlsConfig | None) -> grpc.StatusCode:
     """OK when the server answered SERVING, else the status code of the failed call."""
     async with open_channel(f"127.0.0.1:{port}", tls) as channel:
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="test.Service"), timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="test.Service"), timeout=5
+            )
         except grpc.aio.AioRpcError as exc:
             return exc.code()
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -66,7 +68,9 @@ def test_mtls_refuses_clients_without_a_certificate_or_with_another_cas(dev_cert
             no_cert = TlsConfig(ca=ca)
             foreign = TlsConfig(cert=str(other_certs.client_cert), key=str(other_certs.client_key), ca=ca)
             assert await health_code(handle.port, good_client) == grpc.StatusCode.OK
-            assert await health_code(handle.port, service_as_client) == grpc.StatusCode.OK  # services call each other with it
+            assert (
+                await health_code(handle.port, service_as_client) == grpc.StatusCode.OK
+            )  # services call each other with it
             assert await health_code(handle.port, no_cert) == grpc.StatusCode.UNAVAILABLE
             assert await health_code(handle.port, foreign) == grpc.StatusCode.UNAVAILABLE
             assert await health_code(handle.port, None) == grpc.StatusCode.UNAVAILABLE
@@ -98,7 +102,10 @@ def test_server_name_override_checks_the_name_the_certificate_carries(dev_certs)
         try:
             ca = str(dev_certs.ca)
             assert await health_code(handle.port, TlsConfig(ca=ca, server_name="cosine")) == grpc.StatusCode.OK
-            assert await health_code(handle.port, TlsConfig(ca=ca, server_name="elsewhere.example")) == grpc.StatusCode.UNAVAILABLE
+            assert (
+                await health_code(handle.port, TlsConfig(ca=ca, server_name="elsewhere.example"))
+                == grpc.StatusCode.UNAVAILABLE
+            )
         finally:
             await handle.stop(0)
 
@@ -154,7 +161,10 @@ def test_bad_paths_and_files_give_one_line_errors(dev_certs, other_certs, tmp_pa
         (TlsConfig(ca=str(empty)), "the file is empty"),
         (TlsConfig(ca=str(garbage)), "no PEM CA certificate"),
         (TlsConfig(cert=str(dev_certs.cert)), "--tls-cert and --tls-key go together"),
-        (TlsConfig(cert=str(dev_certs.cert), key=str(dev_certs.key), client_auth=True), "needs --tls-cert, --tls-key and --tls-ca"),
+        (
+            TlsConfig(cert=str(dev_certs.cert), key=str(dev_certs.key), client_auth=True),
+            "needs --tls-cert, --tls-key and --tls-ca",
+        ),
     ]
     for config, expected in cases:
         with pytest.raises(TlsError) as info:
@@ -171,7 +181,13 @@ def test_a_service_with_a_bad_certificate_path_exits_with_one_line(tmp_path, cap
 
     missing = str(tmp_path / "nope.pem")
     with pytest.raises(SystemExit) as info:
-        run_service(ServiceSettings, never, prog="services.test", description="test", argv=["--tls-cert", missing, "--tls-key", missing])
+        run_service(
+            ServiceSettings,
+            never,
+            prog="services.test",
+            description="test",
+            argv=["--tls-cert", missing, "--tls-key", missing],
+        )
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == f"services.test: error: --tls-cert {missing!r}: no such file"
@@ -189,9 +205,16 @@ def test_sdk_labels_name_the_sdks_own_words(tmp_path):
 def test_http_server_gets_the_same_files_and_requires_client_certificates_with_mtls(dev_certs, other_certs):
     assert http_server_ssl(TlsConfig(ca=str(dev_certs.ca))) is None  # no certificate: plaintext
     https = http_server_ssl(server_tls(dev_certs, client_auth=True))
-    assert https.uvicorn_options() == {"ssl_certfile": str(dev_certs.cert), "ssl_keyfile": str(dev_certs.key),
-                                       "ssl_ca_certs": str(dev_certs.ca), "ssl_cert_reqs": int(ssl.CERT_REQUIRED)}
-    assert http_server_ssl(server_tls(dev_certs)).uvicorn_options() == {"ssl_certfile": str(dev_certs.cert), "ssl_keyfile": str(dev_certs.key)}
+    assert https.uvicorn_options() == {
+        "ssl_certfile": str(dev_certs.cert),
+        "ssl_keyfile": str(dev_certs.key),
+        "ssl_ca_certs": str(dev_certs.ca),
+        "ssl_cert_reqs": int(ssl.CERT_REQUIRED),
+    }
+    assert http_server_ssl(server_tls(dev_certs)).uvicorn_options() == {
+        "ssl_certfile": str(dev_certs.cert),
+        "ssl_keyfile": str(dev_certs.key),
+    }
 
     def handshake(client_certs) -> bool:
         server_ctx = https.ssl_context()
@@ -239,14 +262,19 @@ def test_uvicorn_serves_https_and_mtls_with_the_options(dev_certs):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **https.uvicorn_options()))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **https.uvicorn_options())
+    )
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
     runner.start()
 
     def get(context) -> int | None:
-        conn = (http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10) if context is not None
-                else http.client.HTTPConnection("127.0.0.1", port, timeout=10))
+        conn = (
+            http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+            if context is not None
+            else http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        )
         try:
             conn.request("GET", "/")
             return conn.getresponse().status

@@ -54,9 +54,13 @@ class TlsConfig:
     @classmethod
     def from_settings(cls, settings: Any) -> TlsConfig:
         """The TLS part of a service's settings (:class:`common.platform.service.ServiceSettings`)."""
-        return cls(cert=getattr(settings, "tls_cert", ""), key=getattr(settings, "tls_key", ""),
-                   ca=getattr(settings, "tls_ca", ""), client_auth=bool(getattr(settings, "tls_client_auth", False)),
-                   server_name=getattr(settings, "tls_server_name", ""))
+        return cls(
+            cert=getattr(settings, "tls_cert", ""),
+            key=getattr(settings, "tls_key", ""),
+            ca=getattr(settings, "tls_ca", ""),
+            client_auth=bool(getattr(settings, "tls_client_auth", False)),
+            server_name=getattr(settings, "tls_server_name", ""),
+        )
 
     @property
     def serves_tls(self) -> bool:
@@ -82,7 +86,11 @@ class TlsConfig:
     def describe(self) -> str:
         """One line for the start-up log."""
         serving = ("mTLS" if self.client_auth else "TLS") if self.serves_tls else "plaintext"
-        dialling = "TLS" + (f" (server name {self.server_name})" if self.server_name else "") if self.dials_tls else "plaintext"
+        dialling = (
+            "TLS" + (f" (server name {self.server_name})" if self.server_name else "")
+            if self.dials_tls
+            else "plaintext"
+        )
         return f"serving {serving}, dialling peers {dialling}"
 
     def check(self) -> None:
@@ -135,8 +143,12 @@ def _cert_chain(config: TlsConfig) -> tuple[bytes, bytes]:
     except ssl.SSLError as exc:
         reason = _ssl_reason(exc)
         if "mismatch" in reason:
-            raise TlsError(f"{key_label} {config.key!r} is not the private key of {cert_label} {config.cert!r}") from None
-        raise TlsError(f"{cert_label} {config.cert!r} / {key_label} {config.key!r}: not a valid PEM certificate and key ({reason})") from None
+            raise TlsError(
+                f"{key_label} {config.key!r} is not the private key of {cert_label} {config.cert!r}"
+            ) from None
+        raise TlsError(
+            f"{cert_label} {config.cert!r} / {key_label} {config.key!r}: not a valid PEM certificate and key ({reason})"
+        ) from None
     return cert, key
 
 
@@ -161,7 +173,9 @@ def server_credentials(config: TlsConfig) -> grpc.ServerCredentials:
     config.check()
     cert, key = _cert_chain(config)
     if config.client_auth:
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=_ca_bundle(config), require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=_ca_bundle(config), require_client_auth=True
+        )
     return grpc.ssl_server_credentials([(key, cert)])
 
 
@@ -184,14 +198,18 @@ def channel_options(config: TlsConfig | None, options: Sequence[tuple[str, Any]]
     return out
 
 
-def open_channel(address: str, config: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+def open_channel(
+    address: str, config: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
     """An asyncio channel to ``address``: TLS when ``config`` dials TLS, plaintext otherwise."""
     if config is not None and config.dials_tls:
         return grpc.aio.secure_channel(address, channel_credentials(config), options=channel_options(config, options))
     return grpc.aio.insecure_channel(address, options=list(options))
 
 
-def open_blocking_channel(address: str, config: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+def open_blocking_channel(
+    address: str, config: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """The blocking counterpart of :func:`open_channel` (CLI, health checks, the blocking SDK)."""
     if config is not None and config.dials_tls:
         return grpc.secure_channel(address, channel_credentials(config), options=channel_options(config, options))
@@ -245,6 +263,15 @@ def http_server_ssl(config: TlsConfig) -> HttpTls | None:
 
 
 __all__ = [
-    "FLAG_LABELS", "HttpTls", "TlsConfig", "TlsError", "add_port", "channel_credentials", "channel_options",
-    "http_server_ssl", "open_blocking_channel", "open_channel", "server_credentials",
+    "FLAG_LABELS",
+    "HttpTls",
+    "TlsConfig",
+    "TlsError",
+    "add_port",
+    "channel_credentials",
+    "channel_options",
+    "http_server_ssl",
+    "open_blocking_channel",
+    "open_channel",
+    "server_credentials",
 ]

@@ -128,8 +128,9 @@ class AttentionBackend:
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: Any,
-                       scale: float) -> torch.Tensor:
+    def attend_writing(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: Any, scale: float
+    ) -> torch.Tensor:
         """:meth:`attend`, after writing the packed new keys/values ``k, v: [N, Hkv, D]`` into the last
         ``t_b`` entries of each ``kvs[b]`` (for a backend with :attr:`writes_new_kv`)."""
         raise NotImplementedError
@@ -175,8 +176,9 @@ class GroupPlan:
         return self.additive
 
 
-def dense_plans(layout: BatchLayout, device: torch.device, together: bool,
-                only: frozenset[int] | None = None) -> tuple[GroupPlan, ...]:
+def dense_plans(
+    layout: BatchLayout, device: torch.device, together: bool, only: frozenset[int] | None = None
+) -> tuple[GroupPlan, ...]:
     """How the sequences of a pass are attended: each alone on its cache in place, or (``together``)
     padded together with the others of its count of new tokens, one call per count.
 
@@ -323,8 +325,9 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         mask = torch.ones((tq, tk), dtype=torch.bool, device=q.device)
         if causal:
             mask = torch.arange(tk, device=q.device)[None, :] <= torch.arange(tq, device=q.device)[:, None] + (tk - tq)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
-                                           enable_gqa=qi.shape[0] != ki.shape[0])
+        o = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, scale=softmax_scale, enable_gqa=qi.shape[0] != ki.shape[0]
+        )
         out[cq[i] : cq[i + 1]] = o.transpose(0, 1)
     return out
 
@@ -370,8 +373,15 @@ class FlashAttnBackend(AttentionBackend):
         kf = k.transpose(1, 2).reshape(B * S, Hkv, D)[plan.k_index]
         vf = v.transpose(1, 2).reshape(B * S, Hkv, D)[plan.k_index]
         o = self.varlen_fn(
-            q[plan.q_index].contiguous(), kf.contiguous(), vf.contiguous(), plan.cu_q, plan.cu_k,
-            plan.max_q, plan.max_k, softmax_scale=scale, causal=True,
+            q[plan.q_index].contiguous(),
+            kf.contiguous(),
+            vf.contiguous(),
+            plan.cu_q,
+            plan.cu_k,
+            plan.max_q,
+            plan.max_k,
+            softmax_scale=scale,
+            causal=True,
         )
         out = torch.empty_like(q)
         out[plan.q_index] = o  # a node on several paths gets the same value from each

@@ -29,9 +29,11 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, he
         if backend is not None:
             return backend
         if name == "cpu_kernel":
-            raise ValueError(f"attention backend cpu_kernel needs float32 or bfloat16 on a CPU with AVX-512 or AVX2, "
-                             f"the project's kernels built and head_dim a multiple of 16 (device={device}, "
-                             f"dtype={dtype}, head_dim={head_dim}); use sdpa or eager")
+            raise ValueError(
+                f"attention backend cpu_kernel needs float32 or bfloat16 on a CPU with AVX-512 or AVX2, "
+                f"the project's kernels built and head_dim a multiple of 16 (device={device}, "
+                f"dtype={dtype}, head_dim={head_dim}); use sdpa or eager"
+            )
     if name == "auto":
         name = "flash_attn" if flash_attn_available(device, dtype) else "sdpa"
     if name == "eager":

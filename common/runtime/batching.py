@@ -23,8 +23,11 @@ def repeated_items(items: Sequence[VerifyItem]) -> dict[int, Verdict]:
     out: dict[int, Verdict] = {}
     for i, item in enumerate(items):
         if item.request_id in seen:
-            out[i] = Verdict(item.request_id, error=f"request_id: request {item.request_id!r} appears twice in one batch",
-                             error_kind="invalid")
+            out[i] = Verdict(
+                item.request_id,
+                error=f"request_id: request {item.request_id!r} appears twice in one batch",
+                error_kind="invalid",
+            )
         seen.add(item.request_id)
     return out
 

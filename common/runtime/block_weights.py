@@ -54,7 +54,9 @@ def _codes(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torc
     """Each weight's code under scale ``d`` and offset ``m`` per block, and whether every weight of a
     block comes back exactly from it (``d`` and ``m`` float16 values, codes within int8)."""
     live = d > 0
-    q = torch.where(live, torch.round((blocks - m) / torch.where(live, d, torch.ones_like(d))), torch.zeros_like(blocks))
+    q = torch.where(
+        live, torch.round((blocks - m) / torch.where(live, d, torch.ones_like(d))), torch.zeros_like(blocks)
+    )
     exact = (q * d + m == blocks).all(-1) & (q.abs() <= 127).all(-1)
     exact &= (d.half().float() == d).squeeze(-1) & (m.half().float() == m).squeeze(-1)
     return q, exact

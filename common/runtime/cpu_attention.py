@@ -76,21 +76,40 @@ class CpuKernelBackend(SdpaBackend):
                 at += t * t
         mask = torch.cat(masks) if masks else torch.ones(0, dtype=torch.bool)
         long = frozenset(b for b, t in enumerate(lens) if t > short)
-        return KernelPlan(list(layout.offsets), lens, attend, mask, mask_offsets,
-                          dense_plans(layout, device, together=False, only=long) if long else ())
+        return KernelPlan(
+            list(layout.offsets),
+            lens,
+            attend,
+            mask,
+            mask_offsets,
+            dense_plans(layout, device, together=False, only=long) if long else (),
+        )
 
     def attend(self, q: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float) -> torch.Tensor:
         """With the new keys/values already in ``kvs`` (each sequence's last ``t_b`` entries)."""
         k, v = (torch.cat([kv[i][:, -t:].transpose(0, 1) for kv, t in zip(kvs, plan.lens)]) for i in (0, 1))
         return self.attend_writing(q, k, v, kvs, plan, scale)
 
-    def attend_writing(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan,
-                       scale: float) -> torch.Tensor:
+    def attend_writing(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: Sequence[KV], plan: KernelPlan, scale: float
+    ) -> torch.Tensor:
         dtype = q.dtype  # float32, or bfloat16 attended in float32
         q = q.float().contiguous()
         out = torch.empty_like(q)
-        self.kernel(q, k.float().contiguous(), v.float().contiguous(), [kv[0] for kv in kvs], [kv[1] for kv in kvs],
-                    plan.offsets, plan.lens, plan.attend, plan.mask, plan.mask_offsets, scale, out)
+        self.kernel(
+            q,
+            k.float().contiguous(),
+            v.float().contiguous(),
+            [kv[0] for kv in kvs],
+            [kv[1] for kv in kvs],
+            plan.offsets,
+            plan.lens,
+            plan.attend,
+            plan.mask,
+            plan.mask_offsets,
+            scale,
+            out,
+        )
         for p in plan.long:
             rows = slice(None) if p.rows is None else p.rows
             out[rows] = self.attend_group(q[rows], [kvs[b] for b in p.seqs], p, scale)

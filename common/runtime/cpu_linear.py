@@ -52,8 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from common.runtime.block_weights import BLOCK, find_block_codes
 from common.logs import get_logger
+from common.runtime.block_weights import BLOCK, find_block_codes
 from common.runtime.streamed_linear import K_MULTIPLE, PANEL_WIDTH, extension, streamed_kernel
 
 log = get_logger("cpu_linear")
@@ -248,25 +248,40 @@ def use_cpu_linears(model: nn.Module, measure: bool = True) -> int:
             extension()  # built (on a machine's first use) before the timing starts
             t0 = time.perf_counter()
             table = _measured[key] = measure_kernels(switched)
-            log.info("cpu projection kernels measured", kernels=table.describe(), projections=len(switched),
-                     block_coded=sum(m.has_blocks() for m in switched), threads=key[1], seconds=round(time.perf_counter() - t0, 2))
+            log.info(
+                "cpu projection kernels measured",
+                kernels=table.describe(),
+                projections=len(switched),
+                block_coded=sum(m.has_blocks() for m in switched),
+                threads=key[1],
+                seconds=round(time.perf_counter() - t0, 2),
+            )
         for module in switched:
             module.table = table
             module.drop_unused_copies()
     return len(switched)
 
 
-_measured: dict[tuple[tuple[tuple[int, int, bool], ...], int], KernelTable] = {}  # use_cpu_linears' tables by shapes and threads
+_measured: dict[
+    tuple[tuple[tuple[int, int, bool], ...], int], KernelTable
+] = {}  # use_cpu_linears' tables by shapes and threads
 
 
-def measure_kernels(linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED_ROWS, tries: int = MEASURE_TRIES) -> KernelTable:
+def measure_kernels(
+    linears: Sequence[CpuLinear], rows: Sequence[int] = MEASURED_ROWS, tries: int = MEASURE_TRIES
+) -> KernelTable:
     """The fastest kernel at each of ``rows`` for a pass through every one of ``linears`` in turn
     (a model's projections: each weight read once, as a pass reads them). The kernels take turns
     within each try, and each keeps its fastest of ``tries`` passes."""
     own = extension() is not None
     blocks = own and any(m.has_blocks() for m in linears)  # else the block-code kernel is the panel kernel
-    kernels = [k for k in KERNELS if (k != "packed" or onednn_ready()) and (k not in ("streamed", "panel") or own)
-               and (k != "block_panel" or blocks)]
+    kernels = [
+        k
+        for k in KERNELS
+        if (k != "packed" or onednn_ready())
+        and (k not in ("streamed", "panel") or own)
+        and (k != "block_panel" or blocks)
+    ]
     gen = torch.Generator().manual_seed(0)
     inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=gen) for m in linears} for n in rows}
     best = {(n, k): float("inf") for n in rows for k in kernels}

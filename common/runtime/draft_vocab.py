@@ -83,8 +83,10 @@ def load_draft_vocab(path: str | Path, config: dict[str, Any]) -> DraftVocab | N
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{f}: unreadable draft vocabulary ({type(exc).__name__}: {exc})") from exc
     if vocab.size != int(decl.get("size", vocab.size)) or vocab.size != int(config.get("vocab_size", vocab.size)):
-        raise CheckpointError(f"{f}: {vocab.size} draft tokens, but config.json declares "
-                              f"{decl.get('size')} and a model vocabulary of {config.get('vocab_size')}")
+        raise CheckpointError(
+            f"{f}: {vocab.size} draft tokens, but config.json declares "
+            f"{decl.get('size')} and a model vocabulary of {config.get('vocab_size')}"
+        )
     return vocab
 
 

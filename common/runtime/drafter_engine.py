@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from common.logs import get_logger
 from common.runtime.engine_base import RequestEngine
 from common.runtime.kv_cache import KVCache
 from common.runtime.runner import LMRunner, SeqInput
-from common.logs import get_logger
 from common.spec.types import (
     ContextTooLong,
     DraftItem,
@@ -66,8 +66,15 @@ class _Planned:
 class DrafterEngine(RequestEngine[DraftState]):
     """A drafter model plus per-request caches. Not thread-safe: call from one worker."""
 
-    def __init__(self, runner: LMRunner, *, kv_token_budget: int | None = None, domains: Sequence[str] = (),
-                 max_top_n: int | None = None, max_chain_len: int | None = None) -> None:
+    def __init__(
+        self,
+        runner: LMRunner,
+        *,
+        kv_token_budget: int | None = None,
+        domains: Sequence[str] = (),
+        max_top_n: int | None = None,
+        max_chain_len: int | None = None,
+    ) -> None:
         super().__init__(runner, kv_token_budget, "drafter")
         self.domains = tuple(domains)
         self.max_top_n = max_top_n  # most candidates one item may ask for
@@ -87,7 +94,9 @@ class DrafterEngine(RequestEngine[DraftState]):
         max_chain_len: int | None = None,
     ) -> DrafterEngine:
         runner = LMRunner.from_checkpoint(path, dtype=dtype, device=device, backend=attention_backend)
-        return cls(runner, kv_token_budget=kv_token_budget, domains=domains, max_top_n=max_top_n, max_chain_len=max_chain_len)
+        return cls(
+            runner, kv_token_budget=kv_token_budget, domains=domains, max_top_n=max_top_n, max_chain_len=max_chain_len
+        )
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -131,8 +140,11 @@ class DrafterEngine(RequestEngine[DraftState]):
         """
         t0 = time.perf_counter_ns()
         results, _errors, timings, batch_tokens = self._run(items)
-        return DraftOutcome(results=tuple(results), batch_tokens=batch_tokens,
-                            timings=StageTimings(*timings, total_ns=time.perf_counter_ns() - t0))
+        return DraftOutcome(
+            results=tuple(results),
+            batch_tokens=batch_tokens,
+            timings=StageTimings(*timings, total_ns=time.perf_counter_ns() - t0),
+        )
 
     def _run(
         self, items: Sequence[DraftItem]
@@ -161,8 +173,12 @@ class DrafterEngine(RequestEngine[DraftState]):
 
         t1 = time.perf_counter_ns()
         running = [p for p in planned if p.feed]
-        seqs = [SeqInput(p.state.cache, tuple(p.feed), logit_rows=tuple(range(len(p.feed))) if p.item.score_append else None)
-                for p in running]
+        seqs = [
+            SeqInput(
+                p.state.cache, tuple(p.feed), logit_rows=tuple(range(len(p.feed))) if p.item.score_append else None
+            )
+            for p in running
+        ]
         try:
             logits = self.runner.forward(seqs)
         except Exception as exc:  # e.g. a device OOM: fail the items that needed the pass
@@ -193,8 +209,9 @@ class DrafterEngine(RequestEngine[DraftState]):
             if top_n > 0:
                 vals, idx = torch.topk(state.next_probs, min(top_n, state.next_probs.shape[-1]))
                 ids, probs = tuple(idx.tolist()), tuple(vals.tolist())
-            results[p.index] = DraftResult(p.item.request_id, ids, probs, cache_len=state.cache.length,
-                                           append_logprob=scores.get(p.index))
+            results[p.index] = DraftResult(
+                p.item.request_id, ids, probs, cache_len=state.cache.length, append_logprob=scores.get(p.index)
+            )
         t3 = time.perf_counter_ns()
         batch_tokens = sum(len(s.token_ids) for s in seqs)
         return results, errors, (t1 - t0, t2 - t1, t3 - t2), batch_tokens  # type: ignore[return-value]
@@ -218,13 +235,19 @@ class DrafterEngine(RequestEngine[DraftState]):
         new = state is None
         if new:
             if not item.append_ids:
-                raise UnknownRequest(f"request_id: unknown request {item.request_id!r}: the first draft item must carry the prompt in append_ids")
+                raise UnknownRequest(
+                    f"request_id: unknown request {item.request_id!r}: the first draft item must carry the prompt in append_ids"
+                )
             if item.truncate_to > 0:
-                raise InvalidInput(f"truncate_to: request {item.request_id!r} is new: cannot truncate to {item.truncate_to}")
+                raise InvalidInput(
+                    f"truncate_to: request {item.request_id!r} is new: cannot truncate to {item.truncate_to}"
+                )
             state = DraftState(item.request_id, [], self.pool.new_cache())
         keep = len(state.tokens) if item.truncate_to < 0 else item.truncate_to
         if keep > len(state.tokens):
-            raise InvalidInput(f"truncate_to: cannot truncate request {item.request_id!r} to {keep} tokens: its cache holds {len(state.tokens)}")
+            raise InvalidInput(
+                f"truncate_to: cannot truncate request {item.request_id!r} to {keep} tokens: its cache holds {len(state.tokens)}"
+            )
         total = keep + len(item.append_ids)
         if total > self.runner.max_context:
             raise ContextTooLong(

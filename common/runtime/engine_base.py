@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from common.runtime.runner import LMRunner
 from common.logs import get_logger
+from common.runtime.runner import LMRunner
 from common.spec.types import ModelInfo, UnknownRequest
 
 S = TypeVar("S")
@@ -18,8 +18,13 @@ class RequestEngine(Generic[S]):
         self.runner = runner
         self.pool = runner.new_pool(kv_token_budget)
         self._requests: dict[str, S] = {}
-        log.info(f"{kind}_engine_ready", model=runner.name, attention_backend=runner.backend.name,
-                 kv_token_budget=kv_token_budget, max_context=runner.max_context)
+        log.info(
+            f"{kind}_engine_ready",
+            model=runner.name,
+            attention_backend=runner.backend.name,
+            kv_token_budget=kv_token_budget,
+            max_context=runner.max_context,
+        )
 
     def model_info(self) -> ModelInfo:
         return self.runner.model_info()

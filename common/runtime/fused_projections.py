@@ -85,5 +85,7 @@ def stack_refusal(parts: Sequence[nn.Module]) -> bool:
     if not all(type(p) is nn.Linear for p in parts):
         return True
     first = parts[0].weight
-    return (len({p.bias is not None for p in parts}) > 1
-            or any(p.in_features != parts[0].in_features or p.weight.dtype != first.dtype or p.weight.device != first.device for p in parts))
+    return len({p.bias is not None for p in parts}) > 1 or any(
+        p.in_features != parts[0].in_features or p.weight.dtype != first.dtype or p.weight.device != first.device
+        for p in parts
+    )

@@ -51,9 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.logs import get_logger
 from common.runtime.attention import KV, AttentionBackend, BatchLayout
 from common.runtime.cpu_linear import pack_once
-from common.logs import get_logger
 
 log = get_logger("invariant_bf16")
 
@@ -103,10 +103,26 @@ def _invariant_rows(limit: int, threads: int) -> int:
             values = torch.randn(2, 40, 64, generator=gen).to(torch.bfloat16)
             bounds = (
                 _bound(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), 80, gen, limit),
-                _bound(lambda x: torch.matmul(x.view(1, -1, 64).expand(2, -1, -1), keys.transpose(1, 2))
-                       .transpose(0, 1).reshape(x.shape[0], -1), 64, gen, limit),
-                _bound(lambda x: torch.matmul(x.view(1, -1, 40).expand(2, -1, -1), values)
-                       .transpose(0, 1).reshape(x.shape[0], -1), 40, gen, limit),
+                _bound(
+                    lambda x: (
+                        torch.matmul(x.view(1, -1, 64).expand(2, -1, -1), keys.transpose(1, 2))
+                        .transpose(0, 1)
+                        .reshape(x.shape[0], -1)
+                    ),
+                    64,
+                    gen,
+                    limit,
+                ),
+                _bound(
+                    lambda x: (
+                        torch.matmul(x.view(1, -1, 40).expand(2, -1, -1), values)
+                        .transpose(0, 1)
+                        .reshape(x.shape[0], -1)
+                    ),
+                    40,
+                    gen,
+                    limit,
+                ),
             )
         exact = _zero_blocks_exact(gen)
     except (RuntimeError, AttributeError) as exc:
@@ -163,8 +179,12 @@ class InvariantLinear(nn.Linear):
         if n <= self.rows:
             out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
         else:
-            out = torch.cat([torch.ops.mkldnn._linear_pointwise(flat[i : i + self.rows], packed, self.bias, "none", [], "")
-                             for i in range(0, n, self.rows)])
+            out = torch.cat(
+                [
+                    torch.ops.mkldnn._linear_pointwise(flat[i : i + self.rows], packed, self.bias, "none", [], "")
+                    for i in range(0, n, self.rows)
+                ]
+            )
         return out.view(*x.shape[:-1], self.out_features)
 
     def packed(self) -> torch.Tensor:
@@ -187,7 +207,9 @@ def _linear_rows(out_features: int, in_features: int, limit: int, threads: int) 
     with torch.inference_mode():
         weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-        return _bound(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), in_features, gen, limit)
+        return _bound(
+            lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), in_features, gen, limit
+        )
 
 
 def use_invariant_linears(model: nn.Module, limit: int = LINEAR_PROBE_ROWS) -> int:
@@ -207,8 +229,12 @@ def use_invariant_linears(model: nn.Module, limit: int = LINEAR_PROBE_ROWS) -> i
         assert isinstance(module, InvariantLinear)
         module.rows = max(1, rows)
         module.packed()
-    log.info("bfloat16 projections row-invariant", rows=rows, projections=len(linears),
-             seconds=round(time.perf_counter() - t0, 2))
+    log.info(
+        "bfloat16 projections row-invariant",
+        rows=rows,
+        projections=len(linears),
+        seconds=round(time.perf_counter() - t0, 2),
+    )
     return rows
 
 
@@ -231,7 +257,9 @@ class PathPlan:
     new: int  # t: the longest path
     keys: int  # S': the most keys of an entry, padded
     index: torch.Tensor  # [E * t] packed row of each entry row (padding rows repeat row 0)
-    out_index: torch.Tensor | None  # [N] the entry row each packed row's output is read from; None: row n is entry row n
+    out_index: (
+        torch.Tensor | None
+    )  # [N] the entry row each packed row's output is read from; None: row n is entry row n
     mask: torch.Tensor  # [E, 1, t, S'] additive (0 / -inf), in the queries' dtype from the first layer on
     keys_buf: torch.Tensor | None = None  # [E, Hkv, S', D] padded keys, made by the first layer, rewritten by each
     values_buf: torch.Tensor | None = None

@@ -58,7 +58,9 @@ class KVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     @property
     def free_tokens(self) -> int | None:
@@ -143,7 +145,9 @@ class KVCache:
 
     def _check_room(self, t: int) -> None:
         if self.length + t > self.capacity:
-            raise RuntimeError(f"cache overflow: {self.length + t} slots needed, capacity {self.capacity} (reserve first)")
+            raise RuntimeError(
+                f"cache overflow: {self.length + t} slots needed, capacity {self.capacity} (reserve first)"
+            )
 
     def view(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the committed slots plus the first ``extra`` pending ones:

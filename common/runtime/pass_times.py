@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from common.runtime.runner import LMRunner, SeqInput
 from common.logs import get_logger
+from common.runtime.runner import LMRunner, SeqInput
 
 log = get_logger(__name__)
 
@@ -33,8 +33,9 @@ CONTEXT = 64  # cached tokens under the timed chain
 TRIES = 2  # each row count's time is the faster of this many passes
 
 
-def measure_pass_times(runner: LMRunner, rows: Sequence[int] = PASS_ROWS, context: int = CONTEXT,
-                       tries: int = TRIES) -> tuple[tuple[int, float], ...]:
+def measure_pass_times(
+    runner: LMRunner, rows: Sequence[int] = PASS_ROWS, context: int = CONTEXT, tries: int = TRIES
+) -> tuple[tuple[int, float], ...]:
     """(rows, seconds) of a pass of one request with a chain of ``rows`` tokens (see the module doc)."""
     rows = sorted({r for r in rows if 0 < r})
     if not rows:
@@ -52,7 +53,7 @@ def measure_pass_times(runner: LMRunner, rows: Sequence[int] = PASS_ROWS, contex
     try:
         for _ in range(max(1, tries)):
             for r in rows:
-                seq = SeqInput(cache, tuple(ids[context:context + r]), None, tuple(range(r)))
+                seq = SeqInput(cache, tuple(ids[context : context + r]), None, tuple(range(r)))
                 t0 = time.perf_counter()
                 runner.forward([seq])
                 if runner.device.type == "cuda":
@@ -62,6 +63,9 @@ def measure_pass_times(runner: LMRunner, rows: Sequence[int] = PASS_ROWS, contex
     finally:
         cache.release()
     out = tuple((r, best[r]) for r in rows)
-    log.info("verify pass timed by rows", seconds=round(time.perf_counter() - t_start, 2),
-             ms={r: round(1e3 * s, 1) for r, s in out if r in (1, 2, 4, 8, 9, 16, 17, 32, rows[-1])})
+    log.info(
+        "verify pass timed by rows",
+        seconds=round(time.perf_counter() - t_start, 2),
+        ms={r: round(1e3 * s, 1) for r, s in out if r in (1, 2, 4, 8, 9, 16, 17, 32, rows[-1])},
+    )
     return out

@@ -33,16 +33,22 @@ from typing import Any
 
 import torch
 
+from common.logs import get_logger
 from common.runtime.attention import AttentionBackend, BatchLayout
 from common.runtime.attention_selection import pick_backend
+from common.runtime.checkpoints import (
+    CheckpointError,
+    load_causal_lm,
+    load_tokenizer,
+    read_config,
+    tokenizer_fingerprint,
+)
 from common.runtime.cpu_attention import CpuKernelBackend
-from common.runtime.checkpoints import CheckpointError, load_causal_lm, load_tokenizer, read_config, tokenizer_fingerprint
-from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
-from common.runtime.kv_cache import KVCache, KVPool
-from common.logs import get_logger
 from common.runtime.cpu_linear import use_cpu_linears
+from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
 from common.runtime.fused_projections import LayerProducts, stack_layers
 from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
+from common.runtime.kv_cache import KVCache, KVPool
 from common.spec.types import ModelInfo
 
 log = get_logger(__name__)
@@ -120,14 +126,25 @@ class SeqInput:
 class LMRunner:
     """Batched forward of a Llama/Mistral/Qwen2 ``*ForCausalLM`` over per-request caches."""
 
-    def __init__(self, model: Any, backend: AttentionBackend, *, name: str = "", tokenizer_fp: str = "",
-                 draft_vocab: DraftVocab | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        backend: AttentionBackend,
+        *,
+        name: str = "",
+        tokenizer_fp: str = "",
+        draft_vocab: DraftVocab | None = None,
+    ) -> None:
         cfg = model.config
         check_architecture(cfg.to_dict(), name or cfg.model_type)
         param = next(model.parameters())
         # CPU float32: q/k/v and gate/up as one product each (fused_projections.py), and every
         # projection with the kernel fast at its row count (cpu_linear.py)
-        self.products = stack_layers(list(model.model.layers)) if param.device.type == "cpu" and param.dtype == torch.float32 else None
+        self.products = (
+            stack_layers(list(model.model.layers))
+            if param.device.type == "cpu" and param.dtype == torch.float32
+            else None
+        )
         use_cpu_linears(model if self.products is None else _pass_order(model, self.products))
         if isinstance(backend, (InvariantAttention, CpuKernelBackend)):  # CPU bfloat16: every row as if alone
             use_invariant_linears(model)
@@ -170,10 +187,18 @@ class LMRunner:
         attention = pick_backend(backend, device, DTYPES[dtype], head_dim)
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
-        runner = cls(model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer),
-                     draft_vocab=draft_vocab)
-        log.info("model_loaded", path=str(path), architecture=arch, dtype=dtype, device=device,
-                 attention_backend=attention.name, requested_backend=backend)
+        runner = cls(
+            model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer), draft_vocab=draft_vocab
+        )
+        log.info(
+            "model_loaded",
+            path=str(path),
+            architecture=arch,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention.name,
+            requested_backend=backend,
+        )
         return runner
 
     # ---- facts -------------------------------------------------------------------------------
@@ -201,16 +226,25 @@ class LMRunner:
 
     def new_pool(self, token_budget: int | None) -> KVPool:
         return KVPool(
-            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            dtype=self.backend.cache_dtype or self.dtype, device=self.device, token_budget=token_budget,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.backend.cache_dtype or self.dtype,
+            device=self.device,
+            token_budget=token_budget,
         )
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(
-            model_name=self.name, architecture=self.architecture, vocab_size=self.vocab_size,
-            tokenizer_fingerprint=self.tokenizer_fingerprint, num_parameters=self.num_parameters,
-            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-            attention_backend=self.backend.name, max_context=self.max_context,
+            model_name=self.name,
+            architecture=self.architecture,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            num_parameters=self.num_parameters,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            attention_backend=self.backend.name,
+            max_context=self.max_context,
         )
 
     # ---- forward -----------------------------------------------------------------------------
@@ -262,7 +296,9 @@ class LMRunner:
                 k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
                 v = attn.v_proj(x).view(N, Hkv, D)
             if self.backend.writes_new_kv:  # the backend writes the new keys/values itself, all sequences at once
-                o = self.backend.attend_writing(q, k, v, [s.cache.view(li, t) for s, t in zip(seqs, lens)], plan, self.scale)
+                o = self.backend.attend_writing(
+                    q, k, v, [s.cache.view(li, t) for s, t in zip(seqs, lens)], plan, self.scale
+                )
             else:
                 kvs = []
                 for s, off, t in zip(seqs, offsets, lens):

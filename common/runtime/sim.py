@@ -16,9 +16,9 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from common.spec.types import GREEDY, DraftItem, SamplingParams, TokenTree, VerifyItem
 from common.runtime.drafter_engine import DrafterEngine
 from common.runtime.verifier_engine import VerifierEngine
+from common.spec.types import GREEDY, DraftItem, SamplingParams, TokenTree, VerifyItem
 
 
 class TreeSource(Protocol):
@@ -137,8 +137,13 @@ def speculative_generate(
     return done
 
 
-def plain_generate(verifier: VerifierEngine, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None = None,
-                   concurrency: int | None = None) -> tuple[dict[str, list[int]], int]:
+def plain_generate(
+    verifier: VerifierEngine,
+    prompts: Mapping[str, Sequence[int]],
+    max_new: int,
+    eos: int | None = None,
+    concurrency: int | None = None,
+) -> tuple[dict[str, list[int]], int]:
     """The target's own greedy decode: plain steps (empty trees) through ``verifier``, up to
     ``max_new`` new tokens per request, through ``eos`` when it comes.
 

@@ -26,7 +26,7 @@ class StepChain:
 def earned_chain(proposal: tuple[list[int], int], depths: Sequence[int]) -> tuple[int, list[int]]:
     """(match length, a lookup proposal cut to the depth that length earns: ``depths[match - 1]``)."""
     chain, match = proposal
-    return match, (chain[:depths[min(match, len(depths)) - 1]] if match else [])
+    return match, (chain[: depths[min(match, len(depths)) - 1]] if match else [])
 
 
 def held_depth(tree: TokenTree, chain: Sequence[int]) -> int:

@@ -167,8 +167,9 @@ def clear_stale_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> boo
     if age < older_than_s:
         return False
     lock.unlink(missing_ok=True)
-    log.warning("removed a stale kernel build lock (a build was killed while compiling)", lock=str(lock),
-                age_s=round(age))
+    log.warning(
+        "removed a stale kernel build lock (a build was killed while compiling)", lock=str(lock), age_s=round(age)
+    )
     return True
 
 
@@ -216,9 +217,14 @@ def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild:
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
             log.info("building the own cpu kernels (once per machine)", build_dir=str(build_dir))
-        module = load(name=name, sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)],
-                      extra_cflags=list(FLAGS + extra_flags), extra_ldflags=["-fopenmp"],
-                      build_directory=str(build_dir), verbose=False)
+        module = load(
+            name=name,
+            sources=[str(p) for p in (SOURCE, ATTENTION_SOURCE)],
+            extra_cflags=list(FLAGS + extra_flags),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
         check(module)
     except Exception as exc:  # a failed build or check only costs the candidates, never the service
         log.warning("own cpu kernels unavailable; using torch's", error=str(exc)[-500:], build_dir=str(build_dir))
@@ -234,8 +240,10 @@ def check(module: ModuleType) -> None:
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(48, 48, generator=gen), torch.randn(11, 48, generator=gen)
     want = torch.nn.functional.linear(x, weight)
-    for what, got in (("streamed", module.streamed_linear(x, weight[:29])),
-                      ("panel", module.panel_linear(x, module.pack_panels(weight)))):
+    for what, got in (
+        ("streamed", module.streamed_linear(x, weight[:29])),
+        ("panel", module.panel_linear(x, module.pack_panels(weight))),
+    ):
         if not torch.allclose(got, want[:, : got.shape[1]], rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"the {what} kernel disagrees with torch's linear on a small case")
 

@@ -39,8 +39,13 @@ def test_chain_positions_follow_the_cache() -> None:
 def test_ancestor_mask_sees_self_and_ancestors_only() -> None:
     m = BatchLayout(past_lens=(5,), parents=(TREE_PARENTS,)).ancestor_mask(0)
     expect = {
-        0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 1, 3},
-        4: {0, 1, 2, 4}, 5: {0, 1, 2, 5}, 6: {0, 1, 2, 5, 6},
+        0: {0},
+        1: {0, 1},
+        2: {0, 1, 2},
+        3: {0, 1, 3},
+        4: {0, 1, 2, 4},
+        5: {0, 1, 2, 5},
+        6: {0, 1, 2, 5, 6},
     }
     for i, visible in expect.items():
         assert {j for j in range(7) if m[i, j]} == visible, i
@@ -84,9 +89,17 @@ def random_batch(seed: int, H: int = 4, Hkv: int = 2, D: int = 8, layout: BatchL
     return layout, q, kvs
 
 
-@pytest.mark.parametrize("backend", [EagerBackend(), SdpaBackend(), EagerBackend(together=True), SdpaBackend(together=True),
-                                     FlashAttnBackend(varlen_fn=reference_varlen)],
-                         ids=lambda b: b.name + ("-together" if getattr(b, "together", None) else ""))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        EagerBackend(),
+        SdpaBackend(),
+        EagerBackend(together=True),
+        SdpaBackend(together=True),
+        FlashAttnBackend(varlen_fn=reference_varlen),
+    ],
+    ids=lambda b: b.name + ("-together" if getattr(b, "together", None) else ""),
+)
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
 def test_backends_match_brute_force(backend, heads) -> None:
     layout, q, kvs = random_batch(0, H=heads[0], Hkv=heads[1])
@@ -131,7 +144,9 @@ def test_on_the_cpu_every_sequence_is_attended_alone_on_its_cache_in_place(backe
             assert torch.equal(g.mask[0, 0, :, :L], torch.ones(t, L, dtype=torch.bool))
             assert torch.equal(g.mask[0, 0, :, L:], layout.ancestor_mask(b))
     scale = 1 / math.sqrt(q.shape[-1])
-    torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("backend", [EagerBackend(together=True), SdpaBackend(together=True)], ids=lambda b: b.name)
@@ -150,7 +165,9 @@ def test_together_the_sequences_of_one_count_of_new_tokens_are_padded_into_one_c
             want[:, L : L + t] = layout.ancestor_mask(b)
             assert torch.equal(g.mask[i, 0], want)
     scale = 1 / math.sqrt(q.shape[-1])
-    torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        backend.attend(q, kvs, plan, scale), brute_force(q, kvs, layout, scale), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_away_from_the_cpu_the_dense_backends_pad_together_unless_told() -> None:

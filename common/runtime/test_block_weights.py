@@ -18,7 +18,9 @@ def q8_0(n: int, k: int, seed: int) -> torch.Tensor:
     """A weight as GGUF's Q8_0 holds it: int8 codes times a float16 scale per block, no offset."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (n, k // BLOCK, BLOCK), generator=gen).float()
-    q[..., 3] = 127 * torch.randint(0, 2, (n, k // BLOCK), generator=gen).float() * 2 - 127  # a block's largest magnitude is 127
+    q[..., 3] = (
+        127 * torch.randint(0, 2, (n, k // BLOCK), generator=gen).float() * 2 - 127
+    )  # a block's largest magnitude is 127
     d = (torch.rand(n, k // BLOCK, 1, generator=gen) * 0.01 + 1e-4).half().float()
     return (q * d).view(n, k)
 
@@ -57,7 +59,7 @@ def test_weights_not_exactly_of_the_form_are_refused(spoil: str) -> None:
     elif spoil == "one_bit":  # one weight of the last row one unit in the last place off
         weight.view(torch.int32)[31, 40] += 1
     else:  # codes times a scale that float16 cannot hold
-        weight = (torch.randint(-127, 128, (32, 64)).float() * 0.0012345678)
+        weight = torch.randint(-127, 128, (32, 64)).float() * 0.0012345678
     assert find_block_codes(weight) is None
 
 
@@ -113,10 +115,14 @@ def test_a_model_of_quantized_weights_is_served_from_its_codes_and_a_trained_one
     with torch.inference_mode():
         got = quantized(x)
         torch.testing.assert_close(got, reference[1](reference[0](x)), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(trained(x), nn.functional.linear(x, trained.weight, trained.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            trained(x), nn.functional.linear(x, trained.weight, trained.bias), rtol=1e-5, atol=1e-5
+        )
         with torch.no_grad():  # the weight changed in place: its codes are found again (none now)
             quantized[0].weight.add_(torch.randn(48, 64) * 1e-3)
-        torch.testing.assert_close(quantized(x), reference[1](nn.functional.linear(x, quantized[0].weight)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            quantized(x), reference[1](nn.functional.linear(x, quantized[0].weight)), rtol=1e-5, atol=1e-5
+        )
     assert not quantized[0].has_blocks()
     quantized[0].drop_unused_copies()
     assert quantized[0]._panels is not None  # a weight without codes keeps the panel kernel's copy

@@ -24,8 +24,10 @@ def backend() -> CpuKernelBackend:
 
 
 # decode steps, a chain, a tree, a prompt longer than SHORT (attended by sdpa), and a new sequence
-PASS = BatchLayout(past_lens=(30, 0, 12, 5, 7, 0),
-                   parents=((-1,), tuple(range(-1, SHORT + 4)), (-1, 0, 1, 2), TREE_PARENTS, (-1,), (-1, 0, 1)))
+PASS = BatchLayout(
+    past_lens=(30, 0, 12, 5, 7, 0),
+    parents=((-1,), tuple(range(-1, SHORT + 4)), (-1, 0, 1, 2), TREE_PARENTS, (-1,), (-1, 0, 1)),
+)
 
 
 def batch(layout: BatchLayout, H: int, Hkv: int, D: int, seed: int):
@@ -46,7 +48,9 @@ def test_it_equals_brute_force_for_every_kind_of_sequence(backend: CpuKernelBack
     scale = 1 / math.sqrt(D)
     plan = backend.plan(PASS, torch.device("cpu"))
     assert plan.attend == [t <= SHORT for t in PASS.new_lens] and [g.seqs for g in plan.long] == [(1,)]
-    torch.testing.assert_close(backend.attend(q, kvs, plan, scale), brute_force(q, kvs, PASS, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        backend.attend(q, kvs, plan, scale), brute_force(q, kvs, PASS, scale), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_it_writes_every_new_key_and_value_into_the_caches(backend: CpuKernelBackend) -> None:
@@ -88,8 +92,12 @@ def test_it_agrees_with_sdpa_on_a_decode_pass(backend: CpuKernelBackend) -> None
     layout = BatchLayout(past_lens=tuple(range(40, 56)), parents=((-1,),) * 16)
     q, kvs = batch(layout, 9, 3, 64, seed=5)
     sdpa = SdpaBackend()
-    torch.testing.assert_close(backend.attend(q, kvs, backend.plan(layout, torch.device("cpu")), 0.125),
-                               sdpa.attend(q, kvs, sdpa.plan(layout, torch.device("cpu")), 0.125), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        backend.attend(q, kvs, backend.plan(layout, torch.device("cpu")), 0.125),
+        sdpa.attend(q, kvs, sdpa.plan(layout, torch.device("cpu")), 0.125),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_shapes_it_cannot_take_are_refused(backend: CpuKernelBackend) -> None:
@@ -120,5 +128,10 @@ def test_a_tree_row_gets_the_bits_of_the_plain_step_for_its_token(backend: CpuKe
     for i in range(len(TREE_PARENTS)):
         keep = list(range(20)) + [20 + j for j in range(len(TREE_PARENTS)) if anc[i, j]]
         step = BatchLayout(past_lens=(len(keep) - 1,), parents=((-1,),))
-        got = backend.attend(q[i : i + 1], [(k[:, keep].contiguous(), v[:, keep].contiguous())], backend.plan(step, torch.device("cpu")), 0.125)
+        got = backend.attend(
+            q[i : i + 1],
+            [(k[:, keep].contiguous(), v[:, keep].contiguous())],
+            backend.plan(step, torch.device("cpu")),
+            0.125,
+        )
         assert torch.equal(got, tree[i : i + 1]), i

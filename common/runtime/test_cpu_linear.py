@@ -10,7 +10,15 @@ import torch
 from torch import nn
 
 from common.runtime import cpu_linear
-from common.runtime.cpu_linear import KERNELS, UNMEASURED, CpuLinear, KernelTable, measure_kernels, onednn_ready, use_cpu_linears
+from common.runtime.cpu_linear import (
+    KERNELS,
+    UNMEASURED,
+    CpuLinear,
+    KernelTable,
+    measure_kernels,
+    onednn_ready,
+    use_cpu_linears,
+)
 from common.runtime.streamed_linear import extension, streamed_kernel, unavailable_reason
 
 
@@ -39,7 +47,9 @@ def test_the_streamed_kernel_builds_where_it_can() -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 48), (5, 48), (3, 4, 48), (64, 48), (200, 48), (0, 48)])
-def test_every_kernel_equals_linear_for_every_row_count_and_leading_shape(kernel: str, bias: bool, shape: tuple[int, ...]) -> None:
+def test_every_kernel_equals_linear_for_every_row_count_and_leading_shape(
+    kernel: str, bias: bool, shape: tuple[int, ...]
+) -> None:
     plain, fast = pair(bias)
     fast.table = KernelTable((1,), (kernel,))
     x = torch.randn(*shape)
@@ -113,8 +123,13 @@ def test_each_row_count_takes_the_kernel_its_table_names(monkeypatch: pytest.Mon
 def test_the_table_takes_the_fastest_kernel_at_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kernels slowed by 3 ms a call where they should lose: linear from four rows on, the transposed
     streamed and panel products everywhere, the packed one under four rows. The table follows, and reads as ranges."""
-    slow = {"linear": lambda n: n >= 4, "transposed": lambda n: True, "packed": lambda n: n < 4, "streamed": lambda n: True,
-            "panel": lambda n: True}
+    slow = {
+        "linear": lambda n: n >= 4,
+        "transposed": lambda n: True,
+        "packed": lambda n: n < 4,
+        "streamed": lambda n: True,
+        "panel": lambda n: True,
+    }
     real = CpuLinear.product
 
     def product(self: CpuLinear, flat: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -143,9 +158,14 @@ def test_a_switched_model_shares_one_measured_table() -> None:
 def test_a_model_of_the_same_shapes_and_threads_is_not_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = cpu_linear.measure_kernels
-    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda linears: calls.append(len(linears)) or real(linears, tries=1))
+    monkeypatch.setattr(
+        cpu_linear, "measure_kernels", lambda linears: calls.append(len(linears)) or real(linears, tries=1)
+    )
     monkeypatch.setattr(cpu_linear, "_measured", {})
-    first, second = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24)), nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24))
+    first, second = (
+        nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24)),
+        nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24)),
+    )
     use_cpu_linears(first)
     use_cpu_linears(second)
     assert calls == [2] and second[0].table is first[0].table

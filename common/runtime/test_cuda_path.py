@@ -15,9 +15,9 @@ import torch
 
 from common.runtime.attention import flash_attn_available
 from common.runtime.runner import LMRunner, SeqInput
-from common.runtime.verifier_engine import VerifierEngine
 from common.runtime.sim import plain_generate, speculative_generate
 from common.runtime.test_greedy_equality import make_prompts, mixed_sources
+from common.runtime.verifier_engine import VerifierEngine
 
 DEVICE = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -54,7 +54,9 @@ def mixed_batch(runner: LMRunner) -> list[SeqInput]:
 
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 5e-2)])
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
-def test_a_mixed_pass_on_cuda_gives_the_cpu_logits(llama_target: Path, backend: str, dtype: str, tolerance: float) -> None:
+def test_a_mixed_pass_on_cuda_gives_the_cpu_logits(
+    llama_target: Path, backend: str, dtype: str, tolerance: float
+) -> None:
     cpu = LMRunner.from_checkpoint(llama_target, backend="eager")
     gpu = LMRunner.from_checkpoint(llama_target, device=DEVICE, dtype=dtype, backend=backend)
     assert gpu.device.type == "cuda"
@@ -68,7 +70,9 @@ def test_a_mixed_pass_on_cuda_gives_the_cpu_logits(llama_target: Path, backend: 
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
-def test_speculative_greedy_on_cuda_equals_plain_decoding_on_cuda(llama_target: Path, llama_near: Path, backend: str) -> None:
+def test_speculative_greedy_on_cuda_equals_plain_decoding_on_cuda(
+    llama_target: Path, llama_near: Path, backend: str
+) -> None:
     """Chains and wide trees from a near drafter, the target as its own drafter, random trees and
     empty drafts, in one batch on the GPU: the output is the GPU target's own greedy decode."""
     verifier = VerifierEngine.from_checkpoint(llama_target, device=DEVICE, attention_backend=backend)
@@ -82,8 +86,10 @@ def test_speculative_greedy_on_cuda_equals_plain_decoding_on_cuda(llama_target: 
     assert verifier.active_requests == 0 and verifier.kv_reserved_tokens == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not flash_attn_available(DEVICE, torch.bfloat16),
-                    reason="needs flash-attn on a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not flash_attn_available(DEVICE, torch.bfloat16),
+    reason="needs flash-attn on a CUDA device",
+)
 def test_flash_attn_gives_the_sdpa_logits(llama_target: Path) -> None:
     sdpa = LMRunner.from_checkpoint(llama_target, device=DEVICE, dtype="bfloat16", backend="sdpa")
     flash = LMRunner.from_checkpoint(llama_target, device=DEVICE, dtype="bfloat16", backend="flash_attn")

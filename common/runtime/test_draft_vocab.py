@@ -88,7 +88,9 @@ def test_reduced_vocabulary_drafter_assists_transformers_generate(tiny_distilled
     path = tiny_distilled_zoo.drafters["generalist"].path
     assistant = in_target_space(load_causal_lm(path), load_draft_vocab(path, read_config(path)))
     ids = torch.tensor([[5, 17, 42, 9, 33]])
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    kw = dict(
+        attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+    )
     plain = target.generate(ids, **kw)
     assisted = target.generate(ids, assistant_model=assistant, **kw)
     assert torch.equal(plain, assisted)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from common.runtime.checkpoints import load_causal_lm
-from common.spec.types import DraftItem, KVBudgetExceeded, UnknownRequest
 from common.runtime.drafter_engine import DrafterEngine
+from common.spec.types import DraftItem, KVBudgetExceeded, UnknownRequest
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +102,16 @@ def test_issue_level_operations(engine: DrafterEngine, hf) -> None:
 
 def test_bad_items_fail_alone(engine: DrafterEngine) -> None:
     engine.run_step([DraftItem("x", append_ids=(1, 2))])
-    out = engine.run_step([
-        DraftItem("unknown", top_n=2),
-        DraftItem("x", truncate_to=5, top_n=2),
-        DraftItem("y", append_ids=(600,), top_n=1),
-        DraftItem("z", append_ids=(1,), top_n=2),
-        DraftItem("z", top_n=2),
-        DraftItem("long", append_ids=tuple([1] * 1025)),
-    ]).results
+    out = engine.run_step(
+        [
+            DraftItem("unknown", top_n=2),
+            DraftItem("x", truncate_to=5, top_n=2),
+            DraftItem("y", append_ids=(600,), top_n=1),
+            DraftItem("z", append_ids=(1,), top_n=2),
+            DraftItem("z", top_n=2),
+            DraftItem("long", append_ids=tuple([1] * 1025)),
+        ]
+    ).results
     assert "unknown request" in out[0].error
     assert "cache holds 2" in out[1].error
     assert "outside the vocabulary" in out[2].error
@@ -144,15 +146,20 @@ def test_limits_and_refusals_name_the_field(llama_near: Path) -> None:
     starts with the field at fault, and a refused first-sight request leaves no cache."""
     engine = DrafterEngine.from_checkpoint(llama_near, attention_backend="sdpa", max_top_n=4, max_chain_len=8)
     engine.run_step([DraftItem("x", append_ids=(1, 2))])
-    out = engine.run_step([
-        DraftItem("a", append_ids=(1,), top_n=5),
-        DraftItem("b", append_ids=(1,), top_n=1, chain_len=9),
-        DraftItem("x", truncate_to=-5, top_n=1),
-        DraftItem("c", append_ids=(1, -1)),
-        DraftItem("d", top_n=1),
-        DraftItem("e", truncate_to=2, append_ids=(1,)),
-        DraftItem("f", append_ids=(1,) * 1025),
-    ]).results + engine.run_step([DraftItem("x", truncate_to=0, top_n=1)]).results
+    out = (
+        engine.run_step(
+            [
+                DraftItem("a", append_ids=(1,), top_n=5),
+                DraftItem("b", append_ids=(1,), top_n=1, chain_len=9),
+                DraftItem("x", truncate_to=-5, top_n=1),
+                DraftItem("c", append_ids=(1, -1)),
+                DraftItem("d", top_n=1),
+                DraftItem("e", truncate_to=2, append_ids=(1,)),
+                DraftItem("f", append_ids=(1,) * 1025),
+            ]
+        ).results
+        + engine.run_step([DraftItem("x", truncate_to=0, top_n=1)]).results
+    )
     fields = ["top_n", "chain_len", "truncate_to", "append_ids", "request_id", "truncate_to", "append_ids", "top_n"]
     for field, r in zip(fields, out):
         assert r.error.startswith(f"{field}: "), r.error
@@ -179,5 +186,7 @@ def test_a_prompt_token_outside_the_draft_vocabulary_scores_as_a_uniform_guess(t
     hf = load_causal_lm(path)
     with torch.no_grad():
         logp = torch.log_softmax(hf(input_ids=vocab.to_draft[torch.tensor([prompt])]).logits[0].float(), -1)
-    terms = [float(logp[i, vocab.to_draft[t]]) if t in mapped else -math.log(target_vocab) for i, t in enumerate(prompt[1:])]
+    terms = [
+        float(logp[i, vocab.to_draft[t]]) if t in mapped else -math.log(target_vocab) for i, t in enumerate(prompt[1:])
+    ]
     assert res.append_logprob == pytest.approx(sum(terms) / len(terms), abs=1e-4)

@@ -10,9 +10,9 @@ from torch import nn
 from common.runtime.cpu_linear import KernelTable, use_cpu_linears
 from common.runtime.fused_projections import stack
 from common.runtime.runner import LMRunner, SeqInput
-from cosine_zoo.random_checkpoints import make_checkpoint
 from common.runtime.streamed_linear import extension
 from common.runtime.test_block_weights import q4_1
+from cosine_zoo.random_checkpoints import make_checkpoint
 
 
 def parts(bias: bool, seed: int) -> list[nn.Linear]:
@@ -44,6 +44,7 @@ def test_the_parts_become_views_of_the_stacked_weight_and_keep_their_outputs(bia
 def test_a_stacked_product_is_each_parts_product_bit_for_bit(kernel: str, rows: int) -> None:
     if extension() is None:
         pytest.skip("own kernels not offered here")
+
     def make() -> list[nn.Linear]:
         mods = [nn.Linear(576, n, bias=False) for n in (96, 32, 32)]
         with torch.no_grad():

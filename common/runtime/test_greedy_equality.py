@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.runtime.cpu_attention import cpu_kernel_available
 from common.runtime.checkpoints import load_causal_lm
+from common.runtime.cpu_attention import cpu_kernel_available
 from common.runtime.drafter_engine import DrafterEngine
-from common.runtime.verifier_engine import VerifierEngine
 from common.runtime.sim import DrafterSource, EmptySource, RandomSource, speculative_generate
+from common.runtime.verifier_engine import VerifierEngine
 
 
 def hf_greedy(path: Path, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
@@ -25,9 +25,16 @@ def hf_greedy(path: Path, prompts: dict[str, list[int]], max_new: int) -> dict[s
     out = {}
     for rid, prompt in prompts.items():
         ids = torch.tensor([prompt])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                             min_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
-        out[rid] = gen[0, len(prompt):].tolist()
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out[rid] = gen[0, len(prompt) :].tolist()
     return out
 
 
@@ -77,7 +84,9 @@ def test_long_generation_equals_hf_greedy(llama_target: Path, llama_near: Path) 
     near = DrafterEngine.from_checkpoint(llama_near)
     selfd = DrafterEngine.from_checkpoint(llama_target)
     prompts = make_prompts(4, verifier.runner.vocab_size, seed=3, lengths=(2, 9, 25, 5))
-    sources = dict(zip(prompts, [DrafterSource(near, 4), DrafterSource(near, 2, 2), DrafterSource(selfd, 6), EmptySource()]))
+    sources = dict(
+        zip(prompts, [DrafterSource(near, 4), DrafterSource(near, 2, 2), DrafterSource(selfd, 6), EmptySource()])
+    )
     max_new = 220
     got = speculative_generate(verifier, prompts, sources, max_new)
     want = hf_greedy(llama_target, prompts, max_new)
@@ -93,7 +102,9 @@ def test_backends_equal_hf_greedy(backend: str, qwen2_target: Path, qwen2_near: 
     verifier = VerifierEngine.from_checkpoint(qwen2_target, attention_backend=backend)
     near = DrafterEngine.from_checkpoint(qwen2_near, attention_backend=backend)
     prompts = make_prompts(4, verifier.runner.vocab_size, seed=5)
-    sources = dict(zip(prompts, [DrafterSource(near, 3, 2), DrafterSource(near, 3, 2), RandomSource(512, 5), EmptySource()]))
+    sources = dict(
+        zip(prompts, [DrafterSource(near, 3, 2), DrafterSource(near, 3, 2), RandomSource(512, 5), EmptySource()])
+    )
     got = speculative_generate(verifier, prompts, sources, 24)
     assert got == hf_greedy(qwen2_target, prompts, 24)
 

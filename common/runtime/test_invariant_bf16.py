@@ -13,11 +13,19 @@ import torch
 from common.runtime import invariant_bf16
 from common.runtime.attention_selection import pick_backend
 from common.runtime.cpu_attention import CpuKernelBackend
-from common.runtime.invariant_bf16 import InvariantAttention, InvariantLinear, bf16_available, pad_keys, use_invariant_linears
+from common.runtime.invariant_bf16 import (
+    InvariantAttention,
+    InvariantLinear,
+    bf16_available,
+    pad_keys,
+    use_invariant_linears,
+)
 from common.runtime.runner import LMRunner, SeqInput, resolve_dtype
 from cosine_zoo.random_checkpoints import make_checkpoint
 
-needs_bf16 = pytest.mark.skipif(not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)")
+needs_bf16 = pytest.mark.skipif(
+    not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +117,9 @@ def test_tree_nodes_in_a_batch_get_the_logits_of_their_path_decoded_alone(gqa_ta
             trees.append((tuple(rng.randrange(vocab) for _ in range(n)), random_tree(rng, n)))
         for cache, (tokens, _) in zip(caches, trees):
             cache.reserve(len(tokens))
-        logits = runner.forward([SeqInput(c, toks, par, tuple(range(len(toks)))) for c, (toks, par) in zip(caches, trees)])
+        logits = runner.forward(
+            [SeqInput(c, toks, par, tuple(range(len(toks)))) for c, (toks, par) in zip(caches, trees)]
+        )
         for cache, (tokens, parents), got in zip(caches, trees, logits):
             cache.discard_pending()
             base = cache.length
@@ -132,13 +142,23 @@ def test_tree_nodes_in_a_batch_get_the_logits_of_their_path_decoded_alone(gqa_ta
 def wide_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Llama with head_dim 64 (4 query heads on 2 key/value heads, hidden 256), where ``sdpa``'s sums
     differ from the kernel's often enough to show up in bfloat16 logits."""
-    return make_checkpoint(tmp_path_factory.mktemp("bf16_wide"), "llama", seed=3, num_hidden_layers=2, hidden_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("bf16_wide"),
+        "llama",
+        seed=3,
+        num_hidden_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+    )
 
 
 @needs_bf16
 @pytest.mark.parametrize("backend", ["auto", "invariant"])
-def test_a_prompt_with_its_draft_tree_in_one_pass_gets_the_logits_of_the_prompt_alone(wide_target: Path, backend: str) -> None:
+def test_a_prompt_with_its_draft_tree_in_one_pass_gets_the_logits_of_the_prompt_alone(
+    wide_target: Path, backend: str
+) -> None:
     """A request's first pass may hold its prompt and a draft tree while the target alone prefills
     the prompt by itself and then decodes: every row's logits must be the same either way, bit for
     bit, for prompts on both sides of the float32 kernel's 32 new tokens (with the prompts' rows
@@ -153,8 +173,9 @@ def test_a_prompt_with_its_draft_tree_in_one_pass_gets_the_logits_of_the_prompt_
         parents = tuple(p + length if p >= 0 else length - 1 for p in random_tree(rng, 5))
         together = pool.new_cache()
         together.reserve(length + 5)
-        got = runner.forward([SeqInput(together, prompt + tree, tuple(range(-1, length - 1)) + parents,
-                                       tuple(range(length + 5)))])[0]
+        got = runner.forward(
+            [SeqInput(together, prompt + tree, tuple(range(-1, length - 1)) + parents, tuple(range(length + 5)))]
+        )[0]
         alone = pool.new_cache()
         alone.reserve(length)
         first = runner.forward([SeqInput(alone, prompt, None, tuple(range(length)))])[0]

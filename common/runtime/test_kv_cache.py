@@ -10,8 +10,15 @@ from common.spec.types import KVBudgetExceeded
 
 
 def pool(budget: int | None = None, block: int = 4) -> KVPool:
-    return KVPool(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu",
-                  token_budget=budget, block_size=block)
+    return KVPool(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device="cpu",
+        token_budget=budget,
+        block_size=block,
+    )
 
 
 def fill(cache, values: list[float]) -> None:

@@ -10,16 +10,25 @@ import pytest
 import torch
 
 from common.runtime.attention import FlashAttnBackend, SdpaBackend, reference_varlen
-from common.runtime.cpu_attention import CpuKernelBackend, cpu_kernel_available
 from common.runtime.checkpoints import CheckpointError, load_causal_lm
+from common.runtime.cpu_attention import CpuKernelBackend, cpu_kernel_available
 from common.runtime.runner import LMRunner, SeqInput, UnsupportedArchitecture
 from cosine_zoo.random_checkpoints import make_checkpoint
 
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 VARIANTS = {
     "llama-gqa": ("llama", {}),
-    "llama-mha-tied-llama3rope": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True, rope_parameters=LLAMA3)),
+    "llama-mha-tied-llama3rope": (
+        "llama",
+        dict(num_key_value_heads=4, tie_word_embeddings=True, rope_parameters=LLAMA3),
+    ),
     "llama-linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})),
     "qwen2-gqa-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2-mqa": ("qwen2", dict(num_key_value_heads=1)),
@@ -38,8 +47,10 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {name: make_checkpoint(tmp_path_factory.mktemp(name), fam, seed=i, **kw)
-            for i, (name, (fam, kw)) in enumerate(VARIANTS.items())}
+    return {
+        name: make_checkpoint(tmp_path_factory.mktemp(name), fam, seed=i, **kw)
+        for i, (name, (fam, kw)) in enumerate(VARIANTS.items())
+    }
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
@@ -112,7 +123,9 @@ def test_backends_agree_on_a_mixed_tree_batch(checkpoints: dict[str, Path]) -> N
         "sdpa": LMRunner.from_checkpoint(path, backend="sdpa"),
     }
     base = runners["sdpa"]
-    runners["flash_attn(reference kernel)"] = LMRunner(base.model, FlashAttnBackend(varlen_fn=reference_varlen), name="x")
+    runners["flash_attn(reference kernel)"] = LMRunner(
+        base.model, FlashAttnBackend(varlen_fn=reference_varlen), name="x"
+    )
     runners["sdpa(padded together, as on a GPU)"] = LMRunner(base.model, SdpaBackend(together=True), name="x")
     kernel = cpu_kernel_available("cpu", torch.float32)
     if kernel is not None:
@@ -144,9 +157,16 @@ def test_unsupported_architecture_is_refused_at_load(tmp_path: Path) -> None:
 
 
 def test_sliding_window_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
-         "layer_types": ["sliding_attention", "full_attention"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"],
+            }
+        )
+    )
     with pytest.raises(UnsupportedArchitecture, match="sliding-window"):
         LMRunner.from_checkpoint(tmp_path)
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from common.runtime.checkpoints import load_causal_lm
-from common.spec.types import SamplingParams, TokenTree, VerifyItem
-from common.spec.acceptance import target_probs
 from common.runtime.verifier_engine import VerifierEngine
+from common.spec.acceptance import target_probs
+from common.spec.types import SamplingParams, TokenTree, VerifyItem
 from tests.support.stats import tv_check
 
 PROMPT = [11, 42, 7, 300, 5, 19]
@@ -71,7 +71,10 @@ def test_verifier_next_token_law_equals_target(kind: str, temperature: float, ll
     counts: Counter = Counter()
     accepted_any = 0
     for start in range(0, n, chunk):
-        items = [VerifyItem(f"q{i}", append_ids=tuple(PROMPT), tree=tree, sampling=params) for i in range(start, start + chunk)]
+        items = [
+            VerifyItem(f"q{i}", append_ids=tuple(PROMPT), tree=tree, sampling=params)
+            for i in range(start, start + chunk)
+        ]
         for v in engine.verify(items).verdicts:
             assert v.ok, v.error
             toks = v.new_tokens
@@ -124,8 +127,10 @@ def test_a_plain_step_s_own_lookup_chain_keeps_the_target_s_law(llama_target: Pa
     counts: Counter = Counter()
     drafted = accepted = 0
     for start in range(0, n, chunk):
-        items = [VerifyItem(f"q{i}", append_ids=tuple(prompt), sampling=params, plain_steps=2, step_lookup=(0, 0, 0, 2))
-                 for i in range(start, start + chunk)]
+        items = [
+            VerifyItem(f"q{i}", append_ids=tuple(prompt), sampling=params, plain_steps=2, step_lookup=(0, 0, 0, 2))
+            for i in range(start, start + chunk)
+        ]
         for v in engine.verify(items).verdicts:
             assert v.ok, v.error
             toks = v.new_tokens

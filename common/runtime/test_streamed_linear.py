@@ -32,7 +32,9 @@ def test_the_services_get_the_kernels_built_for_this_cpu() -> None:
 # one or two left over; inputs: one AVX-512 step and the target's widths
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("out_in", [(1, 16), (2, 32), (3, 16), (49, 576), (192, 576), (50, 1536)])
-def test_it_equals_the_product_for_every_remainder(kernel: streamed_linear.StreamedLinear, rows: int, out_in: tuple[int, int]) -> None:
+def test_it_equals_the_product_for_every_remainder(
+    kernel: streamed_linear.StreamedLinear, rows: int, out_in: tuple[int, int]
+) -> None:
     out_features, in_features = out_in
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, generator=gen)
@@ -85,7 +87,9 @@ def test_a_non_contiguous_input_is_read_as_its_values(kernel: streamed_linear.St
     gen = torch.Generator().manual_seed(5)
     weight, wide = torch.randn(10, 32, generator=gen), torch.randn(32, 6, generator=gen)
     x = wide.T  # [6, 32], strided
-    torch.testing.assert_close(kernel(x, weight), torch.nn.functional.linear(x.contiguous(), weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        kernel(x, weight), torch.nn.functional.linear(x.contiguous(), weight), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_shapes_it_cannot_take_are_refused(kernel: streamed_linear.StreamedLinear) -> None:
@@ -138,7 +142,8 @@ def test_a_failed_build_leaves_the_kernel_out_and_says_why(monkeypatch: pytest.M
 
 
 def test_where_the_kernels_cannot_be_had_a_first_use_goes_on_without_them_after_one_line(
-        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     def never(**_: object) -> None:
         raise AssertionError("no build is tried where the kernels cannot be had")
 
@@ -149,8 +154,9 @@ def test_where_the_kernels_cannot_be_had_a_first_use_goes_on_without_them_after_
     assert not (tmp_path / "kernels").exists()
 
 
-def test_a_failed_build_is_described_in_one_line_with_its_last_error_line(monkeypatch: pytest.MonkeyPatch,
-                                                                          tmp_path) -> None:
+def test_a_failed_build_is_described_in_one_line_with_its_last_error_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     def broken(**_: object) -> None:
         raise RuntimeError("Error building extension\ng++: internal compiler error")
 
@@ -159,12 +165,14 @@ def test_a_failed_build_is_described_in_one_line_with_its_last_error_line(monkey
     assert result.module is None and result.build_dir == streamed_linear.build_directory()
     assert streamed_linear.describe(result) == (
         "the project's CPU kernels are left out: the build failed (g++: internal compiler error); "
-        "the services use torch's kernels instead")
+        "the services use torch's kernels instead"
+    )
 
 
 @pytest.mark.parametrize("age_s", [3600.0, 5.0])
-def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waited_for(monkeypatch: pytest.MonkeyPatch, tmp_path,
-                                                                                       age_s: float) -> None:
+def test_a_lock_left_by_a_killed_build_is_removed_but_a_running_build_s_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, age_s: float
+) -> None:
     import os
     import time
 
@@ -218,7 +226,9 @@ def test_ninja_is_found_beside_the_interpreter_when_not_on_path(monkeypatch: pyt
 # threads on a small machine keep some preempted, so their items are taken by the others.
 @pytest.mark.parametrize("out_features", [16, 48, 1536])
 @pytest.mark.parametrize("rows", [1, 5, 14, 40])
-def test_every_kernel_gives_the_same_bits_on_any_number_of_threads(own, torch_threads, out_features: int, rows: int) -> None:
+def test_every_kernel_gives_the_same_bits_on_any_number_of_threads(
+    own, torch_threads, out_features: int, rows: int
+) -> None:
     from common.runtime.block_weights import find_block_codes
     from common.runtime.test_block_weights import q8_0
 
@@ -227,8 +237,11 @@ def test_every_kernel_gives_the_same_bits_on_any_number_of_threads(own, torch_th
     assert found is not None
     codes, panels = found.panels(), own.pack_panels(weight)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-    kernels = {"streamed": lambda: own.streamed_linear(x, weight), "panel": lambda: own.panel_linear(x, panels),
-               "block": lambda: own.block_panel_linear(x, *codes)}
+    kernels = {
+        "streamed": lambda: own.streamed_linear(x, weight),
+        "panel": lambda: own.panel_linear(x, panels),
+        "block": lambda: own.block_panel_linear(x, *codes),
+    }
     torch_threads(1)
     alone = {name: kernel() for name, kernel in kernels.items()}
     for threads in (2, 3, 7):
@@ -253,12 +266,28 @@ def test_a_kernel_lets_other_python_threads_run(own, torch_threads, which: str) 
     gen = torch.Generator().manual_seed(3)
     if which == "attention":
         H, Hkv, D, past, B = 9, 3, 64, 16000, 4
-        q, k_new, v_new = torch.randn(B, H, D, generator=gen), torch.randn(B, Hkv, D, generator=gen), torch.randn(B, Hkv, D, generator=gen)
+        q, k_new, v_new = (
+            torch.randn(B, H, D, generator=gen),
+            torch.randn(B, Hkv, D, generator=gen),
+            torch.randn(B, Hkv, D, generator=gen),
+        )
         ks = [torch.randn(Hkv, past + 1, D, generator=gen) for _ in range(B)]
         vs = [torch.randn(Hkv, past + 1, D, generator=gen) for _ in range(B)]
         out = torch.empty_like(q)
-        call = lambda: own.cache_attention(q, k_new, v_new, ks, vs, list(range(B)), [1] * B, [True] * B,  # noqa: E731
-                                           torch.ones(B, dtype=torch.bool), list(range(B)), 0.125, out)
+        call = lambda: own.cache_attention(
+            q,
+            k_new,
+            v_new,
+            ks,
+            vs,
+            list(range(B)),
+            [1] * B,
+            [True] * B,  # noqa: E731
+            torch.ones(B, dtype=torch.bool),
+            list(range(B)),
+            0.125,
+            out,
+        )
     else:
         weight = q8_0(49152, 576, seed=5)  # a vocabulary's output projection
         x = torch.randn(48, 576, generator=gen)
@@ -287,4 +316,6 @@ def test_a_kernel_lets_other_python_threads_run(own, torch_threads, which: str) 
     # the middle half of each call: its first quarter may still be the wait for the GIL before the kernel starts
     middles = [(s + (e - s) / 4, e - (e - s) / 4) for s, e in calls]
     inside = sum(1 for t in steps for lo, hi in middles if lo < t < hi)
-    assert inside > 10, f"{inside} Python steps of another thread amid kernel calls of {[round(e - s, 3) for s, e in calls]} s"
+    assert inside > 10, (
+        f"{inside} Python steps of another thread amid kernel calls of {[round(e - s, 3) for s, e in calls]} s"
+    )

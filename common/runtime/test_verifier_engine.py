@@ -9,8 +9,8 @@ import torch
 
 from common.runtime.checkpoints import load_causal_lm
 from common.runtime.runner import SeqInput
-from common.spec.types import SamplingParams, TokenTree, VerifyItem
 from common.runtime.verifier_engine import VerifierEngine
+from common.spec.types import SamplingParams, TokenTree, VerifyItem
 
 PROMPT = (3, 14, 15, 92, 65)
 
@@ -34,7 +34,7 @@ def greedy_continuation(hf, ids, n: int) -> list[int]:
     seq = list(ids)
     for _ in range(n):
         seq.append(greedy_next(hf, seq))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def test_first_verdict_on_an_empty_tree_is_a_decode_step(engine: VerifierEngine, hf) -> None:
@@ -75,7 +75,7 @@ def test_rollback_keeps_exactly_the_accepted_path(engine: VerifierEngine, hf) ->
     for t in trees[1:]:
         engine.verify([VerifyItem("a", tree=t)])
     committed = engine.committed("a")
-    assert list(committed[len(PROMPT):]) == right[: len(committed) - len(PROMPT)]
+    assert list(committed[len(PROMPT) :]) == right[: len(committed) - len(PROMPT)]
     state = engine._requests["a"]
     fresh = engine.pool.new_cache()
     fresh.reserve(len(committed) - 1)
@@ -188,8 +188,17 @@ def test_refusals_name_the_field_and_absurd_trees_are_refused(llama_target: Path
         VerifyItem("context", append_ids=(1,) * 1024),
         VerifyItem("deep", append_ids=(1,) * 1016, tree=TokenTree.chain([1] * 16)),
     ]
-    fields = ["tree", "tree.parents[0]", "tree.parents", "tree.tokens[1]", "tree.draft_probs", "sampling.temperature",
-              "request_id", "append_ids", "tree"]
+    fields = [
+        "tree",
+        "tree.parents[0]",
+        "tree.parents",
+        "tree.tokens[1]",
+        "tree.draft_probs",
+        "sampling.temperature",
+        "request_id",
+        "append_ids",
+        "tree",
+    ]
     verdicts = engine.verify(items).verdicts
     for field, v in zip(fields, verdicts):
         assert v.error.startswith(f"{field}: "), v.error

@@ -41,12 +41,16 @@ from pathlib import Path
 
 import torch
 
-from common.runtime.engine_base import RequestEngine
-from common.runtime.runner import LMRunner, SeqInput
 from common.logs import get_logger
+from common.runtime.batching import repeated_items
+from common.runtime.engine_base import RequestEngine
+from common.runtime.kv_cache import KVCache
+from common.runtime.pass_times import measure_pass_times
+from common.runtime.runner import LMRunner, SeqInput
+from common.runtime.step_lookups import StepChain, chain_outcomes, earned_chain, held_depth
+from common.spec.acceptance import RuleFactory, default_rule_factory
 from common.spec.lookup_corpus import DomainCorpora
 from common.spec.lookup_index import CORPUS, TEXT, LookupIndex
-from common.runtime.kv_cache import KVCache
 from common.spec.types import (
     ContextTooLong,
     InvalidInput,
@@ -56,14 +60,10 @@ from common.spec.types import (
     TokenTree,
     UnknownRequest,
     Verdict,
-    error_kind,
     VerifyItem,
     VerifyOutcome,
+    error_kind,
 )
-from common.spec.acceptance import RuleFactory, default_rule_factory
-from common.runtime.batching import repeated_items
-from common.runtime.pass_times import measure_pass_times
-from common.runtime.step_lookups import StepChain, earned_chain, held_depth, chain_outcomes
 
 log = get_logger(__name__)
 
@@ -131,7 +131,9 @@ class VerifierEngine(RequestEngine[RequestState]):
         max_tree_nodes: int | None = None,
     ) -> VerifierEngine:
         runner = LMRunner.from_checkpoint(path, dtype=dtype, device=device, backend=attention_backend)
-        return cls(runner, kv_token_budget=kv_token_budget, rule_factory=rule_factory, seed=seed, max_tree_nodes=max_tree_nodes)
+        return cls(
+            runner, kv_token_budget=kv_token_budget, rule_factory=rule_factory, seed=seed, max_tree_nodes=max_tree_nodes
+        )
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -181,7 +183,9 @@ class VerifierEngine(RequestEngine[RequestState]):
                 p.state.cache.discard_pending()
                 if p.new:
                     self._drop(p.state)
-                verdicts[p.index] = Verdict(p.item.request_id, error=f"verify forward failed: {exc}", error_kind="internal")
+                verdicts[p.index] = Verdict(
+                    p.item.request_id, error=f"verify forward failed: {exc}", error_kind="internal"
+                )
             planned, logits = [], []
         t2 = time.perf_counter_ns()
 
@@ -193,15 +197,21 @@ class VerifierEngine(RequestEngine[RequestState]):
                 p.state.cache.discard_pending()
                 if p.new:
                     self._drop(p.state)
-                verdicts[p.index] = Verdict(p.item.request_id, error=f"verify decision failed: {exc}", error_kind="internal")
+                verdicts[p.index] = Verdict(
+                    p.item.request_id, error=f"verify decision failed: {exc}", error_kind="internal"
+                )
                 continue
             if self.observe_logits is not None and not len(p.item.tree):
                 self.observe_logits(p.item.request_id, lg)
         step_ns, step_rows = self._plain_steps(planned, verdicts)
         t4 = time.perf_counter_ns()
-        timings = StageTimings(prefill_ns=t1 - t0, forward_ns=t2 - t1 + step_ns, decode_ns=t4 - t2 - step_ns, total_ns=t4 - t0)
+        timings = StageTimings(
+            prefill_ns=t1 - t0, forward_ns=t2 - t1 + step_ns, decode_ns=t4 - t2 - step_ns, total_ns=t4 - t0
+        )
         batch_tokens = sum(len(s.token_ids) for s in seqs) + step_rows
-        return VerifyOutcome(verdicts=tuple(v for v in verdicts if v is not None), batch_tokens=batch_tokens, timings=timings)
+        return VerifyOutcome(
+            verdicts=tuple(v for v in verdicts if v is not None), batch_tokens=batch_tokens, timings=timings
+        )
 
     def _plain_steps(self, planned: Sequence[_Planned], verdicts: list[Verdict | None]) -> tuple[int, int]:
         """The plain decode steps after the verdicts (``VerifyItem.plain_steps``): one pass per step
@@ -258,16 +268,20 @@ class VerifierEngine(RequestEngine[RequestState]):
                 accepted = [tree.tokens[a] for a in path]
                 if self.observe_logits is not None:
                     for row in (0, *(1 + a for a in path)):
-                        self.observe_logits(p.item.request_id, lg[row:row + 1])
+                        self.observe_logits(p.item.request_id, lg[row : row + 1])
                 state.cache.commit([0, *(1 + a for a in path)])
                 state.tokens += [*accepted, decision.next_token]
                 verdict = verdicts[p.index]
                 assert verdict is not None
-                verdicts[p.index] = replace(verdict, plain_tokens=(*verdict.plain_tokens, *accepted, decision.next_token),
-                                            committed_len=len(state.tokens), step_passes=verdict.step_passes + 1,
-                                            step_drafted=verdict.step_drafted + len(tree),
-                                            step_accepted=verdict.step_accepted + len(accepted),
-                                            step_lookups=(*verdict.step_lookups, *chain_outcomes(chains, accepted)))
+                verdicts[p.index] = replace(
+                    verdict,
+                    plain_tokens=(*verdict.plain_tokens, *accepted, decision.next_token),
+                    committed_len=len(state.tokens),
+                    step_passes=verdict.step_passes + 1,
+                    step_drafted=verdict.step_drafted + len(tree),
+                    step_accepted=verdict.step_accepted + len(accepted),
+                    step_lookups=(*verdict.step_lookups, *chain_outcomes(chains, accepted)),
+                )
         return forward_ns, rows
 
     def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> tuple[TokenTree, tuple[StepChain, ...]]:
@@ -289,18 +303,34 @@ class VerifierEngine(RequestEngine[RequestState]):
         chains: list[tuple[str, int, list[int]]] = []
         corpus = self.corpus
         if corpus is not None and item.step_corpus and max(item.step_corpus):
-            chains.append((CORPUS, *earned_chain(corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus)))
+            chains.append(
+                (
+                    CORPUS,
+                    *earned_chain(
+                        corpus.propose(item.domain, state.tokens, min(max(item.step_corpus), room)), item.step_corpus
+                    ),
+                )
+            )
         if item.step_lookup and max(item.step_lookup):
             if state.lookup is None or state.lookup.max_ngram != len(item.step_lookup):
                 state.lookup = LookupIndex(max_ngram=len(item.step_lookup))
-            chains.append((TEXT, *earned_chain(state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup)))
-        cut = [(source, match, chain[:next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))])
-               for source, match, chain in chains]
+            chains.append(
+                (
+                    TEXT,
+                    *earned_chain(
+                        state.lookup.propose(state.tokens, min(max(item.step_lookup), room)), item.step_lookup
+                    ),
+                )
+            )
+        cut = [
+            (source, match, chain[: next((i for i, t in enumerate(chain) if t in item.stop_ids), len(chain))])
+            for source, match, chain in chains
+        ]
         cut = [c for c in cut if c[2]]
         if not cut:
             return EMPTY_TREE, ()
         tree = TokenTree.merged([chain for _, _, chain in cut], limit=max(len(chain) for _, _, chain in cut))
-        return tree, tuple(StepChain(source, match, chain[:held_depth(tree, chain)]) for source, match, chain in cut)
+        return tree, tuple(StepChain(source, match, chain[: held_depth(tree, chain)]) for source, match, chain in cut)
 
     def _plan(self, index: int, item: VerifyItem) -> _Planned:
         """Validate an item and reserve cache room for it; raises :class:`SpecError` (request unchanged)."""
@@ -309,7 +339,9 @@ class VerifierEngine(RequestEngine[RequestState]):
         if item.plain_steps < 1:
             raise InvalidInput(f"plain_steps: must be at least 1, got {item.plain_steps}")
         if self.max_tree_nodes is not None and len(item.tree) > self.max_tree_nodes:
-            raise InvalidInput(f"tree: {len(item.tree)} nodes is more than this verifier's limit of {self.max_tree_nodes}")
+            raise InvalidInput(
+                f"tree: {len(item.tree)} nodes is more than this verifier's limit of {self.max_tree_nodes}"
+            )
         item.tree.validate(vocab)
         for t in item.append_ids:
             if not 0 <= t < vocab:
@@ -317,7 +349,9 @@ class VerifierEngine(RequestEngine[RequestState]):
         state = self._requests.get(item.request_id)
         new = state is None
         if new and not item.append_ids:
-            raise UnknownRequest(f"request_id: unknown request {item.request_id!r}: the first verify item must carry the prompt in append_ids")
+            raise UnknownRequest(
+                f"request_id: unknown request {item.request_id!r}: the first verify item must carry the prompt in append_ids"
+            )
         committed = (0 if new else len(state.tokens)) + len(item.append_ids)
         after = committed + item.tree.depth + 1
         if after > self.runner.max_context:
@@ -381,5 +415,9 @@ def _step_input(state: RequestState, tree: TokenTree) -> SeqInput:
     """A plain step's row (the last committed token) with the step's lookup tree hanging off it."""
     if not len(tree):
         return SeqInput(cache=state.cache, token_ids=(state.tokens[-1],))
-    return SeqInput(cache=state.cache, token_ids=(state.tokens[-1], *tree.tokens),
-                    parents=(-1, *(0 if q < 0 else 1 + q for q in tree.parents)), logit_rows=tuple(range(1 + len(tree))))
+    return SeqInput(
+        cache=state.cache,
+        token_ids=(state.tokens[-1], *tree.tokens),
+        parents=(-1, *(0 if q < 0 else 1 + q for q in tree.parents)),
+        logit_rows=tuple(range(1 + len(tree))),
+    )

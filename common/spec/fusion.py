@@ -84,8 +84,13 @@ class DraftTree:
 
     def to_token_tree(self) -> TokenTree:
         """The finished tree as the verifier's contract (:class:`~common.spec.types.TokenTree`)."""
-        return TokenTree(tokens=tuple(self.tokens), parents=tuple(self.parents), draft_probs=tuple(self.probs),
-                         source_masks=tuple(self.source_masks), drafter_ids=tuple(self.drafter_ids))
+        return TokenTree(
+            tokens=tuple(self.tokens),
+            parents=tuple(self.parents),
+            draft_probs=tuple(self.probs),
+            source_masks=tuple(self.source_masks),
+            drafter_ids=tuple(self.drafter_ids),
+        )
 
     def mask_of(self, drafters: frozenset[str] | set[str]) -> int:
         mask = 0
@@ -179,6 +184,7 @@ def fuse_chains(
     A chain's confidence is its drafter's weight times the product of its probabilities, so the
     fused (best) chain is always complete and comes first among the siblings.
     """
+
     def confidence(item: tuple[str, tuple[Sequence[int], Sequence[float]]]) -> float:
         drafter_id, (_, probs) = item
         c = max(weights.get(drafter_id, 0.0), 1e-3)

@@ -57,7 +57,7 @@ class LookupCorpus:
         self.sequences += 1
         n = self.min_match
         for pos in range(start + n, start + len(sequence)):  # pos: the token that followed the key
-            self._index.setdefault(tuple(self._tokens[pos - n:pos]), []).append(pos)
+            self._index.setdefault(tuple(self._tokens[pos - n : pos]), []).append(pos)
         return True
 
     def extend(self, sequences: Iterable[Sequence[int]]) -> int:
@@ -81,7 +81,7 @@ class LookupCorpus:
         tokens, limit = self._tokens, min(self.max_match, len(sequence))
         best: list[int] = []  # the positions with the longest match, latest first
         best_n = 0
-        for pos in reversed(positions[-self.max_candidates:]):
+        for pos in reversed(positions[-self.max_candidates :]):
             n = n0
             while n < limit and pos - n - 1 >= 0 and tokens[pos - n - 1] == sequence[-n - 1]:
                 n += 1

@@ -32,10 +32,10 @@ class LookupIndex:
             return [], 0
         for end in range(max(self._indexed, 1), length):  # every end before the suffix's own
             for n in range(1, min(self.max_ngram, end) + 1):
-                self._last[tuple(sequence[end - n:end])] = end
+                self._last[tuple(sequence[end - n : end])] = end
         self._indexed = max(self._indexed, length)
         for n in range(min(self.max_ngram, length - 1), 0, -1):
-            start = self._last.get(tuple(sequence[length - n:]))
+            start = self._last.get(tuple(sequence[length - n :]))
             if start is None:
                 continue
             out: list[int] = []

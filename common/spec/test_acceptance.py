@@ -8,8 +8,17 @@ from collections import Counter
 import pytest
 import torch
 
+from common.spec.acceptance import (
+    NUCLEUS_TRIES,
+    Decision,
+    GreedyRule,
+    SamplingRule,
+    default_rule_factory,
+    nucleus,
+    sample_index,
+    target_probs,
+)
 from common.spec.types import SamplingParams, TokenTree
-from common.spec.acceptance import NUCLEUS_TRIES, Decision, GreedyRule, SamplingRule, default_rule_factory, nucleus, sample_index, target_probs
 from tests.support.stats import tv_check
 
 
@@ -160,12 +169,16 @@ def adversarial_tree(logits: torch.Tensor) -> TokenTree:
     return TokenTree(tokens=(*roots, order[-1], order[-2]), parents=(-1, -1, -1, -1, 0, 1))
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=0.7, top_k=3),
-    SamplingParams(temperature=1.0, top_p=0.8),
-], ids=["t1", "t0.7", "t0.7-k3", "t1-p0.8"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.8),
+    ],
+    ids=["t1", "t0.7", "t0.7-k3", "t1-p0.8"],
+)
 @pytest.mark.parametrize("adversarial", [False, True], ids=["good", "adversarial"])
 def test_sampling_rule_is_lossless(params: SamplingParams, adversarial: bool) -> None:
     logits = synthetic_logits(1)

@@ -47,8 +47,11 @@ def test_a_request_looks_in_its_domain_s_text_or_in_all_of_it():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=30), min_size=1, max_size=6),
-       st.lists(st.integers(0, 5), min_size=0, max_size=12), st.integers(1, 6))
+@given(
+    st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=30), min_size=1, max_size=6),
+    st.lists(st.integers(0, 5), min_size=0, max_size=12),
+    st.integers(1, 6),
+)
 def test_a_proposal_is_what_followed_a_real_occurrence_of_the_suffix(sequences, query, k):
     """Whatever the text: the proposal is the tokens that followed an occurrence, in one corpus
     sequence, of the query's last ``match`` tokens; and no longer match exists."""
@@ -69,5 +72,9 @@ def test_a_proposal_is_what_followed_a_real_occurrence_of_the_suffix(sequences, 
         assert match == 0 and (longest == 0 or k == 0)
         return
     assert match == longest and 1 <= len(got) <= k
-    assert any(seq[end - match:end] == query[-match:] and seq[end:end + len(got)] == got
-               for seq in sequences if len(seq) > corpus.min_match for end in range(match, len(seq)))
+    assert any(
+        seq[end - match : end] == query[-match:] and seq[end : end + len(got)] == got
+        for seq in sequences
+        if len(seq) > corpus.min_match
+        for end in range(match, len(seq))
+    )

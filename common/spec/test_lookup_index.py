@@ -13,7 +13,7 @@ def naive_propose(seq: list[int], k: int, max_ngram: int) -> tuple[list[int], in
     for n in range(min(max_ngram, len(seq) - 1), 0, -1):
         suffix = seq[-n:]
         for end in range(len(seq) - 1, n - 1, -1):
-            if seq[end - n:end] == suffix:
+            if seq[end - n : end] == suffix:
                 out: list[int] = []
                 for j in range(k):
                     i = end + j
@@ -38,8 +38,12 @@ def test_a_loop_is_proposed_as_a_loop():
 
 
 @settings(max_examples=200, deadline=None)
-@given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=60), cuts=st.lists(st.integers(1, 60), max_size=4),
-       k=st.integers(1, 6), max_ngram=st.integers(1, 5))
+@given(
+    seq=st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    cuts=st.lists(st.integers(1, 60), max_size=4),
+    k=st.integers(1, 6),
+    max_ngram=st.integers(1, 5),
+)
 def test_incremental_index_agrees_with_a_scan_of_the_whole_sequence(seq, cuts, k, max_ngram):
     """The index grows round by round; every proposal equals a brute-force scan of the sequence so far."""
     index = LookupIndex(max_ngram=max_ngram)

@@ -2,24 +2,43 @@
 
 from __future__ import annotations
 
-from common.spec.types import DraftItem, DraftResult
 from common.spec.token_fusion import FusionRequest, FusionSource, StepPricing, TokenFusion
+from common.spec.types import DraftItem, DraftResult
 
 
 def request(rid: str, steps: int, drafters: dict[str, float], committed: int = 5) -> FusionRequest:
-    return FusionRequest(rid, steps, tuple(
-        FusionSource(d, w, DraftItem(rid, append_ids=tuple(range(committed))), committed) for d, w in drafters.items()))
+    return FusionRequest(
+        rid,
+        steps,
+        tuple(
+            FusionSource(d, w, DraftItem(rid, append_ids=tuple(range(committed))), committed)
+            for d, w in drafters.items()
+        ),
+    )
 
 
-def answer(items: list[DraftItem], cache_len: dict[str, int], token: int, prob: float, **errors: str) -> list[DraftResult]:
-    return [DraftResult(i.request_id, token_ids=(token, token + 1), probs=(prob, 1 - prob),
-                        cache_len=cache_len[i.request_id], error=errors.get(i.request_id, "")) for i in items]
+def answer(
+    items: list[DraftItem], cache_len: dict[str, int], token: int, prob: float, **errors: str
+) -> list[DraftResult]:
+    return [
+        DraftResult(
+            i.request_id,
+            token_ids=(token, token + 1),
+            probs=(prob, 1 - prob),
+            cache_len=cache_len[i.request_id],
+            error=errors.get(i.request_id, ""),
+        )
+        for i in items
+    ]
 
 
 def test_every_drafter_appends_the_fused_token_and_a_failed_one_leaves_the_round():
     loop = TokenFusion([request("r", 3, {"a": 1.0, "b": 3.0})], width=2, pricing=StepPricing())
     calls = loop.step()
-    assert {d: [i.append_ids for i in items] for d, items in calls.items()} == {"a": [(0, 1, 2, 3, 4)], "b": [(0, 1, 2, 3, 4)]}
+    assert {d: [i.append_ids for i in items] for d, items in calls.items()} == {
+        "a": [(0, 1, 2, 3, 4)],
+        "b": [(0, 1, 2, 3, 4)],
+    }
     assert all(i.top_n == 2 for items in calls.values() for i in items)
     # b weighs three times a: b's token wins, a's becomes a sibling
     loop.take({"a": answer(calls["a"], {"r": 5}, 10, 0.9), "b": answer(calls["b"], {"r": 5}, 20, 0.9)})

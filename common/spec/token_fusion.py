@@ -108,8 +108,9 @@ class TokenFusion:
         self.pricing = pricing
         self.requests = {r.request_id: r for r in requests}
         self.weights = {r.request_id: {s.drafter_id: s.weight for s in r.sources} for r in requests}
-        self.outcomes = {r.request_id: FusionOutcome(DraftTree(drafter_ids=[s.drafter_id for s in r.sources]))
-                         for r in requests}
+        self.outcomes = {
+            r.request_id: FusionOutcome(DraftTree(drafter_ids=[s.drafter_id for s in r.sources])) for r in requests
+        }
         self.active = {rid for rid, r in self.requests.items() if r.sources and r.steps > 0}
         self.tips = {rid: -1 for rid in self.requests}
         self.values = {rid: 1.0 for rid in self.requests}  # expected acceptance of each fused tip
@@ -145,15 +146,24 @@ class TokenFusion:
                     proposals[rid].append(Proposal(d, tuple(res.token_ids), tuple(res.probs)))
                 else:  # the drafter failed for this request: it leaves the request's round
                     out.cache_len.pop(d, None)
-                    out.failed[d] = (res.error if res is not None and res.error else
-                                     "no answer" if res is None else "unexpected cache length")
+                    out.failed[d] = (
+                        res.error
+                        if res is not None and res.error
+                        else "no answer"
+                        if res is None
+                        else "unexpected cache length"
+                    )
         self.taken += 1
         next_values = []
         for rid in sorted(self.active):
             out, live = self.outcomes[rid], self.outcomes[rid].cache_len
             ranked = fuse(proposals[rid], {d: w for d, w in self.weights[rid].items() if d in live})
             # a node is verified only when its expected tokens repay its verify row
-            kept = [c for c in ranked[: self.width] if self.pricing.keeps(self.pricing.node_value(self.values[rid], c.score))]
+            kept = [
+                c
+                for c in ranked[: self.width]
+                if self.pricing.keeps(self.pricing.node_value(self.values[rid], c.score))
+            ]
             if not kept or kept[0] is not ranked[0]:
                 self.active.discard(rid)
                 for c in kept:  # the fused token does not pay but a runner-up does: the runners-up as leaves

@@ -23,22 +23,26 @@ from typing import Any
 
 import grpc
 
-from common.runtime.checkpoints import CheckpointError
+from common.logs import get_logger
 from common.platform.grpc_server import ServerHandle
 from common.platform.live_requests import LiveRequests
-from common.logs import get_logger
 from common.platform.metrics import ServiceMetrics, bind_engine_metrics
+from common.platform.service import StartupError
+from common.platform.store import Store
+from common.runtime.checkpoints import CheckpointError
+from common.runtime.drafter_engine import DrafterEngine
 from common.runtime.model_thread import ModelThread
 from common.runtime.threads import configure_torch_threads
-from common.platform.service import StartupError
-from common.spec.types import DraftItem, DraftResult, StageTimings
-from common.platform.store import Store
 from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing, TokenFusion
+from common.spec.types import DraftItem, DraftResult, StageTimings
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.convert import (
-    draft_items_from_pb, draft_result_to_pb, fuse_round_from_pb, fusion_outcomes_to_pb, model_info_to_pb,
+    draft_items_from_pb,
+    draft_result_to_pb,
+    fuse_round_from_pb,
+    fusion_outcomes_to_pb,
+    model_info_to_pb,
 )
-from common.runtime.drafter_engine import DrafterEngine
 from services.drafter.settings import DrafterSettings
 
 SERVICE_NAME = "cosine.v1.Drafter"
@@ -54,14 +58,20 @@ def run_chain_step(engine: DrafterEngine, items: Sequence[DraftItem]) -> tuple[l
     outcome = engine.run_step(items)
     results = list(outcome.results)
     forward_ns = outcome.timings.forward_ns
-    chains = {i: [(r.token_ids, r.probs)] for i, (item, r) in enumerate(zip(items, results))
-              if item.chain_len > 1 and r.ok and r.token_ids}
+    chains = {
+        i: [(r.token_ids, r.probs)]
+        for i, (item, r) in enumerate(zip(items, results))
+        if item.chain_len > 1 and r.ok and r.token_ids
+    }
     ended: set[int] = set()  # chains cut short by a per-item error keep what they drafted
     for _ in range(max((items[i].chain_len for i in chains), default=1) - 1):
         live = [i for i in chains if i not in ended and len(chains[i]) < items[i].chain_len]
         if not live:
             break
-        step = [DraftItem(request_id=items[i].request_id, append_ids=(chains[i][-1][0][0],), top_n=max(1, items[i].top_n)) for i in live]
+        step = [
+            DraftItem(request_id=items[i].request_id, append_ids=(chains[i][-1][0][0],), top_n=max(1, items[i].top_n))
+            for i in live
+        ]
         more = engine.run_step(step)
         forward_ns += more.timings.forward_ns
         for i, r in zip(live, more.results):
@@ -73,12 +83,17 @@ def run_chain_step(engine: DrafterEngine, items: Sequence[DraftItem]) -> tuple[l
     for i, positions in chains.items():
         results[i] = replace(results[i], positions=tuple(positions))
     total = time.perf_counter_ns() - t0
-    return results, StageTimings(prefill_ns=outcome.timings.prefill_ns, forward_ns=forward_ns,
-                                 decode_ns=max(0, total - forward_ns - outcome.timings.prefill_ns), total_ns=total)
+    return results, StageTimings(
+        prefill_ns=outcome.timings.prefill_ns,
+        forward_ns=forward_ns,
+        decode_ns=max(0, total - forward_ns - outcome.timings.prefill_ns),
+        total_ns=total,
+    )
 
 
-def run_fused_round(engines: Mapping[str, DrafterEngine], width: int, pricing: StepPricing,
-                    requests: Sequence[FusionRequest]) -> tuple[dict[str, FusionOutcome], list[float]]:
+def run_fused_round(
+    engines: Mapping[str, DrafterEngine], width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+) -> tuple[dict[str, FusionOutcome], list[float]]:
     """A round of token fusion over drafters hosted here: the router's loop (common/spec/token_fusion.py),
     each step one batched forward per drafter, and no message between steps. Returns each
     request's outcome and each step's seconds."""
@@ -103,7 +118,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return reply
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
-        live = LiveRequests()  # (drafter id, request id) this stream holds caches for (see common/platform/live_requests.py)
+        live = (
+            LiveRequests()
+        )  # (drafter id, request id) this stream holds caches for (see common/platform/live_requests.py)
         self.app.streams += 1
         try:
             async for step in request_iterator:
@@ -112,20 +129,34 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if step.HasField("fuse"):
                     yield await self.fused_round(step, context, live, received)
                     continue
-                groups = [(g.drafter_id, draft_items_from_pb(g)) for g in step.groups] or [(step.drafter_id, draft_items_from_pb(step))]
+                groups = [(g.drafter_id, draft_items_from_pb(g)) for g in step.groups] or [
+                    (step.drafter_id, draft_items_from_pb(step))
+                ]
                 unknown = sorted({d for d, _ in groups if d not in self.app.engines})
                 if unknown:
-                    await context.abort(grpc.StatusCode.NOT_FOUND, f"drafter_id: this process hosts no drafter {', '.join(map(repr, unknown))} "
-                                        f"(it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
+                    await context.abort(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"drafter_id: this process hosts no drafter {', '.join(map(repr, unknown))} "
+                        f"(it hosts {', '.join(sorted(self.app.engines)) or 'none'})",
+                    )
                 if self.app.draining:
                     new = self.app.not_held(groups)
                     if new:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"drafter process draining (shutting down): it takes no "
-                                            f"new requests ({len(new)} in this step, e.g. {new[0]!r}); use another replica")
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"drafter process draining (shutting down): it takes no "
+                            f"new requests ({len(new)} in this step, e.g. {new[0]!r}); use another replica",
+                        )
                 before = live.begin(((d, item.request_id), item.release) for d, items in groups for item in items)
                 answers, timings = await self.app.run_groups(groups)
-                live.settle(before, (((d, item.request_id), item.release, r.ok)
-                                     for (d, items), results in zip(groups, answers) for item, r in zip(items, results)))
+                live.settle(
+                    before,
+                    (
+                        ((d, item.request_id), item.release, r.ok)
+                        for (d, items), results in zip(groups, answers)
+                        for item, r in zip(items, results)
+                    ),
+                )
                 reply = drafter_pb2.DraftStepResult(step_id=step.step_id, drafter_id=step.drafter_id)
                 if step.groups:
                     for (d, _), results in zip(groups, answers):
@@ -148,9 +179,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     leftovers.setdefault(d, set()).add(rid)
                 await asyncio.shield(self.app.release(leftovers))
 
-
-    async def fused_round(self, step: drafter_pb2.DraftStep, context: grpc.aio.ServicerContext, live: LiveRequests,
-                          received: int) -> drafter_pb2.DraftStepResult:
+    async def fused_round(
+        self, step: drafter_pb2.DraftStep, context: grpc.aio.ServicerContext, live: LiveRequests, received: int
+    ) -> drafter_pb2.DraftStepResult:
         """A whole round of token fusion in this process (DraftStep.fuse)."""
         width, pricing, requests = fuse_round_from_pb(step.fuse)
         groups: dict[str, list[DraftItem]] = {}
@@ -159,17 +190,29 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 groups.setdefault(s.drafter_id, []).append(s.first)
         unknown = sorted(d for d in groups if d not in self.app.engines)
         if unknown:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"fuse.requests.sources.drafter_id: this process hosts no drafter "
-                                f"{', '.join(map(repr, unknown))} (it hosts {', '.join(sorted(self.app.engines)) or 'none'})")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"fuse.requests.sources.drafter_id: this process hosts no drafter "
+                f"{', '.join(map(repr, unknown))} (it hosts {', '.join(sorted(self.app.engines)) or 'none'})",
+            )
         if self.app.draining:
             new = self.app.not_held(list(groups.items()))
             if new:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"drafter process draining (shutting down): it takes no "
-                                    f"new requests ({len(new)} in this round, e.g. {new[0]!r}); use another replica")
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"drafter process draining (shutting down): it takes no "
+                    f"new requests ({len(new)} in this round, e.g. {new[0]!r}); use another replica",
+                )
         before = live.begin(((d, item.request_id), False) for d, items in groups.items() for item in items)
         outcomes, seconds, forward_ns = await self.app.run_fused(width, pricing, requests)
-        live.settle(before, (((s.drafter_id, r.request_id), False, s.drafter_id in outcomes[r.request_id].cache_len)
-                             for r in requests for s in r.sources))
+        live.settle(
+            before,
+            (
+                ((s.drafter_id, r.request_id), False, s.drafter_id in outcomes[r.request_id].cache_len)
+                for r in requests
+                for s in r.sources
+            ),
+        )
         reply = drafter_pb2.DraftStepResult(step_id=step.step_id, fused=fusion_outcomes_to_pb(outcomes, seconds))
         reply.timings.forward_ns = forward_ns
         reply.timings.total_ns = time.perf_counter_ns() - received
@@ -181,8 +224,13 @@ class DrafterApp:
     role = "drafter"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, settings: DrafterSettings, store: Store, engines: dict[str, DrafterEngine],
-                 model_thread: ModelThread | None = None):
+    def __init__(
+        self,
+        settings: DrafterSettings,
+        store: Store,
+        engines: dict[str, DrafterEngine],
+        model_thread: ModelThread | None = None,
+    ):
         self.settings = settings
         self.store = store
         self.engines = engines
@@ -195,26 +243,43 @@ class DrafterApp:
 
     def not_held(self, groups: Sequence[tuple[str, Sequence[DraftItem]]]) -> list[str]:
         """Request ids of a step that this process holds no cache for (releases aside)."""
-        return [item.request_id for d, items in groups for item in items
-                if not item.release and not self.engines[d].holds(item.request_id)]
+        return [
+            item.request_id
+            for d, items in groups
+            for item in items
+            if not item.release and not self.engines[d].holds(item.request_id)
+        ]
 
     async def drain(self) -> None:
         """Answer what is in flight and let the routers move away; return when done (see the module doc)."""
         self.draining = True
         t0 = time.monotonic()
         held = sum(e.active_requests for e in self.engines.values())
-        log.info("draining", streams=self.streams, in_flight=self.in_flight, requests_held=held,
-                 timeout_s=self.settings.drain_timeout_s)
+        log.info(
+            "draining",
+            streams=self.streams,
+            in_flight=self.in_flight,
+            requests_held=held,
+            timeout_s=self.settings.drain_timeout_s,
+        )
         while time.monotonic() - t0 < self.settings.drain_timeout_s:
             idle = time.monotonic() - max(self.last_step, t0) >= self.settings.drain_idle_s
             if self.in_flight == 0 and (self.streams == 0 or idle):
                 break
             await asyncio.sleep(0.05)
-        log.info("drained", seconds=round(time.monotonic() - t0, 3), streams=self.streams, in_flight=self.in_flight,
-                 requests_held=sum(e.active_requests for e in self.engines.values()))
+        log.info(
+            "drained",
+            seconds=round(time.monotonic() - t0, 3),
+            streams=self.streams,
+            in_flight=self.in_flight,
+            requests_held=sum(e.active_requests for e in self.engines.values()),
+        )
 
-    async def run_groups(self, groups: Sequence[tuple[str, Sequence[DraftItem]]]) -> tuple[list[list[DraftResult]], StageTimings]:
+    async def run_groups(
+        self, groups: Sequence[tuple[str, Sequence[DraftItem]]]
+    ) -> tuple[list[list[DraftResult]], StageTimings]:
         """Every group's step on the model thread, in one hop; timings summed."""
+
         def work() -> tuple[list[list[DraftResult]], StageTimings]:
             answers, stages = [], []
             for d, items in groups:
@@ -230,8 +295,9 @@ class DrafterApp:
             self.in_flight -= 1
             self.last_step = time.monotonic()
 
-    async def run_fused(self, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
-                        ) -> tuple[dict[str, FusionOutcome], list[float], int]:
+    async def run_fused(
+        self, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+    ) -> tuple[dict[str, FusionOutcome], list[float], int]:
         """A fused round (:func:`run_fused_round`) on the model thread; also its model time in ns."""
         self.in_flight += 1
         try:
@@ -277,16 +343,28 @@ async def build_app(settings: DrafterSettings, store: Store) -> DrafterApp:
     for name, path in settings.parsed_drafters().items():
         try:
             engine = await model_thread.run(
-                DrafterEngine.from_checkpoint, path, device=settings.device, dtype=settings.dtype,
-                kv_token_budget=settings.kv_budget_tokens, domains=_domains_of(path, name),
-                max_top_n=settings.max_top_n, max_chain_len=settings.max_chain_len,
+                DrafterEngine.from_checkpoint,
+                path,
+                device=settings.device,
+                dtype=settings.dtype,
+                kv_token_budget=settings.kv_budget_tokens,
+                domains=_domains_of(path, name),
+                max_top_n=settings.max_top_n,
+                max_chain_len=settings.max_chain_len,
             )
         except (CheckpointError, ValueError) as exc:
             raise StartupError(f"drafter {name}: {exc}") from None
         engines[name] = engine
         info = engine.model_info()
-        log.info("drafter loaded", drafter=name, path=path, params=info.num_parameters, fingerprint=info.tokenizer_fingerprint,
-                 domains=list(engine.domains), threads=threads)
+        log.info(
+            "drafter loaded",
+            drafter=name,
+            path=path,
+            params=info.num_parameters,
+            fingerprint=info.tokenizer_fingerprint,
+            domains=list(engine.domains),
+            threads=threads,
+        )
     if not engines:
         log.warning("no drafter model given (--drafters NAME=PATH); this process will refuse draft steps")
     return DrafterApp(settings, store, engines, model_thread)
@@ -314,5 +392,10 @@ def _domains_of(path: str, name: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     from common.platform.service import run_service
 
-    run_service(DrafterSettings, build_app, prog="services.drafter", argv=argv,
-                description="CoSine drafter: hosts small causal LMs and proposes next-token candidates to the router.")
+    run_service(
+        DrafterSettings,
+        build_app,
+        prog="services.drafter",
+        argv=argv,
+        description="CoSine drafter: hosts small causal LMs and proposes next-token candidates to the router.",
+    )

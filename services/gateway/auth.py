@@ -75,7 +75,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
             yield  # pragma: no cover - makes this an async generator
 
-        kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
         if handler.unary_stream:

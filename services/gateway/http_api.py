@@ -26,19 +26,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
 from common.logs import get_logger
+from services.gateway.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
 from services.gateway.errors import GatewayError
 from services.gateway.openai_schema import (
     FINISH_REASONS,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_raw,
+    completion_raw,
     envelope,
     error_body,
     spec_decoding,
     usage,
 )
-from services.gateway.openai_schema import chat_raw, completion_raw
 from services.gateway.progress import Progress
 from services.gateway.requests import GenerationRequest, InvalidRequest, RawRequest
 from services.gateway.settings import GatewaySettings
@@ -60,6 +61,7 @@ class HttpHost(Protocol):
     async def admit(self, raw: RawRequest) -> GenerationRequest: ...
 
     def relay(self, gen: GenerationRequest, deadline_s: float | None = None) -> AsyncIterator[Progress]: ...
+
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -83,7 +85,9 @@ def error_response(exc: GatewayError, chat: bool = False) -> JSONResponse:
     if chat and param == "prompt":
         param = "messages"
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_body(exc.message, kind, param, exc.code.name.lower()), status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(exc.message, kind, param, exc.code.name.lower()), status_code=status, headers=headers
+    )
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -92,8 +96,12 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def create_http_app(gateway: HttpHost) -> FastAPI:
-    api = FastAPI(title="CoSine gateway", summary="OpenAI-compatible completions served by speculative decoding",
-                  docs_url=None, redoc_url=None)
+    api = FastAPI(
+        title="CoSine gateway",
+        summary="OpenAI-compatible completions served by speculative decoding",
+        docs_url=None,
+        redoc_url=None,
+    )
 
     @api.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -104,14 +112,24 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
         # a body that is not JSON, or not an object, is the request as a whole (no field to name)
         whole = first.get("type") == "json_invalid" or not loc or not isinstance(loc[0], str)
         param = None if whole else ".".join(str(p) for p in loc)
-        what = "the request body is not a valid JSON object" if whole and first.get("type") in ("json_invalid", "model_attributes_type", "dict_type") else ""
-        message = f"{param}: {first.get('msg', 'invalid')}" if param else (what or str(first.get("msg", "invalid request body")))
+        what = (
+            "the request body is not a valid JSON object"
+            if whole and first.get("type") in ("json_invalid", "model_attributes_type", "dict_type")
+            else ""
+        )
+        message = (
+            f"{param}: {first.get('msg', 'invalid')}"
+            if param
+            else (what or str(first.get("msg", "invalid request body")))
+        )
         return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_argument"), status_code=400)
 
     @api.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return JSONResponse(error_body(str(exc.detail), kind, None, None), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            error_body(str(exc.detail), kind, None, None), status_code=exc.status_code, headers=exc.headers
+        )
 
     def authorize(request: Request) -> None:
         if gateway.keys and not key_is_valid(bearer_token(request.headers.get("authorization")), gateway.keys):
@@ -120,7 +138,11 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
     async def ready_model(model: str | None) -> str:
         await gateway.ensure_ready()
         if model is not None and model != gateway.model_name:
-            raise GatewayError(grpc.StatusCode.NOT_FOUND, f"model '{model}' is not served here; this server serves '{gateway.model_name}'", "model")
+            raise GatewayError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model '{model}' is not served here; this server serves '{gateway.model_name}'",
+                "model",
+            )
         return gateway.model_name
 
     @api.get("/health")
@@ -134,7 +156,9 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
             name = await ready_model(None)
         except GatewayError as exc:
             return error_response(exc)
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "cosine"}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "cosine"}]}
+        )
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -144,9 +168,13 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         request_id = uuid.uuid4().hex
-        return await _serve(request, body, lambda: chat_raw(body, request_id, gateway.render_chat), chat=True, request_id=request_id)
+        return await _serve(
+            request, body, lambda: chat_raw(body, request_id, gateway.render_chat), chat=True, request_id=request_id
+        )
 
-    async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest, to_raw: Any, *, chat: bool, request_id: str) -> Any:
+    async def _serve(
+        request: Request, body: CompletionRequest | ChatCompletionRequest, to_raw: Any, *, chat: bool, request_id: str
+    ) -> Any:
         try:
             authorize(request)
             model = await ready_model(body.model)
@@ -181,14 +209,29 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
         else:
             choice["text"] = "".join(text)
         kind = "chat.completion" if chat else "text_completion"
-        return JSONResponse(envelope(kind, response_id, model, [choice], usage=usage(len(gen.prompt_ids), count),
-                                     speculative_decoding=spec_decoding(last.stats)))
+        return JSONResponse(
+            envelope(
+                kind,
+                response_id,
+                model,
+                [choice],
+                usage=usage(len(gen.prompt_ids), count),
+                speculative_decoding=spec_decoding(last.stats),
+            )
+        )
 
     return api
 
 
-async def _stream(gen: GenerationRequest, first: Progress, pieces: AsyncIterator[Progress], response_id: str, model: str,
-                  chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    gen: GenerationRequest,
+    first: Progress,
+    pieces: AsyncIterator[Progress],
+    response_id: str,
+    model: str,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk shape, ``data: [DONE]`` last. A failure after the
     first event (headers already sent) is reported as an ``error`` event."""
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -196,7 +239,9 @@ async def _stream(gen: GenerationRequest, first: Progress, pieces: AsyncIterator
 
     def chunk(text: str, reason: str | None, role: bool = False, **extra: Any) -> bytes:
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            )
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
@@ -243,7 +288,9 @@ class HttpFront:
         self.task: asyncio.Task[None] | None = None
 
     def _socket(self) -> socket.socket:
-        family, kind, proto, _, addr = socket.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -257,8 +304,14 @@ class HttpFront:
     async def start(self, ssl: dict[str, Any] | None = None) -> None:
         sock = self._socket()
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(create_http_app(self.gateway), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=self.gateway.settings.shutdown_grace_s, **(ssl or {}))
+        config = uvicorn.Config(
+            create_http_app(self.gateway),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=self.gateway.settings.shutdown_grace_s,
+            **(ssl or {}),
+        )
         self.server = _EmbeddedServer(config)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started:

@@ -21,10 +21,13 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1
 class GatewayMetrics:
     def __init__(self, metrics: ServiceMetrics) -> None:
         m = metrics
-        self.requests = m.counter("cosine_requests_total", "requests ended, by finish reason or failure status", ["outcome"])
+        self.requests = m.counter(
+            "cosine_requests_total", "requests ended, by finish reason or failure status", ["outcome"]
+        )
         self.ttft = m.histogram("cosine_time_to_first_token_seconds", "admission to the first generated token")
-        self.tpot = m.histogram("cosine_time_per_output_token_seconds", "time per output token after the first",
-                                buckets=TPOT_BUCKETS)
+        self.tpot = m.histogram(
+            "cosine_time_per_output_token_seconds", "time per output token after the first", buckets=TPOT_BUCKETS
+        )
         self.e2e = m.histogram("cosine_e2e_request_latency_seconds", "admission to the end of the request")
         self.prompt_tokens = m.counter("cosine_prompt_tokens_total", "prompt tokens admitted")
         self.generation_tokens = m.counter("cosine_generation_tokens_total", "tokens generated")

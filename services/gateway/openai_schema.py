@@ -88,8 +88,10 @@ def _unsupported(body: _Common) -> None:
     if body.logprobs not in (None, False, 0):
         raise InvalidRequest("logprobs", "log-probabilities are not returned by this server")
     if body.presence_penalty or body.frequency_penalty:
-        raise InvalidRequest("presence_penalty" if body.presence_penalty else "frequency_penalty",
-                             "penalties would change the target's distribution; only 0 is supported")
+        raise InvalidRequest(
+            "presence_penalty" if body.presence_penalty else "frequency_penalty",
+            "penalties would change the target's distribution; only 0 is supported",
+        )
     if body.logit_bias:
         raise InvalidRequest("logit_bias", "not supported")
 
@@ -118,7 +120,9 @@ def completion_raw(body: CompletionRequest, request_id: str) -> RawRequest:
     return _raw(body, request_id, body.max_tokens, prompt=prompt, prompt_ids=prompt_ids)
 
 
-def chat_raw(body: ChatCompletionRequest, request_id: str, render: Callable[[list[dict[str, str]]], list[int]]) -> RawRequest:
+def chat_raw(
+    body: ChatCompletionRequest, request_id: str, render: Callable[[list[dict[str, str]]], list[int]]
+) -> RawRequest:
     """``render`` applies the target's chat template (with the generation prompt) and tokenizes."""
     _unsupported(body)
     messages = []
@@ -129,11 +133,19 @@ def chat_raw(body: ChatCompletionRequest, request_id: str, render: Callable[[lis
     return _raw(body, request_id, max_tokens, prompt=None, prompt_ids=render(messages))
 
 
-def _raw(body: _Common, request_id: str, max_tokens: int | None, *, prompt: str | None, prompt_ids: list[int] | None) -> RawRequest:
+def _raw(
+    body: _Common, request_id: str, max_tokens: int | None, *, prompt: str | None, prompt_ids: list[int] | None
+) -> RawRequest:
     return RawRequest(
-        prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens or 0,
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_tokens or 0,
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=_stops(body.stop), request_id=request_id,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=_stops(body.stop),
+        request_id=request_id,
         domain_hint="",
     )
 
@@ -154,8 +166,11 @@ def spec_decoding(stats: SpecStats | None) -> dict[str, Any] | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def envelope(kind: str, response_id: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -83,8 +83,14 @@ class RouterRelay:
         gen = self.gen
         request_id = gen.request_id if not self.resumes else f"{gen.request_id}:r{self.resumes}"
         sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, seed=gen.seed)
-        submit = submit_to_pb(request_id, [*gen.prompt_ids, *self.produced], gen.max_new_tokens - len(self.produced),
-                              sampling, self.app.eos_ids, gen.domain_hint)
+        submit = submit_to_pb(
+            request_id,
+            [*gen.prompt_ids, *self.produced],
+            gen.max_new_tokens - len(self.produced),
+            sampling,
+            self.app.eos_ids,
+            gen.domain_hint,
+        )
         return stub.Submit(submit, timeout=timeout_s)
 
     def _text(self, token_ids: list[int], finished: bool) -> str:
@@ -112,9 +118,16 @@ class RouterRelay:
             except RequestExists as exc:  # another request owns this id: answer without touching its state
                 raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}", "request_id") from None
             except STORE_ERRORS as exc:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"request state cannot be written (Redis): {exc}") from None
-            log.info("request admitted", prompt_tokens=len(gen.prompt_ids), max_new_tokens=gen.max_new_tokens,
-                     temperature=gen.temperature, router=app.router_address)
+                raise GatewayError(
+                    grpc.StatusCode.UNAVAILABLE, f"request state cannot be written (Redis): {exc}"
+                ) from None
+            log.info(
+                "request admitted",
+                prompt_tokens=len(gen.prompt_ids),
+                max_new_tokens=gen.max_new_tokens,
+                temperature=gen.temperature,
+                router=app.router_address,
+            )
             clock = app.metrics.start(len(gen.prompt_ids)) if app.metrics is not None else None
             outcome = "cancelled"
             store_failures = 0
@@ -157,26 +170,41 @@ class RouterRelay:
                                     return
                             if chunk.finished:
                                 outcome = chunk.finish_reason.value
-                            yield Progress(text, ids, chunk.finished, chunk.finish_reason, chunk.stats if chunk.finished else None)
+                            yield Progress(
+                                text, ids, chunk.finished, chunk.finish_reason, chunk.stats if chunk.finished else None
+                            )
                             if chunk.finished:
                                 return
-                        raise GatewayError(grpc.StatusCode.INTERNAL, "the router closed the stream before the request finished")
+                        raise GatewayError(
+                            grpc.StatusCode.INTERNAL, "the router closed the stream before the request finished"
+                        )
                     except grpc.aio.AioRpcError as exc:
                         code = exc.code()
                         if router_lost(exc) and self.resumes < app.settings.router_resumes and loop.time() < deadline:
                             self.resumes += 1
-                            log.warning("router lost; resuming the request", details=exc.details(), committed=len(self.produced),
-                                        attempt=self.resumes)
+                            log.warning(
+                                "router lost; resuming the request",
+                                details=exc.details(),
+                                committed=len(self.produced),
+                                attempt=self.resumes,
+                            )
                             outcome = "unavailable"  # unless a router answers in time
-                            await app.reconnect_router(min(deadline, loop.time() + app.settings.router_resume_timeout_s), lost=stub)
+                            await app.reconnect_router(
+                                min(deadline, loop.time() + app.settings.router_resume_timeout_s), lost=stub
+                            )
                             continue
                         outcome = code.name.lower()
-                        log.warning("request failed at the router", code=code.name, details=exc.details(), resumes=self.resumes)
+                        log.warning(
+                            "request failed at the router", code=code.name, details=exc.details(), resumes=self.resumes
+                        )
                         if router_lost(exc):
                             if app.router_stub is stub:
                                 app.forget_router()  # rediscover the router next time
-                            raise GatewayError(code, f"the router at {app.router_address} was lost ({self.resumes} of "
-                                                     f"{app.settings.router_resumes} resumes spent): {exc.details()}") from None
+                            raise GatewayError(
+                                code,
+                                f"the router at {app.router_address} was lost ({self.resumes} of "
+                                f"{app.settings.router_resumes} resumes spent): {exc.details()}",
+                            ) from None
                         raise GatewayError(code, exc.details() or code.name) from None
                     finally:
                         call.cancel()  # no-op when finished; stops the router's work when we stopped early

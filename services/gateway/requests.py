@@ -48,8 +48,13 @@ class GenerationRequest:
 
     def params(self) -> dict[str, Any]:
         return {
-            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "domain_hint": self.domain_hint,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": list(self.stop),
+            "domain_hint": self.domain_hint,
         }
 
 
@@ -75,7 +80,10 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     """Check every field; raise InvalidRequest naming the first bad one."""
     if raw.unknown_fields:
         numbers = ", ".join(str(n) for n in sorted(raw.unknown_fields))
-        raise InvalidRequest("request", f"unknown field number(s) {numbers}: this gateway speaks cosine.v1; upgrade the gateway or drop the field(s)")
+        raise InvalidRequest(
+            "request",
+            f"unknown field number(s) {numbers}: this gateway speaks cosine.v1; upgrade the gateway or drop the field(s)",
+        )
     request_id = raw.request_id or uuid.uuid4().hex
     if len(request_id) > REQUEST_ID_MAX or not all(ch.isalnum() or ch in "-_.:" for ch in request_id):
         raise InvalidRequest("request_id", f"at most {REQUEST_ID_MAX} characters of letters, digits and -_.:")
@@ -89,7 +97,9 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
             raise InvalidRequest("prompt_ids", "must not be empty")
         bad = next((t for t in prompt_ids if t < 0 or t >= limits.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest("prompt_ids", f"token id {bad} is outside the target's vocabulary (0..{limits.vocab_size - 1})")
+            raise InvalidRequest(
+                "prompt_ids", f"token id {bad} is outside the target's vocabulary (0..{limits.vocab_size - 1})"
+            )
     else:
         raise InvalidRequest("prompt", "give either prompt (text) or prompt_ids")
     if len(prompt_ids) > limits.max_prompt_tokens:
@@ -117,17 +127,30 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     resume_ids = tuple(int(t) for t in raw.resume_ids)
     bad = next((t for t in resume_ids if t < 0 or t >= limits.vocab_size), None)
     if bad is not None:
-        raise InvalidRequest("resume_ids", f"token id {bad} is outside the target's vocabulary (0..{limits.vocab_size - 1})")
+        raise InvalidRequest(
+            "resume_ids", f"token id {bad} is outside the target's vocabulary (0..{limits.vocab_size - 1})"
+        )
     if len(resume_ids) >= max_new:
-        raise InvalidRequest("resume_ids", f"{len(resume_ids)} tokens already received leave nothing of max_new_tokens ({max_new}) to generate")
+        raise InvalidRequest(
+            "resume_ids",
+            f"{len(resume_ids)} tokens already received leave nothing of max_new_tokens ({max_new}) to generate",
+        )
     stops = tuple(raw.stop)
     if len(stops) > limits.max_stop_strings:
         raise InvalidRequest("stop", f"at most {limits.max_stop_strings} stop strings")
     if any(not s for s in stops):
         raise InvalidRequest("stop", "stop strings must not be empty")
     return GenerationRequest(
-        request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=max_new, temperature=temperature,
-        top_p=top_p, top_k=top_k, seed=raw.seed, stop=stops, domain_hint=raw.domain_hint, resume_ids=resume_ids,
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=raw.seed,
+        stop=stops,
+        domain_hint=raw.domain_hint,
+        resume_ids=resume_ids,
     )
 
 

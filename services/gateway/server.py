@@ -5,29 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf import unknown_fields
 from tenacity import retry_if_exception_type
 
-from common.runtime.checkpoints import CheckpointError, load_tokenizer
-from common.platform.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, channel_serving
 from common.logs import get_logger
+from common.platform.grpc_server import CHANNEL_OPTIONS, PortInUse, ServerHandle, channel_serving
+from common.platform.metrics import ServiceMetrics
 from common.platform.retry import RetryPolicy
 from common.platform.service import StartupError
 from common.platform.store import STORE_ERRORS, Store
+from common.platform.tls import TlsConfig, http_server_ssl, open_channel
+from common.runtime.checkpoints import CheckpointError, load_tokenizer
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
 from cosine_client.errors import GATEWAY_ANSWER
-from common.platform.tls import TlsConfig, http_server_ssl, open_channel
+from services.convert import finish_reason_to_pb, spec_stats_to_pb
 from services.gateway.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
-from common.platform.metrics import ServiceMetrics
 from services.gateway.errors import GatewayError
 from services.gateway.http_api import HttpFront
 from services.gateway.metrics import GatewayMetrics
-from services.convert import finish_reason_to_pb, spec_stats_to_pb
 from services.gateway.progress import Progress
 from services.gateway.relay import RouterRelay
 from services.gateway.requests import (
@@ -57,7 +57,10 @@ def raw_from_pb(req: gateway_pb2.GenerateRequest) -> RawRequest:
         top_p=req.top_p if req.HasField("top_p") else None,
         top_k=req.top_k if req.HasField("top_k") else None,
         seed=req.seed if req.HasField("seed") else None,
-        stop=list(req.stop), request_id=req.request_id, domain_hint=req.domain_hint, unknown_fields=unknown,
+        stop=list(req.stop),
+        request_id=req.request_id,
+        domain_hint=req.domain_hint,
+        unknown_fields=unknown,
         resume_ids=list(req.resume_ids.ids),
     )
 
@@ -68,7 +71,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, app: GatewayApp):
         self.app = app
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GenerateResponse:
         t0 = time.perf_counter_ns()
         text, ids, last = [], [], None
         try:
@@ -79,8 +84,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 last = piece
         except GatewayError as exc:
             await context.abort(exc.code, exc.message, trailing_metadata=(GATEWAY_ANSWER,))
-        reply = gateway_pb2.GenerateResponse(request_id=gen.request_id, text="".join(text), token_ids=ids,
-                                             finish_reason=finish_reason_to_pb(last.finish_reason) if last else 0)
+        reply = gateway_pb2.GenerateResponse(
+            request_id=gen.request_id,
+            text="".join(text),
+            token_ids=ids,
+            finish_reason=finish_reason_to_pb(last.finish_reason) if last else 0,
+        )
         if last is not None and last.stats is not None:
             reply.stats.CopyFrom(spec_stats_to_pb(last.stats))
         reply.usage.prompt_tokens = len(gen.prompt_ids)
@@ -94,7 +103,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             gen = await self.app.admit(raw_from_pb(request))
             async for piece in self.app.relay(gen, context.time_remaining()):
                 count += len(piece.token_ids)
-                chunk = gateway_pb2.GenerateChunk(request_id=gen.request_id, text=piece.text, token_ids=piece.token_ids, finished=piece.finished)
+                chunk = gateway_pb2.GenerateChunk(
+                    request_id=gen.request_id, text=piece.text, token_ids=piece.token_ids, finished=piece.finished
+                )
                 if piece.finished:
                     chunk.finish_reason = finish_reason_to_pb(piece.finish_reason)
                     if piece.stats is not None:
@@ -172,21 +183,31 @@ class GatewayApp:
             try:
                 verifiers = await self.store.members("verifier")
             except STORE_ERRORS as exc:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"cluster state cannot be read (Redis): {exc}") from None
+                raise GatewayError(
+                    grpc.StatusCode.UNAVAILABLE, f"cluster state cannot be read (Redis): {exc}"
+                ) from None
             info = verifiers[0].info if verifiers else {}
             path = self.settings.tokenizer or info.get("target", "")
             if not path:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no verifier is registered (and no --tokenizer given): cannot tokenize")
+                raise GatewayError(
+                    grpc.StatusCode.UNAVAILABLE, "no verifier is registered (and no --tokenizer given): cannot tokenize"
+                )
             if self.tokenizer is None:
                 try:
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
                 except CheckpointError as exc:
-                    raise GatewayError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot load the target's tokenizer: {exc}") from None
+                    raise GatewayError(
+                        grpc.StatusCode.FAILED_PRECONDITION, f"cannot load the target's tokenizer: {exc}"
+                    ) from None
             vocab = int(info.get("vocab_size") or len(self.tokenizer))
             max_context = int(info.get("max_context") or getattr(self.tokenizer, "model_max_length", 0) or 1 << 30)
             self.limits = Limits(
-                self.settings.default_max_new_tokens, self.settings.max_new_tokens_limit, self.settings.max_prompt_tokens,
-                self.settings.max_stop_strings, vocab, min(max_context, 1 << 30),
+                self.settings.default_max_new_tokens,
+                self.settings.max_new_tokens_limit,
+                self.settings.max_prompt_tokens,
+                self.settings.max_stop_strings,
+                vocab,
+                min(max_context, 1 << 30),
             )
             eos = self.tokenizer.eos_token_id
             self.eos_ids = () if eos is None else (int(eos),)
@@ -198,7 +219,9 @@ class GatewayApp:
                 try:
                     routers = await self.store.members("router")
                 except STORE_ERRORS as exc:
-                    raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"cluster state cannot be read (Redis): {exc}") from None
+                    raise GatewayError(
+                        grpc.StatusCode.UNAVAILABLE, f"cluster state cannot be read (Redis): {exc}"
+                    ) from None
                 address = routers[0].address if routers else ""
             if not address:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no router is registered")
@@ -213,7 +236,9 @@ class GatewayApp:
         """A chat as the target was trained to see it: its tokenizer's chat template with the
         assistant's turn opened, tokenized as is (the template writes any special tokens)."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequest("messages", "the target's tokenizer has no chat template; use /v1/completions with a prompt")
+            raise InvalidRequest(
+                "messages", "the target's tokenizer has no chat template; use /v1/completions with a prompt"
+            )
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -230,8 +255,10 @@ class GatewayApp:
         """Submit to the router and turn its token chunks into text pieces. Request state lives
         in Redis while the request runs and is removed whatever way it ends."""
         if self.inflight >= self.settings.max_inflight:
-            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the gateway is at its limit of {self.settings.max_inflight} requests in flight; retry later")
+            raise GatewayError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway is at its limit of {self.settings.max_inflight} requests in flight; retry later",
+            )
         assert self.router_stub is not None
         self.inflight += 1
         try:
@@ -241,7 +268,9 @@ class GatewayApp:
             self.inflight -= 1
 
     async def _relay(self, gen: GenerationRequest, deadline_s: float | None) -> AsyncIterator[Progress]:
-        timeout = self.settings.request_timeout_s if deadline_s is None else min(deadline_s, self.settings.request_timeout_s)
+        timeout = (
+            self.settings.request_timeout_s if deadline_s is None else min(deadline_s, self.settings.request_timeout_s)
+        )
         async for piece in RouterRelay(self, gen, timeout).pieces():
             yield piece
 
@@ -252,12 +281,16 @@ class GatewayApp:
         calls still on it have had time to notice, so none is cut as cancelled."""
         loop = asyncio.get_running_loop()
         async with self._reconnecting:
-            async for attempt in ROUTER_RETRY.retrying(retry=retry_if_exception_type(GatewayError),
-                                                       stop=lambda _: loop.time() >= deadline):
+            async for attempt in ROUTER_RETRY.retrying(
+                retry=retry_if_exception_type(GatewayError), stop=lambda _: loop.time() >= deadline
+            ):
                 with attempt:
                     # after the first look, a router that still does not answer is looked up again
-                    await self._router_answers(rediscover=attempt.retry_state.attempt_number > 1
-                                               or self.router_stub is lost or self.router_stub is None)
+                    await self._router_answers(
+                        rediscover=attempt.retry_state.attempt_number > 1
+                        or self.router_stub is lost
+                        or self.router_stub is None
+                    )
 
     async def _router_answers(self, rediscover: bool) -> None:
         """One look for a router that answers health checks (a GatewayError while there is none)."""
@@ -310,5 +343,10 @@ async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:
 def main(argv: Sequence[str] | None = None) -> None:
     from common.platform.service import run_service
 
-    run_service(GatewaySettings, build_app, prog="services.gateway", argv=argv,
-                description="CoSine gateway: the public generation API of a CoSine cluster.")
+    run_service(
+        GatewaySettings,
+        build_app,
+        prog="services.gateway",
+        argv=argv,
+        description="CoSine gateway: the public generation API of a CoSine cluster.",
+    )

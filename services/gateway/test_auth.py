@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.auth import ApiKeyError, bearer_token, key_is_valid, load_api_keys
 from common.platform.settings import settings_as_dict
+from services.gateway.auth import ApiKeyError, bearer_token, key_is_valid, load_api_keys
 from services.gateway.settings import GatewaySettings
 
 
@@ -22,9 +22,17 @@ def test_unreadable_key_file_names_the_path(tmp_path):
         load_api_keys((), str(tmp_path / "missing-keys"))
 
 
-@pytest.mark.parametrize(("header", "token"), [
-    ("Bearer abc", "abc"), ("bearer  abc ", "abc"), ("Basic abc", None), ("Bearer", None), ("", None), (None, None),
-])
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        ("Bearer abc", "abc"),
+        ("bearer  abc ", "abc"),
+        ("Basic abc", None),
+        ("Bearer", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_bearer_token(header, token):
     assert bearer_token(header) == token
 

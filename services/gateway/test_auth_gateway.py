@@ -8,22 +8,39 @@ import asyncio
 
 import pytest
 
-from services.gateway.auth import UNAUTHENTICATED_MESSAGE
 from common.platform.grpc_server import check_health
 from common.platform.settings import load_settings
-from tests.support.testing import start_service
 from cosine_client import Client, Unauthenticated, Unavailable
+from services.gateway.auth import UNAUTHENTICATED_MESSAGE
 from services.gateway.server import build_app
 from services.gateway.settings import GatewaySettings
+from tests.support.testing import start_service
 
 
 @pytest.fixture
 def keyed_gateway(redis_url, redis_prefix, tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("file-key\n")
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--redis-url", redis_url,
-                                               "--redis-prefix", redis_prefix, "--api-keys-file", str(keys_file)],
-                             {"COSINE_API_KEYS": "env-key-1,env-key-2"})
+    settings = load_settings(
+        GatewaySettings,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            redis_prefix,
+            "--api-keys-file",
+            str(keys_file),
+        ],
+        {"COSINE_API_KEYS": "env-key-1,env-key-2"},
+    )
     server, port = start_service(settings, build_app, prog="gateway")
     try:
         yield f"127.0.0.1:{port}"

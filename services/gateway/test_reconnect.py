@@ -61,30 +61,53 @@ def test_after_reconnect_the_router_channel_answers_at_its_first_call():
     assert asyncio.run(body()) == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK]
 
 
-
 def test_a_lost_router_is_reported_as_the_gateways_answer_not_a_broken_connection(tiny_zoo, redis_url, redis_prefix):
     """A request whose router cannot be reached fails with UNAVAILABLE quoting gRPC's "failed to
     connect" between the gateway and the router. The SDK must not take that for its own connection
     to the gateway breaking (it would send the request again): the gateway marks its own answers."""
-    from cosine_cli.redis_server import free_port
-    from tests.support.testing import start_service
     from cosine.v1 import gateway_pb2, gateway_pb2_grpc
+    from cosine_cli.redis_server import free_port
     from cosine_client import Client, Unavailable
     from cosine_client.errors import is_transport_failure
     from services.gateway.server import build_app
+    from tests.support.testing import start_service
 
     port = free_port()  # a router address nothing listens on
-    settings = load_settings(GatewaySettings, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0",
-                                               "--redis-url", redis_url, "--redis-prefix", redis_prefix,
-                                               "--tokenizer", str(tiny_zoo.target.path),
-                                               "--router-address", f"127.0.0.1:{port}", "--router-resumes", "0"], {})
+    settings = load_settings(
+        GatewaySettings,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            redis_prefix,
+            "--tokenizer",
+            str(tiny_zoo.target.path),
+            "--router-address",
+            f"127.0.0.1:{port}",
+            "--router-resumes",
+            "0",
+        ],
+        {},
+    )
     server, gateway_port = start_service(settings, build_app, prog="gateway")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{gateway_port}") as channel:
             with pytest.raises(grpc.RpcError) as raw:
-                gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=2), timeout=20)
+                gateway_pb2_grpc.GatewayStub(channel).Generate(
+                    gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=2), timeout=20
+                )
         assert raw.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "failed to connect" in raw.value.details() and f"router at 127.0.0.1:{port} was lost" in raw.value.details()
+        assert (
+            "failed to connect" in raw.value.details() and f"router at 127.0.0.1:{port} was lost" in raw.value.details()
+        )
         assert not is_transport_failure(raw.value, first_attempt=False)
         with Client(f"127.0.0.1:{gateway_port}", timeout=20) as client:
             with pytest.raises(Unavailable, match="was lost"):

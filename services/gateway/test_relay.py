@@ -17,8 +17,11 @@ from services.gateway.requests import GenerationRequest
 def test_request_state_is_written_at_most_once_per_interval(redis_url, redis_prefix, interval):
     async def body():
         store = Store.from_url(redis_url, prefix=redis_prefix)
-        app = SimpleNamespace(settings=SimpleNamespace(request_state_interval_s=interval), store=store,
-                              tokenizer=SimpleNamespace(decode=lambda ids, **_: ""))
+        app = SimpleNamespace(
+            settings=SimpleNamespace(request_state_interval_s=interval),
+            store=store,
+            tokenizer=SimpleNamespace(decode=lambda ids, **_: ""),
+        )
         gen = GenerationRequest(request_id="req", prompt_ids=(1, 2), max_new_tokens=8)
         await store.create_request("req", [1, 2], gen.params(), owner="gw")
         relay = RouterRelay(app, gen, timeout_s=10)

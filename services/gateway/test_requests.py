@@ -2,12 +2,29 @@ import pytest
 
 from services.gateway.requests import IncrementalDetokenizer, InvalidRequest, Limits, RawRequest, StopMatcher, validate
 
-LIMITS = Limits(default_max_new_tokens=16, max_new_tokens_limit=64, max_prompt_tokens=8, max_stop_strings=2, vocab_size=100, max_context=40)
+LIMITS = Limits(
+    default_max_new_tokens=16,
+    max_new_tokens_limit=64,
+    max_prompt_tokens=8,
+    max_stop_strings=2,
+    vocab_size=100,
+    max_context=40,
+)
 
 
 def raw(**kw):
-    base = dict(prompt="hello", prompt_ids=None, max_new_tokens=0, temperature=None, top_p=None, top_k=None, seed=None,
-                stop=(), request_id="", domain_hint="")
+    base = dict(
+        prompt="hello",
+        prompt_ids=None,
+        max_new_tokens=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        seed=None,
+        stop=(),
+        request_id="",
+        domain_hint="",
+    )
     base.update(kw)
     return RawRequest(**base)
 
@@ -121,7 +138,9 @@ def test_resume_ids_are_checked_and_kept():
     assert err.value.field == "resume_ids"
 
 
-@pytest.mark.parametrize("kw,field", [(dict(top_k=2**32), "top_k"), (dict(seed=2**64), "seed"), (dict(seed=-1), "seed")])
+@pytest.mark.parametrize(
+    "kw,field", [(dict(top_k=2**32), "top_k"), (dict(seed=2**64), "seed"), (dict(seed=-1), "seed")]
+)
 def test_numbers_beyond_the_wire_types_are_refused(kw, field):
     """The HTTP front takes JSON integers of any size; the router's fields are 32/64-bit."""
     with pytest.raises(InvalidRequest) as err:

@@ -33,8 +33,15 @@ def invalid(field: str, message: str) -> RequestFailed:
     return RequestFailed(f"{field}: {message}", "invalid")
 
 
-def check_submission(request_id: str, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                     stop_ids: Sequence[int], domain_hint: str, limits: SubmitLimits | None) -> None:
+def check_submission(
+    request_id: str,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_ids: Sequence[int],
+    domain_hint: str,
+    limits: SubmitLimits | None,
+) -> None:
     """Raise :class:`RequestFailed` (kind ``invalid``, the message starting with the field's name)
     at the first field the router cannot serve."""
     if not request_id:
@@ -51,10 +58,15 @@ def check_submission(request_id: str, prompt: Sequence[int], max_new_tokens: int
         if bad is not None:
             raise invalid("prompt_ids", f"token id {bad} is outside the target's vocabulary [0, {vocab})")
         if len(prompt) >= limits.max_context:
-            raise invalid("prompt_ids", f"{len(prompt)} tokens leave no room in the target's context of {limits.max_context}")
+            raise invalid(
+                "prompt_ids", f"{len(prompt)} tokens leave no room in the target's context of {limits.max_context}"
+            )
         if len(prompt) + max_new_tokens > limits.max_context:
-            raise invalid("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
-                          f"exceeds the target's context of {limits.max_context}")
+            raise invalid(
+                "max_new_tokens",
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"exceeds the target's context of {limits.max_context}",
+            )
         bad = next((t for t in stop_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid("stop_token_ids", f"token id {bad} is outside the target's vocabulary [0, {vocab})")

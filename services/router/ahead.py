@@ -21,8 +21,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from common.spec.fusion import DraftTree
 from common.logs import get_logger
+from common.spec.fusion import DraftTree
 from services.router.control import SpeculationControl
 from services.router.drafting import Drafting
 from services.router.gate import DraftGate
@@ -42,7 +42,9 @@ class OffPathDrafting(RequestPool):
     _off_path_tasks: set[asyncio.Task[None]]
     _off_path_started: int  # off-path drafter calls started so far (a pass they overlap runs slower)
 
-    async def _draft(self, batch: list[Request], ks: dict[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
+    async def _draft(
+        self, batch: list[Request], ks: dict[str, int]
+    ) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
         """A round's drafting, inline or ahead: the drafting requests routed, then drafted by chunk or by token fusion."""
         live = list(self.drafters.live()) if self.config.speculate else []
         # only the requests that draft this round need a domain and a routing vector; the others are
@@ -56,9 +58,13 @@ class OffPathDrafting(RequestPool):
         """Whether this round's drafting requests draft off the verifier's path: with cost control,
         while one round carries the pool (pipelined rounds already overlap drafting), when it pays
         on the measured pass and draft times (``SpeculationControl.drafting_ahead_pays``)."""
-        return (self.config.draft_ahead and self.config.cost_control and 0 < len(drafting) < len(batch)
-                and self._rounds_allowed() == 1
-                and self.control.drafting_ahead_pays(len(batch), len(drafting), max(ks[r.request_id] for r in drafting)))
+        return (
+            self.config.draft_ahead
+            and self.config.cost_control
+            and 0 < len(drafting) < len(batch)
+            and self._rounds_allowed() == 1
+            and self.control.drafting_ahead_pays(len(batch), len(drafting), max(ks[r.request_id] for r in drafting))
+        )
 
     async def _draft_ahead(self, group: list[Request], ks: dict[str, int]) -> None:
         """Draft for ``group`` while the rest of its round is verified; each request keeps its tree
@@ -73,8 +79,11 @@ class OffPathDrafting(RequestPool):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a drafter failure costs these requests their draft, not their round
-            log.warning("drafting ahead failed; the requests decode plainly next round", error=str(exc),
-                        requests=[r.request_id for r in group])
+            log.warning(
+                "drafting ahead failed; the requests decode plainly next round",
+                error=str(exc),
+                requests=[r.request_id for r in group],
+            )
         finally:
             elapsed = self.clock() - t0
             self.counters.draft_ahead_s += elapsed
@@ -103,8 +112,13 @@ class OffPathDrafting(RequestPool):
         finally:
             elapsed = self.clock() - t0
             self.gate.charge_probes(elapsed, probes, len(group))
-            log.debug("routed ahead", requests=len(group), probes=probes, prompt_tokens=sum(len(r.sequence) for r in group),
-                      route_ms=round(1e3 * elapsed, 1))
+            log.debug(
+                "routed ahead",
+                requests=len(group),
+                probes=probes,
+                prompt_tokens=sum(len(r.sequence) for r in group),
+                route_ms=round(1e3 * elapsed, 1),
+            )
             for r in group:
                 r.routing_ahead = False
                 if r.done:  # finished while being scored: the drafters hold its prompt for nothing

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.platform.grpc_server import CHANNEL_OPTIONS
 from common.logs import get_logger
-from common.spec.types import DraftItem, DraftResult, Verdict, VerifyItem
+from common.platform.grpc_server import CHANNEL_OPTIONS
 from common.platform.store import Store
-from services.router.streams import StreamClient
-from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing
 from common.platform.tls import TlsConfig, open_channel
+from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing
+from common.spec.types import DraftItem, DraftResult, Verdict, VerifyItem
 from cosine.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.convert import (
     draft_group_results_from_pb,
@@ -33,6 +32,7 @@ from services.convert import (
     verify_batch_to_pb,
 )
 from services.router.replicas import pick_replica
+from services.router.streams import StreamClient
 
 log = get_logger("router.clients")
 
@@ -60,8 +60,16 @@ class GrpcDrafterPool:
     so a drain loses no answer. Its requests move to the remaining replicas by rendezvous
     hashing and are re-synced there from the committed sequence."""
 
-    def __init__(self, store: Store, fingerprint: str, interval_s: float = 1.0, allow: Sequence[str] = (),
-                 retry_failed_s: float = 5.0, clock: Callable[[], float] = time.monotonic, tls: TlsConfig | None = None):
+    def __init__(
+        self,
+        store: Store,
+        fingerprint: str,
+        interval_s: float = 1.0,
+        allow: Sequence[str] = (),
+        retry_failed_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        tls: TlsConfig | None = None,
+    ):
         self.store = store
         self.tls = tls
         self.allow = frozenset(allow)  # empty: every drafter the membership lists
@@ -79,8 +87,9 @@ class GrpcDrafterPool:
         self._task: asyncio.Task[None] | None = None
 
     def replicas(self, drafter_id: str, healthy: bool = True) -> list[DrafterEndpoint]:
-        return [ep for _, ep in sorted(self.endpoints.items())
-                if drafter_id in ep.drafters and not (healthy and ep.failed)]
+        return [
+            ep for _, ep in sorted(self.endpoints.items()) if drafter_id in ep.drafters and not (healthy and ep.failed)
+        ]
 
     @property
     def by_drafter(self) -> dict[str, DrafterEndpoint]:
@@ -154,8 +163,9 @@ class GrpcDrafterPool:
             hosts.add(address)
         return hosts.pop() if len(hosts) == 1 else None
 
-    async def fuse(self, host: str, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
-                   ) -> tuple[dict[str, FusionOutcome], list[float]] | None:
+    async def fuse(
+        self, host: str, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+    ) -> tuple[dict[str, FusionOutcome], list[float]] | None:
         """A round of token fusion inside the process at ``host`` (one message); None when it failed
         (the process is marked, as for a failed draft step)."""
         ep = self.endpoints.get(host)
@@ -177,7 +187,9 @@ class GrpcDrafterPool:
         ignores it), so a request that moved between replicas leaves nothing behind."""
         for ep in self.replicas(drafter_id):
             self._step += 1
-            ep.stream.send_nowait(draft_step_to_pb(self._step, drafter_id, [DraftItem(request_id=r, release=True) for r in request_ids]))
+            ep.stream.send_nowait(
+                draft_step_to_pb(self._step, drafter_id, [DraftItem(request_id=r, release=True) for r in request_ids])
+            )
 
     def mark_failed(self, drafter_id: str, reason: str) -> None:
         for ep in self.replicas(drafter_id):
@@ -186,8 +198,13 @@ class GrpcDrafterPool:
     def _mark_endpoint(self, ep: DrafterEndpoint, reason: str) -> None:
         if not ep.failed:
             ep.failed, ep.failed_at = reason or "failed", self.clock()
-            log.warning("drafter process left the pool", drafters=sorted(ep.drafters), address=ep.address, reason=reason,
-                        retry_in_s=self.retry_failed_s)
+            log.warning(
+                "drafter process left the pool",
+                drafters=sorted(ep.drafters),
+                address=ep.address,
+                reason=reason,
+                retry_in_s=self.retry_failed_s,
+            )
 
     async def refresh(self) -> None:
         members = await self.store.members("drafter")
@@ -195,7 +212,11 @@ class GrpcDrafterPool:
         for m in members:
             seen.add(m.address)
             ep = self.endpoints.get(m.address)
-            if ep is not None and ep.failed and (ep.member_id != m.member_id or self.clock() - ep.failed_at >= self.retry_failed_s):
+            if (
+                ep is not None
+                and ep.failed
+                and (ep.member_id != m.member_id or self.clock() - ep.failed_at >= self.retry_failed_s)
+            ):
                 await self._drop(m.address)  # restarted at the same address, or its failure mark expired: reconnect
                 ep = None
             if ep is None and m.address not in self.refused:
@@ -232,8 +253,10 @@ class GrpcDrafterPool:
             return
         for model in hosted:
             if self.fingerprint and model.tokenizer_fingerprint != self.fingerprint:
-                reason = (f"drafter {model.model_id} at {address} has tokenizer {model.tokenizer_fingerprint}, "
-                          f"the target has {self.fingerprint}: refused (token ids would not match)")
+                reason = (
+                    f"drafter {model.model_id} at {address} has tokenizer {model.tokenizer_fingerprint}, "
+                    f"the target has {self.fingerprint}: refused (token ids would not match)"
+                )
                 log.error("drafter refused", drafter=model.model_id, address=address, reason=reason)
                 self.refused[address] = reason
                 continue
@@ -307,7 +330,9 @@ class GrpcVerifier:
 
     def release(self, request_ids: Sequence[str]) -> None:
         self._batch += 1
-        self.stream.send_nowait(verify_batch_to_pb(self._batch, [VerifyItem(request_id=r, release=True) for r in request_ids]))
+        self.stream.send_nowait(
+            verify_batch_to_pb(self._batch, [VerifyItem(request_id=r, release=True) for r in request_ids])
+        )
 
     async def close(self) -> None:
         await self.stream.close()

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from common.runtime.drafter_engine import DrafterEngine
-from common.runtime.verifier_engine import VerifierEngine
 from common.runtime.test_greedy_equality import hf_greedy, make_prompts
+from common.runtime.verifier_engine import VerifierEngine
 
 MAX_NEW = 24  # new tokens per request of the reference
 

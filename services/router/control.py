@@ -282,8 +282,9 @@ class SpeculationControl:
             share = 0.5 if pipelined else 1.0
             step_tokens = self.throughput * share * self.draft_step_s
             row_tokens = self.throughput * self.cost.slope()
-        return StepPricing(priced=True, threshold=self.threshold(), calibration=rates,
-                           step_tokens=step_tokens, row_tokens=row_tokens)
+        return StepPricing(
+            priced=True, threshold=self.threshold(), calibration=rates, step_tokens=step_tokens, row_tokens=row_tokens
+        )
 
     def pipeline_pays(self) -> bool:
         """Whether a second round in flight pays: while drafting takes at least as long as the
@@ -349,7 +350,9 @@ class SpeculationControl:
         """As :meth:`_ewma`, for a figure that may well be 0: the first observation starts it."""
         return new if count <= 1 else (1 - self.smoothing) * old + self.smoothing * new
 
-    def observe_pass(self, tokens: int, busy_s: float, committed: int, prefill: bool = False, beside: bool = False) -> None:
+    def observe_pass(
+        self, tokens: int, busy_s: float, committed: int, prefill: bool = False, beside: bool = False
+    ) -> None:
         """One verify pass: ``tokens`` rows took ``busy_s`` of verifier time and committed ``committed``.
         A pass that prefilled a prompt stays out of the pass-time curve: a prompt's rows cost less
         each than a batch's decode and tree rows, and the curve prices those. So does a pass that
@@ -392,8 +395,9 @@ class SpeculationControl:
         self.draft_round_s = self._ewma(self.draft_round_s, draft_s)
         self.verify_round_s = self._ewma(self.verify_round_s, verify_s)
 
-    def observe_verdict(self, tree: DraftTree, accepted_nodes: Sequence[int], skip: Collection[int] = (),
-                        greedy: bool = True) -> None:
+    def observe_verdict(
+        self, tree: DraftTree, accepted_nodes: Sequence[int], skip: Collection[int] = (), greedy: bool = True
+    ) -> None:
         """Calibration (of greedy or of sampled requests) from one verdict: every node whose parent
         was accepted (or that hangs off the committed sequence) was tried; it either was accepted or
         not. ``skip``: nodes no drafter model proposed (the lookup drafter's, calibrated on their own)."""

@@ -45,18 +45,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from common.logs import get_logger
+from common.spec.fusion import DraftTree
 from common.spec.types import Verdict, VerifyItem
+from services.corpus import CorpusLoader
 from services.router.admission import SubmitLimits
 from services.router.ahead import OffPathDrafting
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
+from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item, unread_tokens
+from services.router.gate import DraftGate, gate_domain, probe_order
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupNodes
-from services.corpus import CorpusLoader
 from services.router.lookup_drafting import LookupDrafting
-from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item, unread_tokens
-from common.spec.fusion import DraftTree
-from services.router.gate import DraftGate, gate_domain, probe_order
+from services.router.matching import match_verdicts
+from services.router.pass_plan import plan_pass
 from services.router.requests import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -72,17 +74,29 @@ from services.router.requests import (
     RequestStats,
     VerifierBackend,
 )
-from services.router.settings import RouterSettings
-from services.router.matching import match_verdicts
-from services.router.pass_plan import plan_pass
-from services.router.verdicts import ProfileUpdate, VerdictApplication
 from services.router.scheduler import PLAIN_STREAK, LoadControl, plain_steps
+from services.router.settings import RouterSettings
+from services.router.verdicts import ProfileUpdate, VerdictApplication
 
 # the names the servicer, the benchmarks and the tests import from here
 __all__ = [
-    "FINISH_CANCELLED", "FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Counters", "DrafterPool", "Event",
-    "ProfileSink", "ProfileSource", "Request", "RequestFailed", "RequestStats", "RouterCore",
-    "VerifierBackend", "common_prefix", "infer_domain", "sync_item",
+    "FINISH_CANCELLED",
+    "FINISH_EOS",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "Counters",
+    "DrafterPool",
+    "Event",
+    "ProfileSink",
+    "ProfileSource",
+    "Request",
+    "RequestFailed",
+    "RequestStats",
+    "RouterCore",
+    "VerifierBackend",
+    "common_prefix",
+    "infer_domain",
+    "sync_item",
 ]
 
 log = get_logger("router")
@@ -124,8 +138,11 @@ class RouterCore(OffPathDrafting):
         self.drafting = Drafting(config, drafters, self.control, clock)
         self.gate = DraftGate(config, self.control, clock)
         # the domain lexicon shared through Redis (the zoo's seed + what routers learned), when given
-        shared = None if load_lexicon is None or record_lexicon is None else SharedLexicon(
-            load_lexicon, lambda domain, prompt: self._background(record_lexicon(domain, prompt)))
+        shared = (
+            None
+            if load_lexicon is None or record_lexicon is None
+            else SharedLexicon(load_lexicon, lambda domain, prompt: self._background(record_lexicon(domain, prompt)))
+        )
         self.routing = RequestRouting(config, self.drafting, DomainLexicon(), self.counters, profiles, shared, clock)
         self.verdicts = VerdictApplication(self.control, self.gate, self.lookups.calibration, self.counters, metrics)
         self._wakeup = asyncio.Event()
@@ -200,8 +217,14 @@ class RouterCore(OffPathDrafting):
         models = bool(self.drafters.live())
         self.gate.new_round()
         for r in probe_order(batch):  # a domain's probe goes to its least recently probed request
-            if not models or r.request_id in ahead or r.routing_ahead or not self.gate.drafts(
-                    r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]):
+            if (
+                not models
+                or r.request_id in ahead
+                or r.routing_ahead
+                or not self.gate.drafts(
+                    r, len(batch), self.counters.rounds, self.rounds_in_flight > 1, chain=ks[r.request_id]
+                )
+            ):
                 ks[r.request_id] = 0
         # a new prompt (unscored, or its first pass: the target's prefill) is routed and read by its
         # drafters while the request's first passes run, the target's prefill among them: it drafts
@@ -211,8 +234,12 @@ class RouterCore(OffPathDrafting):
         # otherwise hold every request's pass while they read them.
         # A round of one request has no other pass to hide that behind: it happens inline, since
         # drafter work beside a round's own passes only slows them on shared cores
-        fresh = [r for r in batch if ks[r.request_id] > 0 and (self.routing.needs_scores(r) or not r.verifier_synced
-                                                               or unread_tokens(r) > CATCH_UP_TOKENS)]
+        fresh = [
+            r
+            for r in batch
+            if ks[r.request_id] > 0
+            and (self.routing.needs_scores(r) or not r.verifier_synced or unread_tokens(r) > CATCH_UP_TOKENS)
+        ]
         routed_ahead = 0
         if fresh and len(batch) > 1 and self.config.draft_ahead and self.config.cost_control:
             for r in fresh:
@@ -237,14 +264,21 @@ class RouterCore(OffPathDrafting):
         waited = any(selected.values())  # a drafter model was asked, and this round waited for it
         for rid, got in ahead.items():
             trees[rid], selected[rid] = got.tree, list(got.selected)
-        lookups = {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch} if self.config.lookup_drafts and self.config.speculate else {}
+        lookups = (
+            {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch}
+            if self.config.lookup_drafts and self.config.speculate
+            else {}
+        )
         # a request that left the pool since the latest round began freed a slot that its client (in
         # a closed loop) refills within a round trip: unless the batch is full again, this round
         # decodes one step, so that the next request joins after one pass, not after all the steps
-        refilling = self.counters.requests_finished > self._finished_seen and len(batch) < self.config.max_batch_requests
+        refilling = (
+            self.counters.requests_finished > self._finished_seen and len(batch) < self.config.max_batch_requests
+        )
         self._finished_seen = self.counters.requests_finished
-        whole_pool = (self.rounds_in_flight == 1 and not self._off_path_tasks and not refilling
-                      and self._holds_every_slot(batch))
+        whole_pool = (
+            self.rounds_in_flight == 1 and not self._off_path_tasks and not refilling and self._holds_every_slot(batch)
+        )
         remaining = [r.max_new_tokens - len(r.generated) for r in batch]
         if self.config.cost_control and any(len(t) for t in trees.values()):
             # the whole batch's nodes against the measured pass-time curve, and against the plain
@@ -253,23 +287,42 @@ class RouterCore(OffPathDrafting):
             plain_rows = sum(1 + (0 if r.verifier_synced else len(r.sequence)) for r in batch)
             rates = {r.request_id: self.control.calibration_for(r.sampling.greedy) for r in batch}
             # (with the verifier drafting at plain steps, lookup nodes forfeit none: only model nodes do)
-            forgone = plain_steps(self.config.plain_steps, remaining, [PLAIN_STREAK] * len(batch), drafts=False,
-                                  whole_pool=whole_pool) if self.lookups.forfeits_steps(batch, trees, lookups) else 1
-            trees, lookups = plan_pass(trees, lookups, plain_rows, rates, self.control.pass_seconds,
-                                       self.control.round_overhead_s, forgone)
+            forgone = (
+                plain_steps(
+                    self.config.plain_steps, remaining, [PLAIN_STREAK] * len(batch), drafts=False, whole_pool=whole_pool
+                )
+                if self.lookups.forfeits_steps(batch, trees, lookups)
+                else 1
+            )
+            trees, lookups = plan_pass(
+                trees, lookups, plain_rows, rates, self.control.pass_seconds, self.control.round_overhead_s, forgone
+            )
         t1 = self.clock()
         if drafting and not drafted_ahead:
             self.gate.charge_probes(t1 - t0, probes, len(drafting))  # the probes' share of the drafting
-            log.debug("round waited for its drafters", round=self.counters.rounds, requests=len(batch), drafting=len(drafting),
-                      probing=probes, draft_ms=round(1e3 * (t1 - t0), 1))
-        steps = plain_steps(self.config.plain_steps, remaining, [r.plain_streak for r in batch],
-                            drafts=self.lookups.forfeits_steps(batch, trees, lookups), whole_pool=whole_pool)
+            log.debug(
+                "round waited for its drafters",
+                round=self.counters.rounds,
+                requests=len(batch),
+                drafting=len(drafting),
+                probing=probes,
+                draft_ms=round(1e3 * (t1 - t0), 1),
+            )
+        steps = plain_steps(
+            self.config.plain_steps,
+            remaining,
+            [r.plain_streak for r in batch],
+            drafts=self.lookups.forfeits_steps(batch, trees, lookups),
+            whole_pool=whole_pool,
+        )
         step_lookup = self.lookups.at_steps(batch) if steps > 1 else {}
         depths = [step_lookup.get(r.sampling.greedy, ((), ())) for r in batch]  # (own text, corpus) each
         items = [
             VerifyItem(
                 request_id=r.request_id,
-                append_ids=() if r.verifier_synced else tuple(r.sequence),  # a resumed request re-prefills what is committed
+                append_ids=()
+                if r.verifier_synced
+                else tuple(r.sequence),  # a resumed request re-prefills what is committed
                 tree=trees[r.request_id].to_token_tree(),
                 sampling=r.sampling,
                 plain_steps=steps,
@@ -293,8 +346,15 @@ class RouterCore(OffPathDrafting):
         committed_before = self.counters.tokens_committed
         matched = match_verdicts([(r.request_id, len(r.prompt) + len(r.generated)) for r in batch], verdicts)
         for r in batch:
-            self._apply(r, trees[r.request_id], selected.get(r.request_id, []), matched[r.request_id], updates, int((t2 - t0) * 1e9),
-                        lookups.get(r.request_id, ()))
+            self._apply(
+                r,
+                trees[r.request_id],
+                selected.get(r.request_id, []),
+                matched[r.request_id],
+                updates,
+                int((t2 - t0) * 1e9),
+                lookups.get(r.request_id, ()),
+            )
         self.gate.settle(batch)
         for r in batch:
             r.plain_streak = 0 if self.lookups.forfeits_steps([r], trees, lookups) else r.plain_streak + 1
@@ -309,14 +369,34 @@ class RouterCore(OffPathDrafting):
         step_rows = sum(v.step_passes + v.step_drafted for v in matched.values() if v.ok)
         self.counters.plain_step_passes += passes - 1
         if passes == 1 or not prefill_rows:
-            self.control.observe_pass(round((rows + step_rows) / passes), busy_ns / 1e9 / passes, round(committed / passes), prefill=prefill_rows > 0, beside=beside)
+            self.control.observe_pass(
+                round((rows + step_rows) / passes),
+                busy_ns / 1e9 / passes,
+                round(committed / passes),
+                prefill=prefill_rows > 0,
+                beside=beside,
+            )
         self.control.observe_round(t1 - t0, (t2 - t1) / passes)
         # one line a round at debug level: where a slow pass came from (its rows, a prompt in it,
         # drafter work beside it on shared cores) without a profiler
-        log.debug("round", round=self.counters.rounds, requests=len(batch), pool=len(self.requests), rows=rows,
-                  prefill_rows=prefill_rows, beside=beside, drafted_ahead=drafted_ahead, routed_ahead=routed_ahead,
-                  probes=probes, passes=passes, slowdown=round(self.control.overlap_slowdown(), 2), committed=committed, draft_ms=round(1e3 * (t1 - t0), 1),
-                  verify_ms=round(1e3 * (t2 - t1), 1), pass_ms=round(busy_ns / 1e6, 1))
+        log.debug(
+            "round",
+            round=self.counters.rounds,
+            requests=len(batch),
+            pool=len(self.requests),
+            rows=rows,
+            prefill_rows=prefill_rows,
+            beside=beside,
+            drafted_ahead=drafted_ahead,
+            routed_ahead=routed_ahead,
+            probes=probes,
+            passes=passes,
+            slowdown=round(self.control.overlap_slowdown(), 2),
+            committed=committed,
+            draft_ms=round(1e3 * (t1 - t0), 1),
+            verify_ms=round(1e3 * (t2 - t1), 1),
+            pass_ms=round(busy_ns / 1e6, 1),
+        )
         if self.metrics is not None:
             self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)
         self.counters.rounds += 1
@@ -331,8 +411,15 @@ class RouterCore(OffPathDrafting):
             self.control.observe_overhead(self.clock() - t0 - busy_ns / 1e9)
         self.counters.apply_s += self.clock() - t2
 
-    def _observe_extras(self, batch: list[Request], trees: dict[str, DraftTree], selected: dict[str, list[str]],
-                        matched: dict[str, Verdict], ahead: set[str], draft_s: float) -> None:
+    def _observe_extras(
+        self,
+        batch: list[Request],
+        trees: dict[str, DraftTree],
+        selected: dict[str, list[str]],
+        matched: dict[str, Verdict],
+        ahead: set[str],
+        draft_s: float,
+    ) -> None:
         """What the drafters beyond each request's first brought this round and what they cost
         (``SpeculationControl.observe_extras``); rounds whose trees were drafted ahead do not count
         (their draft time is not this round's)."""
@@ -342,8 +429,16 @@ class RouterCore(OffPathDrafting):
         gained = sum(extras_gain(trees[rid], chosen, matched[rid].accepted_nodes) for rid, chosen in inline.items())
         self.control.observe_extras(gained, extras_seconds(inline, draft_s), pipelined=self.rounds_in_flight > 1)
 
-    def _apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict,
-               updates: list[ProfileUpdate], round_ns: int, lookups: Sequence[LookupNodes] = ()) -> None:
+    def _apply(
+        self,
+        r: Request,
+        tree: DraftTree,
+        selected: list[str],
+        verdict: Verdict,
+        updates: list[ProfileUpdate],
+        round_ns: int,
+        lookups: Sequence[LookupNodes] = (),
+    ) -> None:
         if r.done:
             return
         outcome = self.verdicts.apply(r, tree, selected, verdict, updates, round_ns, lookups)

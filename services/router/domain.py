@@ -18,9 +18,8 @@ from services.router.drafting import Drafting, sync_item
 from services.router.lexicon import DomainLexicon
 from services.router.matching import match_draft_results
 from services.router.requests import Counters, ProfileSource, Request
-from services.router.settings import RouterSettings
 from services.router.routing import RoutingVector
-
+from services.router.settings import RouterSettings
 
 RELOAD_S = 5.0  # the shared lexicon is read again at most this often, and only when drafters would score
 GUESS_TOKENS = 256  # a prompt's first tokens that the guess at submission reads (its cost stays bounded)
@@ -39,9 +38,16 @@ class RequestRouting:
     """Seeds the routing vectors of new drafting requests (domain signal + expertise profiles) and
     follows drafter membership for the others."""
 
-    def __init__(self, config: RouterSettings, drafting: Drafting, lexicon: DomainLexicon, counters: Counters,
-                 profiles: ProfileSource | None, shared: SharedLexicon | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RouterSettings,
+        drafting: Drafting,
+        lexicon: DomainLexicon,
+        counters: Counters,
+        profiles: ProfileSource | None,
+        shared: SharedLexicon | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.drafting = drafting
         self.lexicon = lexicon
@@ -147,8 +153,11 @@ async def detect_domains(drafting: Drafting, reqs: list[Request], live: list[str
         scored.append((d, results))
     for i, r in enumerate(reqs):
         r.domain = infer_domain(
-            {d: results[i].append_logprob for d, results in scored
-             if results[i] is not None and results[i].ok and results[i].append_logprob is not None},
+            {
+                d: results[i].append_logprob
+                for d, results in scored
+                if results[i] is not None and results[i].ok and results[i].append_logprob is not None
+            },
             {d: list(drafting.drafters.domains(d)) for d in live},
         )
 

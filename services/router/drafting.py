@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from common.logs import get_logger
-from common.spec.types import DraftItem, DraftResult
-from services.router.control import SpeculationControl
 from common.spec.fusion import DraftTree, fuse_chains
 from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing, TokenFusion
+from common.spec.types import DraftItem, DraftResult
+from services.router.control import SpeculationControl
 from services.router.lookup import LOOKUP_ID
 from services.router.matching import match_draft_results
 from services.router.requests import DrafterPool, Request
@@ -41,7 +41,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def sync_item(cache: Sequence[int], sequence: Sequence[int], top_n: int, chain_len: int = 0, score: bool = False) -> tuple[DraftItem, list[int]]:
+def sync_item(
+    cache: Sequence[int], sequence: Sequence[int], top_n: int, chain_len: int = 0, score: bool = False
+) -> tuple[DraftItem, list[int]]:
     """The draft item that brings a drafter cache holding ``cache`` to ``sequence`` and proposes
     the next position. Returns the item and the cache contents afterwards (the whole sequence).
     At least one token is always appended so the drafter has fresh logits to propose from."""
@@ -85,8 +87,9 @@ def extras_seconds(selected: Mapping[str, Sequence[str]], draft_s: float) -> flo
 class Drafting:
     """Drafts the trees of a round through a :class:`~services.router.requests.DrafterPool`."""
 
-    def __init__(self, config: RouterSettings, drafters: DrafterPool, control: SpeculationControl,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, config: RouterSettings, drafters: DrafterPool, control: SpeculationControl, clock: Callable[[], float]
+    ) -> None:
         self.config = config
         self.drafters = drafters
         self.control = control
@@ -103,7 +106,9 @@ class Drafting:
         chosen = r.routing.select(count, self.config.explore_threshold)
         return [d for d in chosen if d in live]
 
-    async def tokens(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
+    async def tokens(
+        self, batch: list[Request], ks: Mapping[str, int]
+    ) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
         """Token fusion (``common/spec/token_fusion.py``). A request whose drafters all live in one drafter
         process is fused there, the whole round in one message (``local_fusion``); the others are
         fused here, one message per draft step. Both run the same loop with this round's pricing."""
@@ -112,8 +117,10 @@ class Drafting:
         selected = {r.request_id: self.select(r, live) if ks[r.request_id] > 0 else [] for r in batch}
         pipelined = self.config.rounds_in_flight > 1 and self.control.pipelining
         # greedy and sampled requests are priced with their own calibration, so fused apart
-        pricing = {greedy: self.control.step_pricing(pipelined, greedy) if self.config.cost_control else StepPricing()
-                   for greedy in (True, False)}
+        pricing = {
+            greedy: self.control.step_pricing(pipelined, greedy) if self.config.cost_control else StepPricing()
+            for greedy in (True, False)
+        }
         greedy_of = {r.request_id: r.sampling.greedy for r in batch}
         requests: list[FusionRequest] = []
         for r in batch:
@@ -130,14 +137,19 @@ class Drafting:
             host = host_of(fr.request_id, [s.drafter_id for s in fr.sources]) if host_of and fr.sources else None
             by_host.setdefault((host, greedy_of[fr.request_id]), []).append(fr)
         outcomes: dict[str, FusionOutcome] = {}
-        for part in await asyncio.gather(*(self._fuse_here(reqs, pricing[greedy]) if host is None
-                                           else self._fuse_at(host, reqs, pricing[greedy])
-                                           for (host, greedy), reqs in by_host.items())):
+        for part in await asyncio.gather(
+            *(
+                self._fuse_here(reqs, pricing[greedy]) if host is None else self._fuse_at(host, reqs, pricing[greedy])
+                for (host, greedy), reqs in by_host.items()
+            )
+        ):
             outcomes.update(part)
         trees: dict[str, DraftTree] = {}
         for r in batch:
             rid = r.request_id
-            out = outcomes.get(rid) or FusionOutcome(DraftTree(drafter_ids=list(selected[rid])), failed=dict.fromkeys(selected[rid], "no answer"))
+            out = outcomes.get(rid) or FusionOutcome(
+                DraftTree(drafter_ids=list(selected[rid])), failed=dict.fromkeys(selected[rid], "no answer")
+            )
             sequence = r.sequence
             for d in selected[rid]:  # the router's mirror of each drafter's cache
                 if d in out.cache_len:
@@ -185,7 +197,9 @@ class Drafting:
             loop.take(answers)
         return loop.outcomes
 
-    async def _fuse_at(self, host: str, requests: list[FusionRequest], pricing: StepPricing) -> dict[str, FusionOutcome]:
+    async def _fuse_at(
+        self, host: str, requests: list[FusionRequest], pricing: StepPricing
+    ) -> dict[str, FusionOutcome]:
         """Token fusion inside the drafter process ``host``: the whole round in one message. Its
         steps feed the draft-step pricing as the router's own would: each step's model time plus
         its share of what the round waited beyond them (the message, queueing), so a step is
@@ -203,7 +217,9 @@ class Drafting:
             self.control.observe_draft_step(seconds + waited, first_of=drafting if i == 0 else 0)
         return outcomes
 
-    async def chunks(self, batch: list[Request], ks: Mapping[str, int]) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
+    async def chunks(
+        self, batch: list[Request], ks: Mapping[str, int]
+    ) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
         live = list(self.drafters.live())
         selected = {r.request_id: self.select(r, live) if ks[r.request_id] > 0 else [] for r in batch}
         per_drafter: dict[str, list[tuple[str, DraftItem]]] = {}
@@ -241,7 +257,9 @@ class Drafting:
                 for rid, _ in pairs:
                     by_id[rid].drafter_cache.pop(d, None)
         trees = {
-            r.request_id: fuse_chains(chains[r.request_id], r.routing.weights(chains[r.request_id]), max(1, len(chains[r.request_id])))
+            r.request_id: fuse_chains(
+                chains[r.request_id], r.routing.weights(chains[r.request_id]), max(1, len(chains[r.request_id]))
+            )
             for r in batch
         }
         if self.config.cost_control:

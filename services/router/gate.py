@@ -82,7 +82,9 @@ class DomainRecord:
 
 
 class DraftGate:
-    def __init__(self, config: RouterSettings, control: SpeculationControl, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: RouterSettings, control: SpeculationControl, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.control = control
         self.clock = clock

@@ -10,19 +10,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
-from common.spec.types import DraftItem, DraftResult, Verdict, VerifyItem
-from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing
 from common.runtime.drafter_engine import DrafterEngine
+from common.runtime.verifier_engine import VerifierEngine
+from common.spec.token_fusion import FusionOutcome, FusionRequest, StepPricing
+from common.spec.types import DraftItem, DraftResult, Verdict, VerifyItem
 from services.drafter.server import run_chain_step, run_fused_round
 from services.router.requests import Request
-from common.runtime.verifier_engine import VerifierEngine
 
 
 class LocalDrafterPool:
     """``fuse_locally``: every request's token fusion runs here in one call per round, as in a drafter
     process that hosts all of its drafters (off: the router drives it, one :meth:`draft_many` per step)."""
 
-    def __init__(self, engines: Mapping[str, DrafterEngine], fail_after: Mapping[str, int] | None = None, fuse_locally: bool = False):
+    def __init__(
+        self,
+        engines: Mapping[str, DrafterEngine],
+        fail_after: Mapping[str, int] | None = None,
+        fuse_locally: bool = False,
+    ):
         self.engines = dict(engines)
         self.fuse_locally = fuse_locally
         self.fused_rounds = 0
@@ -59,8 +64,9 @@ class LocalDrafterPool:
             return "local"
         return None
 
-    async def fuse(self, host: str, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
-                   ) -> tuple[dict[str, FusionOutcome], list[float]] | None:
+    async def fuse(
+        self, host: str, width: int, pricing: StepPricing, requests: Sequence[FusionRequest]
+    ) -> tuple[dict[str, FusionOutcome], list[float]] | None:
         await asyncio.sleep(0)
         self.fused_rounds += 1
         return run_fused_round(self.engines, width, pricing, requests)

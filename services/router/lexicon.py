@@ -74,7 +74,9 @@ class DomainLexicon:
         return len(ready) >= 2 and all(d in self.labelled for d in ready)
 
     def _trusted(self, guess: str | None, margin: float) -> bool:
-        return guess is not None and margin >= self.min_margin and (self.reference or self.agreement >= self.min_agreement)
+        return (
+            guess is not None and margin >= self.min_margin and (self.reference or self.agreement >= self.min_agreement)
+        )
 
     def decide(self, tokens: Sequence[int]) -> tuple[str | None, str | None]:
         """(domain to use now or None to ask the drafters, the lexicon's guess to check later)."""

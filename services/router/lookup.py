@@ -95,11 +95,19 @@ class LookupNodes:
 
     def cut(self, kept: Sequence[int]) -> LookupNodes:
         """The same chain with its nodes renumbered to ``kept`` (a prefix of the path)."""
-        return replace(self, nodes=tuple(kept), rates=self.rates[:len(kept)])
+        return replace(self, nodes=tuple(kept), rates=self.rates[: len(kept)])
 
 
-def add_lookup_chain(tree: DraftTree, chain: Sequence[int], match: int, greedy: bool, calibration: LookupCalibration,
-                     threshold: float, width: int, source: str = TEXT) -> LookupNodes:
+def add_lookup_chain(
+    tree: DraftTree,
+    chain: Sequence[int],
+    match: int,
+    greedy: bool,
+    calibration: LookupCalibration,
+    threshold: float,
+    width: int,
+    source: str = TEXT,
+) -> LookupNodes:
     """Merge a lookup chain into ``tree`` while each node's expected tokens (the product of the
     calibrated rates along its path) repay a verify row (``threshold``). A node the drafters
     proposed too is shared (and credited to both); a new one becomes a sibling, so a level may hold
@@ -125,8 +133,9 @@ def add_lookup_chain(tree: DraftTree, chain: Sequence[int], match: int, greedy: 
     return LookupNodes(greedy, match, tuple(nodes), tuple(rates), source)
 
 
-def observe_lookup(calibration: LookupCalibration, tree: DraftTree, lookup: LookupNodes,
-                   accepted_nodes: Sequence[int]) -> int:
+def observe_lookup(
+    calibration: LookupCalibration, tree: DraftTree, lookup: LookupNodes, accepted_nodes: Sequence[int]
+) -> int:
     """Calibrate from one verdict: each lookup node whose parent was accepted was tried. Returns
     how many lookup nodes were accepted."""
     accepted = set(accepted_nodes)

@@ -10,18 +10,31 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from common.spec.fusion import DraftTree
-from services.router.control import SpeculationControl
-from services.router.gate import gate_domain
-from services.router.lookup import CORPUS, CORPUS_MAX_MATCH, TEXT, LookupCalibration, LookupNodes, add_lookup_chain, lookup_only
 from common.spec.lookup_corpus import DomainCorpora
 from services.corpus import CorpusLoader, keep_corpus_loaded
+from services.router.control import SpeculationControl
+from services.router.gate import gate_domain
+from services.router.lookup import (
+    CORPUS,
+    CORPUS_MAX_MATCH,
+    TEXT,
+    LookupCalibration,
+    LookupNodes,
+    add_lookup_chain,
+    lookup_only,
+)
 from services.router.requests import Counters, Request
 from services.router.settings import RouterSettings
 
 
 class LookupDrafting:
-    def __init__(self, config: RouterSettings, control: SpeculationControl, counters: Counters,
-                 load_corpus: CorpusLoader | None = None):
+    def __init__(
+        self,
+        config: RouterSettings,
+        control: SpeculationControl,
+        counters: Counters,
+        load_corpus: CorpusLoader | None = None,
+    ):
         self.config = config
         self.control = control
         self.counters = counters
@@ -48,8 +61,11 @@ class LookupDrafting:
             proposals.append((CORPUS, *self.corpus.propose(gate_domain(r), r.sequence, k)))
         theta = self.control.threshold() if self.config.cost_control else 0.0
         width = self.config.tree_width if self.config.fusion == "token" else max(1, self.config.drafters_per_request)
-        added = (add_lookup_chain(tree, chain, match, r.sampling.greedy, self.calibration, theta, width, source)
-                 for source, chain, match in proposals if chain)
+        added = (
+            add_lookup_chain(tree, chain, match, r.sampling.greedy, self.calibration, theta, width, source)
+            for source, chain, match in proposals
+            if chain
+        )
         return tuple(c for c in added if c.nodes)
 
     @property
@@ -57,14 +73,18 @@ class LookupDrafting:
         """The verifier drafts at plain steps as the lookup drafter would (``VerifyItem.step_lookup``)."""
         return self.config.step_lookup and self.config.lookup_drafts and self.config.speculate
 
-    def forfeits_steps(self, batch: Sequence[Request], trees: Mapping[str, DraftTree],
-                       lookups: Mapping[str, Sequence[LookupNodes]]) -> bool:
+    def forfeits_steps(
+        self, batch: Sequence[Request], trees: Mapping[str, DraftTree], lookups: Mapping[str, Sequence[LookupNodes]]
+    ) -> bool:
         """Whether the batch's trees keep the round from plain steps (``scheduler.plain_steps``): any
         node at all, or, while the verifier drafts at plain steps as the lookup drafter would, any
         node a drafter model proposed (a round of lookup nodes alone goes on in steps that draft the same way)."""
         if not self.drafts_at_steps:
             return any(len(trees[r.request_id]) for r in batch)
-        return any(len(trees[r.request_id]) > len(lookup_only(trees[r.request_id], lookups.get(r.request_id, ()))) for r in batch)
+        return any(
+            len(trees[r.request_id]) > len(lookup_only(trees[r.request_id], lookups.get(r.request_id, ())))
+            for r in batch
+        )
 
     def at_steps(self, batch: Sequence[Request]) -> dict[bool, tuple[tuple[int, ...], tuple[int, ...]]]:
         """How far the verifier may draft at each request's plain steps, from its own text and from
@@ -75,7 +95,9 @@ class LookupDrafting:
         if not self.drafts_at_steps:
             return {}
         depths = range(self.config.max_k)
-        prices = tuple(self.control.first_row_threshold(len(batch), d) if self.config.cost_control else 0.0 for d in depths)
+        prices = tuple(
+            self.control.first_row_threshold(len(batch), d) if self.config.cost_control else 0.0 for d in depths
+        )
         return {greedy: self.step_depths(greedy, prices) for greedy in {r.sampling.greedy for r in batch}}
 
     def step_depths(self, greedy: bool, prices: Sequence[float]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.spec.types import Verdict
 from common.spec.token_fusion import match_draft_results
+from common.spec.types import Verdict
 
 __all__ = ["match_draft_results", "match_verdicts"]
 
@@ -33,7 +33,8 @@ def match_verdicts(expected: Sequence[tuple[str, int]], verdicts: Sequence[Verdi
         v = got[0]
         if v.ok and v.committed_len and v.committed_len != before + len(v.new_tokens):
             out[rid] = Verdict(
-                request_id=rid, error_kind="internal",
+                request_id=rid,
+                error_kind="internal",
                 error=f"verifier committed {v.committed_len} tokens for {rid}, the router expected {before + len(v.new_tokens)}",
             )
             continue

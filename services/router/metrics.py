@@ -41,11 +41,15 @@ class RouterMetrics:
     def __init__(self, metrics: ServiceMetrics, queue_depth: Callable[[], float], active: Callable[[], float]) -> None:
         m = metrics
         self.draft = m.counter("cosine_spec_draft_tokens_total", "draft tokens verified, by drafter", ["drafter"])
-        self.accepted = m.counter("cosine_spec_accepted_tokens_total", "draft tokens the target accepted, by drafter", ["drafter"])
-        self.draft_pos = m.counter("cosine_spec_draft_tokens_by_position_total", "draft tokens verified, by depth in the tree",
-                                   ["position"])
-        self.accepted_pos = m.counter("cosine_spec_accepted_tokens_by_position_total",
-                                      "draft tokens accepted, by depth in the tree", ["position"])
+        self.accepted = m.counter(
+            "cosine_spec_accepted_tokens_total", "draft tokens the target accepted, by drafter", ["drafter"]
+        )
+        self.draft_pos = m.counter(
+            "cosine_spec_draft_tokens_by_position_total", "draft tokens verified, by depth in the tree", ["position"]
+        )
+        self.accepted_pos = m.counter(
+            "cosine_spec_accepted_tokens_by_position_total", "draft tokens accepted, by depth in the tree", ["position"]
+        )
         self.rate = m.gauge("cosine_spec_acceptance_rate", "accepted / verified draft tokens since start")
         self.rounds = m.counter("cosine_router_rounds_total", "rounds (draft + verify of one batch)")
         self.batch = m.histogram("cosine_router_batch_requests", "requests per round", buckets=BATCH_BUCKETS)

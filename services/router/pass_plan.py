@@ -191,8 +191,14 @@ def node_values(tree: DraftTree, rate: Callable[[float], float], lookup_rates: M
     return values
 
 
-def choose_nodes(values: Mapping[str, Sequence[float]], parents: Mapping[str, Sequence[int]], plain_rows: int,
-                 seconds: Callable[[int], float | None], overhead_s: float = 0.0, plain_steps: int = 1) -> dict[str, set[int]]:
+def choose_nodes(
+    values: Mapping[str, Sequence[float]],
+    parents: Mapping[str, Sequence[int]],
+    plain_rows: int,
+    seconds: Callable[[int], float | None],
+    overhead_s: float = 0.0,
+    plain_steps: int = 1,
+) -> dict[str, set[int]]:
     """The nodes of each request to verify (see the module docstring): taken one at a time, the one
     that raises its request's expected progress the most (in log terms) first, while their parents
     are in; the count kept is the one with the best objective, against a plain round of
@@ -235,7 +241,9 @@ def choose_nodes(values: Mapping[str, Sequence[float]], parents: Mapping[str, Se
     return keep
 
 
-def keep_nodes(tree: DraftTree, keep: set[int], lookups: Sequence[LookupNodes]) -> tuple[DraftTree, tuple[LookupNodes, ...]]:
+def keep_nodes(
+    tree: DraftTree, keep: set[int], lookups: Sequence[LookupNodes]
+) -> tuple[DraftTree, tuple[LookupNodes, ...]]:
     """The tree with only ``keep`` (parent-closed), and its lookup chains renumbered."""
     if len(keep) == len(tree):
         return tree, tuple(lookups)
@@ -251,9 +259,15 @@ def keep_nodes(tree: DraftTree, keep: set[int], lookups: Sequence[LookupNodes]) 
     return out, tuple(cut)
 
 
-def plan_pass(trees: dict[str, DraftTree], lookups: Mapping[str, Sequence[LookupNodes]], plain_rows: int,
-              rates: Mapping[str, Callable[[float], float]], seconds: Callable[[int], float | None],
-              overhead_s: float = 0.0, plain_steps: int = 1) -> tuple[dict[str, DraftTree], dict[str, tuple[LookupNodes, ...]]]:
+def plan_pass(
+    trees: dict[str, DraftTree],
+    lookups: Mapping[str, Sequence[LookupNodes]],
+    plain_rows: int,
+    rates: Mapping[str, Callable[[float], float]],
+    seconds: Callable[[int], float | None],
+    overhead_s: float = 0.0,
+    plain_steps: int = 1,
+) -> tuple[dict[str, DraftTree], dict[str, tuple[LookupNodes, ...]]]:
     """The batch's trees cut to the nodes that pay on the pass-time curve (see the module
     docstring). ``plain_rows``: rows of the pass without any drafted node (a row per request plus
     the prompts being prefilled). ``lookups``: each request's lookup chains. ``rates``: each

@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from common.logs import get_logger
+from common.spec.lookup_index import LookupIndex
 from common.spec.types import SamplingParams
 from services.router.admission import SubmitLimits, check_submission
+from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting
 from services.router.gate import DraftGate
-from common.spec.lookup_index import LookupIndex
 from services.router.requests import (
     FINISH_CANCELLED,
     Counters,
@@ -30,10 +31,9 @@ from services.router.requests import (
     RequestFailed,
     VerifierBackend,
 )
-from services.router.settings import RouterSettings
-from services.router.control import SpeculationControl
 from services.router.resume import VERIFIER_RETRY, mark_for_resume
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
+from services.router.settings import RouterSettings
 
 log = get_logger("router")
 
@@ -56,8 +56,15 @@ class RequestPool:
     _wakeup: asyncio.Event
     _closed: bool
 
-    def submit(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-               stop_ids: Sequence[int] = (), domain_hint: str = "") -> Request:
+    def submit(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int] = (),
+        domain_hint: str = "",
+    ) -> Request:
         if self._closed:
             raise RequestFailed("router shutting down", "unavailable")
         check_submission(request_id, prompt, max_new_tokens, sampling, stop_ids, domain_hint, self.limits)
@@ -67,10 +74,16 @@ class RequestPool:
             raise RequestFailed(f"router queue is full ({self.config.max_queue} requests)", "resource_exhausted")
         guess = domain_hint or (self.routing.guess(prompt) if self.config.domain_gate else "")
         req = Request(
-            request_id=request_id, prompt=tuple(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-            stop_ids=frozenset(stop_ids), domain=domain_hint, domain_guess=guess,
+            request_id=request_id,
+            prompt=tuple(prompt),
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop_ids=frozenset(stop_ids),
+            domain=domain_hint,
+            domain_guess=guess,
             spec=SpeculationLength(self.config.initial_k, self.config.min_k, self.config.max_k),
-            ready_since=self.clock(), lookup=LookupIndex(self.config.lookup_max_ngram),
+            ready_since=self.clock(),
+            lookup=LookupIndex(self.config.lookup_max_ngram),
             first_accept=self.gate.start(guess),  # what drafting did for the recent requests of its domain
         )
         self.requests[request_id] = req
@@ -127,7 +140,9 @@ class RequestPool:
         """Rounds that may be in flight now: the configured number while pipelining pays (see
         ``SpeculationControl.pipeline_pays``), else one round with the whole pool."""
         configured = max(1, self.config.rounds_in_flight)
-        if configured > 1 and self.config.pipeline_control and not self.control.pipeline_pays():  # always pays without cost control
+        if (
+            configured > 1 and self.config.pipeline_control and not self.control.pipeline_pays()
+        ):  # always pays without cost control
             return 1
         return configured
 
@@ -139,9 +154,13 @@ class RequestPool:
         width = self.config.tree_width if self.config.fusion == "token" else max(1, self.config.drafters_per_request)
         cands = [
             Candidate(
-                r.request_id, now - r.ready_since, self._k(r), width,
+                r.request_id,
+                now - r.ready_since,
+                self._k(r),
+                width,
                 0 if r.verifier_synced else len(r.sequence),
-                (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1, r.under_way,
+                (r.routing.recent_acceptance() or 0.5) * self._k(r) + 1,
+                r.under_way,
             )
             for r in waiting
         ]

@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from services.router.lexicon import DomainLexicon
-from common.spec.lookup_corpus import DomainCorpora
-from services.corpus import corpus_from_store
-
 from common.logs import get_logger
 from common.platform.store import Store, StoreUnavailable, sum_acceptance
+from common.spec.lookup_corpus import DomainCorpora
+from services.corpus import corpus_from_store
+from services.router.lexicon import DomainLexicon
 
 log = get_logger("router.profiles")
 
@@ -57,8 +56,12 @@ class ProfileStore:
                 self._backlog = totals
                 self.failed_writes += 1
                 if self.failed_writes in (1, 10) or self.failed_writes % 100 == 0:
-                    log.warning("profile update kept for later; Redis unavailable", error=str(exc),
-                                pending=len(totals), failures=self.failed_writes)
+                    log.warning(
+                        "profile update kept for later; Redis unavailable",
+                        error=str(exc),
+                        pending=len(totals),
+                        failures=self.failed_writes,
+                    )
                 return
             if self.failed_writes:
                 log.info("profile updates written after an outage", pending=len(totals))
@@ -74,7 +77,9 @@ class ProfileStore:
         lexicon = DomainLexicon()
         for domain, (examples, counts) in sorted(loaded.items()):
             lexicon.absorb(domain, examples, counts, labelled=domain in seeded)
-        log.debug("domain lexicon loaded", prompts={d: n for d, (n, _) in sorted(loaded.items())}, labelled=sorted(seeded))
+        log.debug(
+            "domain lexicon loaded", prompts={d: n for d, (n, _) in sorted(loaded.items())}, labelled=sorted(seeded)
+        )
         return lexicon
 
     async def corpus(self, known_version: int) -> tuple[int, DomainCorpora | None] | None:

@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.spec.types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
 from common.spec.fusion import DraftTree
 from common.spec.lookup_index import LookupIndex
+from common.spec.types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
 from services.router.routing import RoutingVector
 from services.router.scheduler import SpeculationLength
 
@@ -165,7 +165,9 @@ class Counters:
     corpus_accepted: int = 0  # of them, accepted by the target
     corpus_sequences: int = 0  # sequences in the router's lookup corpus
     plain_step_passes: int = 0  # verify passes run as plain steps of an earlier pass's batch (no round of their own)
-    step_lookup_tokens: int = 0  # of the draft tokens, those the verifier drafted at plain steps (lookup, text and corpus)
+    step_lookup_tokens: int = (
+        0  # of the draft tokens, those the verifier drafted at plain steps (lookup, text and corpus)
+    )
     step_lookup_accepted: int = 0  # of them, accepted by the target
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
@@ -178,13 +180,28 @@ class Counters:
     def as_dict(self) -> dict[str, float]:
         wall = time.monotonic() - self.started_at
         return {
-            "rounds": self.rounds, "requests_finished": self.requests_finished, "tokens_committed": self.tokens_committed,
-            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens, "draft_s": self.draft_s,
-            "verify_s": self.verify_s, "apply_s": self.apply_s, "draft_ahead_s": self.draft_ahead_s,
-            "rounds_drafted_ahead": self.rounds_drafted_ahead, "routed_ahead": self.routed_ahead, "verifier_busy_s": self.verifier_busy_s, "wall_s": wall,
-            "domains_by_lexicon": self.domains_by_lexicon, "domains_by_drafters": self.domains_by_drafters,
-            "lookup_tokens": self.lookup_tokens, "lookup_accepted": self.lookup_accepted,
-            "corpus_tokens": self.corpus_tokens, "corpus_accepted": self.corpus_accepted, "corpus_sequences": self.corpus_sequences,
-            "plain_step_passes": self.plain_step_passes, "verify_passes": self.verify_passes,
-            "step_lookup_tokens": self.step_lookup_tokens, "step_lookup_accepted": self.step_lookup_accepted,
+            "rounds": self.rounds,
+            "requests_finished": self.requests_finished,
+            "tokens_committed": self.tokens_committed,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "apply_s": self.apply_s,
+            "draft_ahead_s": self.draft_ahead_s,
+            "rounds_drafted_ahead": self.rounds_drafted_ahead,
+            "routed_ahead": self.routed_ahead,
+            "verifier_busy_s": self.verifier_busy_s,
+            "wall_s": wall,
+            "domains_by_lexicon": self.domains_by_lexicon,
+            "domains_by_drafters": self.domains_by_drafters,
+            "lookup_tokens": self.lookup_tokens,
+            "lookup_accepted": self.lookup_accepted,
+            "corpus_tokens": self.corpus_tokens,
+            "corpus_accepted": self.corpus_accepted,
+            "corpus_sequences": self.corpus_sequences,
+            "plain_step_passes": self.plain_step_passes,
+            "verify_passes": self.verify_passes,
+            "step_lookup_tokens": self.step_lookup_tokens,
+            "step_lookup_accepted": self.step_lookup_accepted,
         }

@@ -54,7 +54,7 @@ class RoutingVector:
         ranked = sorted(self.scores, key=lambda d: (-self.scores[d], d))
         chosen = ranked[: max(1, count)]
         rate = self.recent_acceptance()
-        rest = ranked[len(chosen):]
+        rest = ranked[len(chosen) :]
         if rest and rate is not None and rate < explore_threshold and len(self.recent) == self.recent.maxlen:
             newcomer = min(rest, key=lambda d: (self.uses.get(d, 0), -self.scores[d], d))
             chosen = chosen[:-1] + [newcomer] if len(chosen) > 1 else chosen + [newcomer]
@@ -63,8 +63,14 @@ class RoutingVector:
             self.uses[d] = self.uses.get(d, 0) + 1
         return chosen
 
-    def update(self, accepted: Mapping[str, int], confidence: Mapping[str, float], participants: Iterable[str],
-               accepted_total: int, drafted_depth: int) -> None:
+    def update(
+        self,
+        accepted: Mapping[str, int],
+        confidence: Mapping[str, float],
+        participants: Iterable[str],
+        accepted_total: int,
+        drafted_depth: int,
+    ) -> None:
         """Fold one verdict in. ``accepted``: draft tokens credited per drafter; ``confidence``:
         the drafter's mean probability for its own proposals on the fused path."""
         for d in participants:

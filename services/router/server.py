@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 from tenacity import RetryCallState, retry_if_exception_type
 
-from common.platform.grpc_server import ServerHandle
 from common.logs import get_logger, request_context
+from common.platform.grpc_server import ServerHandle
 from common.platform.metrics import ServiceMetrics
 from common.platform.retry import RetryPolicy
 from common.platform.service import StartupError
@@ -29,21 +29,30 @@ SERVICE_NAME = "cosine.v1.Router"
 log = get_logger("router")
 
 FINISH_TO_PB = {
-    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH, FINISH_EOS: common_pb2.FINISH_REASON_EOS,
-    FINISH_STOP: common_pb2.FINISH_REASON_STOP, FINISH_CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FINISH_EOS: common_pb2.FINISH_REASON_EOS,
+    FINISH_STOP: common_pb2.FINISH_REASON_STOP,
+    FINISH_CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
 }
 KIND_TO_STATUS = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT, "context": grpc.StatusCode.INVALID_ARGUMENT,
-    "kv_budget": grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "unavailable": grpc.StatusCode.UNAVAILABLE, "already_exists": grpc.StatusCode.ALREADY_EXISTS,
-    "unknown_request": grpc.StatusCode.NOT_FOUND, "internal": grpc.StatusCode.INTERNAL,
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "context": grpc.StatusCode.INVALID_ARGUMENT,
+    "kv_budget": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "unknown_request": grpc.StatusCode.NOT_FOUND,
+    "internal": grpc.StatusCode.INTERNAL,
 }
 
 
 def stats_to_pb(stats: Any) -> common_pb2.SpecStats:
     return common_pb2.SpecStats(
-        rounds=stats.rounds, mean_accepted_len=stats.mean_accepted_len, draft_tokens=stats.draft_tokens,
-        accepted_tokens=stats.accepted_tokens, drafters_used=sorted(stats.drafters_used),
+        rounds=stats.rounds,
+        mean_accepted_len=stats.mean_accepted_len,
+        draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        drafters_used=sorted(stats.drafters_used),
         accepted_by_drafter=dict(stats.accepted_by_drafter),
     )
 
@@ -71,23 +80,41 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier is connected to this router")
         with request_context(request.request_id):
             try:
-                req = core.submit(request.request_id, list(request.prompt_ids), request.max_new_tokens,
-                                  sampling_from_pb(request.sampling), list(request.stop_token_ids), request.domain_hint)
+                req = core.submit(
+                    request.request_id,
+                    list(request.prompt_ids),
+                    request.max_new_tokens,
+                    sampling_from_pb(request.sampling),
+                    list(request.stop_token_ids),
+                    request.domain_hint,
+                )
             except RequestFailed as exc:
                 await context.abort(KIND_TO_STATUS.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))
             try:
                 while True:
                     event = await req.events.get()
                     if event.error is not None:
-                        await context.abort(KIND_TO_STATUS.get(event.error.kind, grpc.StatusCode.INTERNAL), str(event.error))
-                    chunk = router_pb2.TokenChunk(request_id=req.request_id, token_ids=event.tokens, finished=event.finished)
+                        await context.abort(
+                            KIND_TO_STATUS.get(event.error.kind, grpc.StatusCode.INTERNAL), str(event.error)
+                        )
+                    chunk = router_pb2.TokenChunk(
+                        request_id=req.request_id, token_ids=event.tokens, finished=event.finished
+                    )
                     chunk.timings.total_ns = event.round_ns
                     if event.finished:
-                        chunk.finish_reason = FINISH_TO_PB.get(event.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+                        chunk.finish_reason = FINISH_TO_PB.get(
+                            event.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED
+                        )
                         chunk.stats.CopyFrom(stats_to_pb(req.stats))
                         # logged before the last chunk goes: a client may close the stream at it
-                        log.info("request finished", reason=event.finish_reason, tokens=len(req.generated),
-                                 rounds=req.stats.rounds, mean_accepted=round(req.stats.mean_accepted_len, 3), domain=req.domain)
+                        log.info(
+                            "request finished",
+                            reason=event.finish_reason,
+                            tokens=len(req.generated),
+                            rounds=req.stats.rounds,
+                            mean_accepted=round(req.stats.mean_accepted_len, 3),
+                            domain=req.domain,
+                        )
                         yield chunk
                         return
                     if event.tokens:
@@ -101,9 +128,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     # named here, not from the context: a stream closed at a yield unwinds in gRPC's task
                     log.info("request cancelled by client", request_id=req.request_id)
 
-    async def Status(self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouterStatus:
+    async def Status(
+        self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouterStatus:
         app = self.app
-        out = router_pb2.RouterStatus(verifier_address=app.verifier.address if app.verifier else "", verifier_healthy=app.verifier_ready)
+        out = router_pb2.RouterStatus(
+            verifier_address=app.verifier.address if app.verifier else "", verifier_healthy=app.verifier_ready
+        )
         if app.core is not None:
             core = app.core
             out.queue_depth = core.queue_depth()
@@ -118,8 +149,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             for d in sorted(set(app.pool.by_drafter) | set(acceptance)):
                 ep = app.pool.by_drafter.get(d)
                 rounds, mean = acceptance.get(d, (0.0, 0.0))
-                out.drafters.add(drafter_id=d, address=ep.address if ep else "", healthy=bool(ep and not ep.failed),
-                                 acceptance=mean, rounds=int(rounds))
+                out.drafters.add(
+                    drafter_id=d,
+                    address=ep.address if ep else "",
+                    healthy=bool(ep and not ep.failed),
+                    acceptance=mean,
+                    rounds=int(rounds),
+                )
         return out
 
 
@@ -133,15 +169,20 @@ class RouterApp:
         self.servicer = RouterServicer(self)
         self.verifier: GrpcVerifier | None = None
         self.tls = TlsConfig.from_settings(settings)  # drafters and the verifier are dialled with it
-        self.pool: GrpcDrafterPool = GrpcDrafterPool(store, "", settings.discovery_interval_s, settings.use_drafters, tls=self.tls)
+        self.pool: GrpcDrafterPool = GrpcDrafterPool(
+            store, "", settings.discovery_interval_s, settings.use_drafters, tls=self.tls
+        )
         self.spec_metrics: RouterMetrics | None = None
         self.core: RouterCore | None = None
         self.verifier_ready = False
         self._connect_task: asyncio.Task[None] | None = None
 
     def bind_metrics(self, metrics: ServiceMetrics) -> None:
-        self.spec_metrics = RouterMetrics(metrics, lambda: float(self.core.queue_depth()) if self.core else 0.0,
-                                          lambda: float(len(self.core.requests)) if self.core else 0.0)
+        self.spec_metrics = RouterMetrics(
+            metrics,
+            lambda: float(self.core.queue_depth()) if self.core else 0.0,
+            lambda: float(len(self.core.requests)) if self.core else 0.0,
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
@@ -182,8 +223,9 @@ class RouterApp:
             else:
                 log.info("waiting for a verifier to register")
 
-        async for attempt in VERIFIER_CONNECT_RETRY.retrying(retry=retry_if_exception_type(_VerifierNotReady),
-                                                             before_sleep=first_miss):
+        async for attempt in VERIFIER_CONNECT_RETRY.retrying(
+            retry=retry_if_exception_type(_VerifierNotReady), before_sleep=first_miss
+        ):
             with attempt:
                 verifier, info, address = await self._find_verifier()
         self.verifier = verifier
@@ -195,16 +237,29 @@ class RouterApp:
         self.pool.start()
         prior_weight = self.settings.profile_prior_weight
         profiles = ProfileStore(self.store)  # a Redis outage costs priors for a while, never a request
-        self.core = RouterCore(self.settings, self.pool, verifier, metrics=self.spec_metrics,
-                               profiles=profiles.priors, record=profiles.record,
-                               load_lexicon=profiles.lexicon if self.settings.shared_lexicon else None,
-                               record_lexicon=profiles.learned if self.settings.shared_lexicon else None,
-                               load_corpus=profiles.corpus,
-                               limits=SubmitLimits(info.vocab_size, info.max_context) if info.vocab_size and info.max_context else None)
+        self.core = RouterCore(
+            self.settings,
+            self.pool,
+            verifier,
+            metrics=self.spec_metrics,
+            profiles=profiles.priors,
+            record=profiles.record,
+            load_lexicon=profiles.lexicon if self.settings.shared_lexicon else None,
+            record_lexicon=profiles.learned if self.settings.shared_lexicon else None,
+            load_corpus=profiles.corpus,
+            limits=SubmitLimits(info.vocab_size, info.max_context) if info.vocab_size and info.max_context else None,
+        )
         self.core.start()
         self.verifier_ready = True
-        log.info("verifier connected", address=address, model=info.model_name, vocab=info.vocab_size,
-                 fingerprint=info.tokenizer_fingerprint, drafters=self.pool.live(), prior_weight=prior_weight)
+        log.info(
+            "verifier connected",
+            address=address,
+            model=info.model_name,
+            vocab=info.vocab_size,
+            fingerprint=info.tokenizer_fingerprint,
+            drafters=self.pool.live(),
+            prior_weight=prior_weight,
+        )
 
     async def stop(self) -> None:
         if self._connect_task:
@@ -229,6 +284,11 @@ async def build_app(settings: RouterSettings, store: Store) -> RouterApp:
 def main(argv: Sequence[str] | None = None) -> None:
     from common.platform.service import run_service
 
-    run_service(RouterSettings, build_app, prog="services.router", argv=argv,
-                description="CoSine router: schedules requests into pipelined rounds, routes them to drafters by "
-                "expertise, fuses proposals into token trees and sends them to the verifier.")
+    run_service(
+        RouterSettings,
+        build_app,
+        prog="services.router",
+        argv=argv,
+        description="CoSine router: schedules requests into pipelined rounds, routes them to drafters by "
+        "expertise, fuses proposals into token trees and sends them to the verifier.",
+    )

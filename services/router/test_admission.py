@@ -11,11 +11,18 @@ import pytest
 from common.spec.types import SamplingParams
 from services.router.admission import SubmitLimits, check_submission
 from services.router.core import RequestFailed, RouterCore
-from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool
+from services.router.settings import RouterSettings
 
 LIMITS = SubmitLimits(vocab_size=100, max_context=32)
-GOOD = dict(request_id="req-1.a:b_c", prompt=[1, 2, 3], max_new_tokens=4, sampling=SamplingParams(), stop_ids=[99], domain_hint="code")
+GOOD = dict(
+    request_id="req-1.a:b_c",
+    prompt=[1, 2, 3],
+    max_new_tokens=4,
+    sampling=SamplingParams(),
+    stop_ids=[99],
+    domain_hint="code",
+)
 
 
 @pytest.mark.parametrize(

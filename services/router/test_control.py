@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.router.control import Calibration, CostModel, SpeculationControl, chain_pays
 from common.spec.fusion import DraftTree
+from services.router.control import Calibration, CostModel, SpeculationControl, chain_pays
 
 
 def test_calibration_learns_the_acceptance_rate_per_confidence():
@@ -136,7 +136,9 @@ def test_the_first_draft_step_is_priced_per_request_so_a_lone_request_stops_payi
     assert alone == pytest.approx(row + control.throughput * 0.011, rel=0.05)
     overlapped = control.first_node_threshold(1, pipelined=True)
     assert overlapped == pytest.approx(row + (alone - row) / 2)
-    assert SpeculationControl(enabled=False).first_node_threshold(1, pipelined=False) == SpeculationControl().min_threshold
+    assert (
+        SpeculationControl(enabled=False).first_node_threshold(1, pipelined=False) == SpeculationControl().min_threshold
+    )
 
 
 def test_a_second_round_in_flight_pays_only_while_drafting_outlasts_the_verify_pass():
@@ -183,7 +185,10 @@ def test_a_deeper_drafted_row_is_priced_at_its_own_step_of_the_curve():
     assert first == pytest.approx(control.throughput * 0.031, rel=0.01)
     assert second == pytest.approx(control.throughput * 0.003, rel=0.05)
     assert control.first_row_threshold(1, depth=2) == pytest.approx(second, rel=0.05)
-    assert SpeculationControl(enabled=False).first_row_threshold(1, depth=1) == SpeculationControl(enabled=False).threshold()
+    assert (
+        SpeculationControl(enabled=False).first_row_threshold(1, depth=1)
+        == SpeculationControl(enabled=False).threshold()
+    )
 
 
 def flat(control: SpeculationControl, passes: int = 40) -> SpeculationControl:

@@ -13,18 +13,22 @@ import pytest
 import structlog
 import structlog.testing
 
+from common.runtime.test_greedy_equality import hf_greedy, make_prompts
 from common.spec.types import GREEDY, SamplingParams
+from services.router.conftest import MAX_NEW
 from services.router.core import RouterCore, common_prefix, sync_item
-from services.router.settings import RouterSettings
 from services.router.domain import detect_domains
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
-from services.router.conftest import MAX_NEW
-from common.runtime.test_greedy_equality import hf_greedy, make_prompts
+from services.router.settings import RouterSettings
 
 
-
-async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new: int,
-                       drain: bool = False, sampling: Mapping[str, SamplingParams] | None = None) -> dict[str, list[int]]:
+async def generate_all(
+    core: RouterCore,
+    prompts: dict[str, list[int]],
+    max_new: int,
+    drain: bool = False,
+    sampling: Mapping[str, SamplingParams] | None = None,
+) -> dict[str, list[int]]:
     """Every prompt's output; ``drain``: let drafter work still running off the verifier's path
     (a prompt's scoring) finish before the core stops, instead of cancelling it; ``sampling``: the
     requests that sample, and how (the others are greedy)."""
@@ -51,7 +55,9 @@ async def generate_all(core: RouterCore, prompts: dict[str, list[int]], max_new:
 
 CONFIGS = {
     "token-fusion-2-drafters": RouterSettings(drafters_per_request=2, fusion="token", tree_width=3, rounds_in_flight=2),
-    "token-fusion-width-1": RouterSettings(drafters_per_request=1, fusion="token", tree_width=1, rounds_in_flight=1, max_batch_requests=2),
+    "token-fusion-width-1": RouterSettings(
+        drafters_per_request=1, fusion="token", tree_width=1, rounds_in_flight=1, max_batch_requests=2
+    ),
     "chunk-fusion": RouterSettings(drafters_per_request=2, fusion="chunk", rounds_in_flight=2),
     "all-drafters-no-routing": RouterSettings(all_drafters=True, routing=False, adaptive_k=False, initial_k=3),
     "tight-budget": RouterSettings(drafters_per_request=3, fusion="token", verify_token_budget=8, max_k=8, initial_k=6),
@@ -100,7 +106,14 @@ def test_rounds_with_two_drafters_per_request_price_the_second(engines, referenc
     # probes on every interval: the tiny engines' catch-ups cost several rounds each, and the share
     # of time a router lets probes take would leave this short run one probe; a round a token (no
     # plain steps), so that rounds come often enough to probe
-    config = RouterSettings(drafters_per_request=2, rounds_in_flight=1, draft_ahead=False, lookup_drafts=False, probe_share=1.0, plain_steps=1)
+    config = RouterSettings(
+        drafters_per_request=2,
+        rounds_in_flight=1,
+        draft_ahead=False,
+        lookup_drafts=False,
+        probe_share=1.0,
+        plain_steps=1,
+    )
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
     assert core.counters.draft_tokens > 0
@@ -134,7 +147,9 @@ def test_every_round_logs_its_rows_prompt_rows_and_committed_tokens_at_debug_lev
     every committed token is counted once, and a pass has at least a row per request."""
     verifier, drafters = engines
     prompts, expected = reference
-    core = RouterCore(RouterSettings(drafters_per_request=2, fusion="chunk"), LocalDrafterPool(drafters), LocalVerifier(verifier))
+    core = RouterCore(
+        RouterSettings(drafters_per_request=2, fusion="chunk"), LocalDrafterPool(drafters), LocalVerifier(verifier)
+    )
     saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
     try:
@@ -163,8 +178,11 @@ def test_the_lookup_drafter_alone_speeds_up_repetitive_text_losslessly(engines, 
     phrases = make_prompts(4, verifier.runner.vocab_size, seed=5)
     prompts = {rid: (p[:5] * 4) for rid, p in phrases.items()}
     expected = hf_greedy(llama_target, prompts, MAX_NEW)
-    core = RouterCore(RouterSettings(rounds_in_flight=rounds_in_flight, cost_control=False, plain_steps=1), LocalDrafterPool({}),
-                      LocalVerifier(verifier))
+    core = RouterCore(
+        RouterSettings(rounds_in_flight=rounds_in_flight, cost_control=False, plain_steps=1),
+        LocalDrafterPool({}),
+        LocalVerifier(verifier),
+    )
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert core.counters.lookup_accepted > 0
     assert core.counters.accepted_tokens == core.counters.lookup_accepted  # every accepted token was a lookup token
@@ -184,7 +202,9 @@ def test_with_no_drafter_model_live_nothing_is_routed_ahead_and_plain_steps_stil
     assert core.counters.plain_step_passes > 0
 
 
-def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_forfeit(engines, llama_target, monkeypatch):
+def test_each_round_s_plan_is_told_the_round_trip_and_the_plain_steps_it_would_forfeit(
+    engines, llama_target, monkeypatch
+):
     """Each round's plan is told the round's measured time beside its passes and the plain steps the
     round would decode without drafts (``pass_plan.choose_nodes`` weighs them): a verifier 30 ms
     away is measured as such, one in process as far less, and while the batch holds the pool the
@@ -256,8 +276,15 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
         # routed inline (not while it decodes plainly: here scoring outlasts the whole request)
         # a token a round in both runs, so both have the same rounds and probes (plain steps would fold
         # the rounds of a request that stopped drafting, and its probes with them)
-        config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=pricing, draft_ahead=False,
-                              fusion="token", plain_steps=1)
+        config = RouterSettings(
+            drafters_per_request=1,
+            tree_width=1,
+            rounds_in_flight=1,
+            draft_pricing=pricing,
+            draft_ahead=False,
+            fusion="token",
+            plain_steps=1,
+        )
         core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
         assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
         return sorted(set(pool.rounds_drafted)), core.counters.rounds
@@ -270,7 +297,9 @@ def test_a_lone_request_stops_drafting_when_the_drafters_time_does_not_pay(engin
     assert len(unpriced) > len(priced), (unpriced, priced)
 
 
-def test_probes_of_a_request_the_gate_turned_down_take_at_most_their_share_of_the_time(engines, reference, llama_target):
+def test_probes_of_a_request_the_gate_turned_down_take_at_most_their_share_of_the_time(
+    engines, reference, llama_target
+):
     """The lone request of the test above, 96 tokens long, its drafter's step costing 50 ms: once
     drafting is turned down, its probes' drafter time stays within ``probe_share`` of the run's time
     (plus the probe round that opened the window), where the round intervals alone would have
@@ -283,8 +312,14 @@ def test_probes_of_a_request_the_gate_turned_down_take_at_most_their_share_of_th
 
     def run(probe_share: float) -> tuple[list[int], float, float]:
         pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
-        config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_ahead=False, fusion="token",
-                              probe_share=probe_share)
+        config = RouterSettings(
+            drafters_per_request=1,
+            tree_width=1,
+            rounds_in_flight=1,
+            draft_ahead=False,
+            fusion="token",
+            probe_share=probe_share,
+        )
         core = pool.core = RouterCore(config, pool, LocalVerifier(verifier))
         t0 = time.monotonic()
         assert asyncio.run(generate_all(core, {rid: prompts[rid]}, 96)) == expected
@@ -333,10 +368,14 @@ def test_a_second_round_is_in_flight_only_while_drafting_outlasts_verifying(engi
     prompts, expected = reference
     slow_verifier = bound == "verifier"
     # a weak drafter where the verifier is slow (many rounds), a perfect one where drafting is
-    pool = SlowDrafterPool({"small" if slow_verifier else "self": drafters["small" if slow_verifier else "self"]},
-                           delay_s=0.0 if slow_verifier else 0.04)
+    pool = SlowDrafterPool(
+        {"small" if slow_verifier else "self": drafters["small" if slow_verifier else "self"]},
+        delay_s=0.0 if slow_verifier else 0.04,
+    )
     backend = SlowVerifier(verifier, delay_s=0.04 if slow_verifier else 0.0)
-    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=2, draft_pricing=False, draft_ahead=False)
+    config = RouterSettings(
+        drafters_per_request=1, tree_width=1, rounds_in_flight=2, draft_pricing=False, draft_ahead=False
+    )
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     later = backend.in_flight[6:]
@@ -358,7 +397,9 @@ def test_drafting_requests_draft_while_the_rest_of_their_round_is_verified(engin
     prompts, expected = reference
     pool = SlowDrafterPool({"self": drafters["self"]}, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, draft_ahead=ahead)
+    config = RouterSettings(
+        drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, draft_ahead=ahead
+    )
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     turned_down = set(sorted(prompts)[::2])
     gate = core.gate.drafts
@@ -387,7 +428,9 @@ def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engi
     prompts, expected = reference
     pool = SlowDrafterPool(drafters, delay_s=0.05 if max_new == MAX_NEW else 0.5)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
+    config = RouterSettings(
+        drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token"
+    )
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, max_new, drain=True))
     assert got == {rid: toks[:max_new] for rid, toks in expected.items()}
@@ -420,7 +463,9 @@ def test_new_requests_first_pass_does_not_wait_for_their_drafters_to_read_their_
 
     pool = RecordingPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterSettings(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
+    config = RouterSettings(
+        routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token"
+    )
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, MAX_NEW, drain=True))
     assert got == expected
@@ -449,14 +494,23 @@ def test_drafters_left_behind_by_plain_rounds_catch_up_beside_a_pass(engines, re
             self.items: list[tuple[str, int, int]] = []  # (request, top_n, tokens appended)
 
         async def draft_many(self, calls):
-            self.items += [(item.request_id, item.top_n, len(item.append_ids)) for items in calls.values() for item in items]
+            self.items += [
+                (item.request_id, item.top_n, len(item.append_ids)) for items in calls.values() for item in items
+            ]
             return await super().draft_many(calls)
 
     pool = RecordingPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
     # (the lookup drafter's rounds without steps, so each plain token is a round of its own as the gate sees it)
-    config = RouterSettings(routing=False, drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False,
-                          fusion="token", step_lookup=False)
+    config = RouterSettings(
+        routing=False,
+        drafters_per_request=1,
+        tree_width=1,
+        rounds_in_flight=1,
+        draft_pricing=False,
+        fusion="token",
+        step_lookup=False,
+    )
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     gate = core.gate.drafts
     core.gate.drafts = lambda r, *args, **kw: not 2 <= len(r.generated) < 12 and gate(r, *args, **kw)
@@ -482,7 +536,9 @@ def test_a_lone_new_request_is_scored_before_its_first_pass(engines, reference):
     rid = sorted(prompts)[0]
     pool = SlowDrafterPool(drafters, delay_s=0.05)
     backend = SlowVerifier(verifier, delay_s=0.02)
-    config = RouterSettings(drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token")
+    config = RouterSettings(
+        drafters_per_request=1, tree_width=1, rounds_in_flight=1, draft_pricing=False, fusion="token"
+    )
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     assert asyncio.run(generate_all(core, {rid: prompts[rid]}, MAX_NEW)) == {rid: expected[rid]}
     assert core.counters.routed_ahead == 0 and core.counters.domains_by_drafters == 1
@@ -499,7 +555,11 @@ def test_domain_signal_picks_the_drafter_that_knows_the_text(engines, reference)
     text = {rid: prompts[rid] + expected[rid] for rid in prompts}
 
     async def body():
-        core = RouterCore(RouterSettings(), LocalDrafterPool({"near": drafters["near"], "small": drafters["small"]}), LocalVerifier(verifier))
+        core = RouterCore(
+            RouterSettings(),
+            LocalDrafterPool({"near": drafters["near"], "small": drafters["small"]}),
+            LocalVerifier(verifier),
+        )
         reqs = [core.submit(rid, t, 4, GREEDY) for rid, t in text.items()]
         await detect_domains(core.drafting, reqs, ["near", "small"])
         for r in reqs:
@@ -582,14 +642,30 @@ def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(en
     prompts, expected = reference
     rids = sorted(prompts)
     sampled = set(rids[1::2])
-    config = RouterSettings(drafters_per_request=2, fusion="token", tree_width=2, rounds_in_flight=1, draft_ahead=False,
-                          lookup_drafts=False, probe_share=1.0, plain_steps=1)
+    config = RouterSettings(
+        drafters_per_request=2,
+        fusion="token",
+        tree_width=2,
+        rounds_in_flight=1,
+        draft_ahead=False,
+        lookup_drafts=False,
+        probe_share=1.0,
+        plain_steps=1,
+    )
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     prior = sum(core.control.sampled_calibration.seen)
 
-    got = asyncio.run(generate_all(core, {rid: prompts[rid] for rid in rids}, MAX_NEW,
-                                   sampling=dict.fromkeys(sampled, SamplingParams(temperature=0.8, seed=7))))
-    assert {rid: got[rid] for rid in rids if rid not in sampled} == {rid: expected[rid] for rid in rids if rid not in sampled}
+    got = asyncio.run(
+        generate_all(
+            core,
+            {rid: prompts[rid] for rid in rids},
+            MAX_NEW,
+            sampling=dict.fromkeys(sampled, SamplingParams(temperature=0.8, seed=7)),
+        )
+    )
+    assert {rid: got[rid] for rid in rids if rid not in sampled} == {
+        rid: expected[rid] for rid in rids if rid not in sampled
+    }
     assert all(len(got[rid]) == MAX_NEW for rid in sampled)
     assert sum(core.control.sampled_calibration.seen) > prior
     assert sum(core.control.calibration.seen) > prior

@@ -10,16 +10,18 @@ from pathlib import Path
 import pytest
 
 from common.runtime.invariant_bf16 import bf16_available
-from services.router.conftest import MAX_NEW
-from services.router.core import RouterCore
-from services.router.settings import RouterSettings
-from services.router.inprocess import LocalDrafterPool, LocalVerifier
-from services.router.test_core import generate_all
-from common.runtime.verifier_engine import VerifierEngine
 from common.runtime.sim import plain_generate
 from common.runtime.test_greedy_equality import make_prompts
+from common.runtime.verifier_engine import VerifierEngine
+from services.router.conftest import MAX_NEW
+from services.router.core import RouterCore
+from services.router.inprocess import LocalDrafterPool, LocalVerifier
+from services.router.settings import RouterSettings
+from services.router.test_core import generate_all
 
-pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)")
+pytestmark = pytest.mark.skipif(
+    not bf16_available(), reason="this CPU's bfloat16 products are not row-invariant (no AMX)"
+)
 
 
 @pytest.fixture(scope="module", params=["auto", "invariant"])
@@ -30,11 +32,15 @@ def bf16_verifier(llama_target: Path, request: pytest.FixtureRequest) -> Verifie
     return verifier
 
 
-@pytest.mark.parametrize("config", [
-    RouterSettings(drafters_per_request=2, fusion="token", tree_width=3, rounds_in_flight=2, max_batch_requests=4),
-    RouterSettings(drafters_per_request=2, fusion="chunk", rounds_in_flight=2, cost_control=False),
-    RouterSettings(all_drafters=True, routing=False, adaptive_k=False, initial_k=6, max_k=8, tree_width=4),
-], ids=["token-fusion", "chunk-fusion-no-cost-control", "all-drafters-wide"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        RouterSettings(drafters_per_request=2, fusion="token", tree_width=3, rounds_in_flight=2, max_batch_requests=4),
+        RouterSettings(drafters_per_request=2, fusion="chunk", rounds_in_flight=2, cost_control=False),
+        RouterSettings(all_drafters=True, routing=False, adaptive_k=False, initial_k=6, max_k=8, tree_width=4),
+    ],
+    ids=["token-fusion", "chunk-fusion-no-cost-control", "all-drafters-wide"],
+)
 def test_bfloat16_speculation_equals_the_bfloat16_target_alone(config, bf16_verifier, engines) -> None:
     _, drafters = engines  # float32 drafters: what they propose never changes a verdict's token
     prompts = make_prompts(6, bf16_verifier.runner.vocab_size, seed=23)

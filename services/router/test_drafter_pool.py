@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from common.spec.types import DraftItem
 from common.platform.store import Member
+from common.spec.types import DraftItem
 from services.router.clients import DrafterEndpoint, GrpcDrafterPool
 
 

@@ -97,7 +97,10 @@ def test_batch_respects_budget_and_never_starves():
 
 def test_requests_under_way_keep_their_slots_and_new_ones_wait_in_arrival_order():
     new = [Candidate(f"n{i}", wait_s=1.0 + i, k=4, width=1, append_tokens=20, expected_tokens=3.0) for i in range(3)]
-    running = [Candidate(f"u{i}", wait_s=0.0, k=4, width=1, append_tokens=0, expected_tokens=1.0, started=True) for i in range(2)]
+    running = [
+        Candidate(f"u{i}", wait_s=0.0, k=4, width=1, append_tokens=0, expected_tokens=1.0, started=True)
+        for i in range(2)
+    ]
     batch = pick_batch([*new, *running], token_budget=10**6, max_requests=4, k_max=8)
     assert [b.request_id for b in batch] == ["u0", "u1", "n2", "n1"]  # then the longest waiting new ones
 

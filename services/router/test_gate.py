@@ -12,7 +12,9 @@ from services.router.settings import RouterSettings
 
 
 def request(rid: str, first_accept: float, domain: str = "", guess: str = "") -> Request:
-    return Request(rid, (1, 2, 3), 16, GREEDY, frozenset(), domain=domain, domain_guess=guess, first_accept=first_accept)
+    return Request(
+        rid, (1, 2, 3), 16, GREEDY, frozenset(), domain=domain, domain_guess=guess, first_accept=first_accept
+    )
 
 
 def loaded_control() -> SpeculationControl:
@@ -94,8 +96,12 @@ def test_misses_on_one_domain_do_not_turn_drafting_off_for_another(by_domain):
         gate.observe(chat, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
         gate.observe(chat, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
         gate.observe(chat, drafted=True, verified_model_nodes=True, first_accepted_is_model=False)
-        gate.observe(request(f"a{i}", 0.5, guess="arithmetic"), drafted=True, verified_model_nodes=True,
-                     first_accepted_is_model=True)
+        gate.observe(
+            request(f"a{i}", 0.5, guess="arithmetic"),
+            drafted=True,
+            verified_model_nodes=True,
+            first_accepted_is_model=True,
+        )
     arithmetic = request("a-new", gate.start("arithmetic"), guess="arithmetic")
     chat = request("c-new", gate.start("chat"), domain="chat")
     assert not gate.drafts(chat, 16, round_index=3, pipelined=False)
@@ -113,11 +119,14 @@ def test_probes_back_off_per_domain():
         batch = [request(f"c{round_index}-{i}", 0.01, domain="chat") for i in range(4)]
         batch += [request(f"k{round_index}-{i}", 0.01, guess="code") for i in range(4)]
         probing = [r for r in batch if gate.drafts(r, 8, round_index, False)]
-        assert all(r.probing for r in probing) and sorted(r.domain or r.domain_guess for r in probing) == ["chat", "code"]
+        assert all(r.probing for r in probing) and sorted(r.domain or r.domain_guess for r in probing) == [
+            "chat",
+            "code",
+        ]
         for r in probing:
             gate.observe(r, drafted=True, verified_model_nodes=True, first_accepted_is_model=r.domain != "chat")
         gate.settle(batch)
-    assert gate.record("chat").probe_every == 8 * 2 ** 3 == MAX_PROBE_EVERY
+    assert gate.record("chat").probe_every == 8 * 2**3 == MAX_PROBE_EVERY
     assert gate.record("code").probe_every == PROBE_EVERY
     assert gate.drafts(request("k", 0.01, guess="code"), 8, 40, False)  # a code probe round
     assert not gate.drafts(request("c", 0.01, domain="chat"), 8, 40, False)  # not chat's
@@ -131,7 +140,9 @@ def test_a_probe_round_probes_one_request_a_domain_and_the_requests_take_turns()
     (a probe catches a request's drafters up on everything committed since it last drafted, so all
     of them at once would stall the batch), the least recently probed one, until every one had its turn."""
     gate = DraftGate(RouterSettings(), loaded_control())
-    batch = [request(f"c{i}", 0.01, guess="chat") for i in range(8)] + [request(f"k{i}", 0.01, guess="code") for i in range(8)]
+    batch = [request(f"c{i}", 0.01, guess="chat") for i in range(8)] + [
+        request(f"k{i}", 0.01, guess="code") for i in range(8)
+    ]
     turns: list[list[str]] = []
     for round_index in range(PROBE_EVERY, 9 * PROBE_EVERY, PROBE_EVERY):
         probing = [r.request_id for r in probe_order(batch) if gate.drafts(r, 16, round_index, False)]

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from common.spec.types import GREEDY
 from common.platform.store import Store
+from common.spec.types import GREEDY
 from services.router import domain as domain_module
 from services.router.core import RouterCore
-from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool
 from services.router.lexicon import DomainLexicon
 from services.router.profiles import ProfileStore
+from services.router.settings import RouterSettings
 
 RANGES = {"code": range(10, 60), "prose": range(200, 250)}
 
@@ -129,7 +129,9 @@ def test_a_new_router_routes_by_the_shared_lexicon_from_its_first_request(scored
     async def body():
         store = Store.from_url(redis_url, prefix=redis_prefix)
         profiles = ProfileStore(store)
-        core = RouterCore(RouterSettings(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
+        core = RouterCore(
+            RouterSettings(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned
+        )
         await store.seed_lexicon(seed)
         reqs = [core.submit(f"r{i}", prompt(("code", "prose")[i % 2], rng), 4, GREEDY) for i in range(24)]
         vague = core.submit("vague", [104, 105], 4, GREEDY)  # only tokens every domain uses: no margin
@@ -206,7 +208,9 @@ def test_a_router_reads_the_shared_lexicon_when_it_starts(redis_url, redis_prefi
         store = Store.from_url(redis_url, prefix=redis_prefix)
         await store.seed_lexicon(seed)
         profiles = ProfileStore(store)
-        core = RouterCore(RouterSettings(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned)
+        core = RouterCore(
+            RouterSettings(), LocalDrafterPool({}), None, load_lexicon=profiles.lexicon, record_lexicon=profiles.learned
+        )
         before = core.routing.guess(prompt("prose", rng))
         core.start()
         for _ in range(100):

@@ -9,13 +9,13 @@ import time
 import pytest
 
 from common.spec.types import GREEDY
+from services.router.conftest import MAX_NEW
 from services.router.control import SpeculationControl
+from services.router.core import RouterCore
 from services.router.drafting import Drafting
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.requests import Request
 from services.router.settings import RouterSettings
-from services.router.core import RouterCore
-from services.router.conftest import MAX_NEW
 from services.router.test_core import generate_all
 
 
@@ -32,10 +32,14 @@ class StepCountingPool(LocalDrafterPool):
         return await super().draft_many(calls)
 
 
-@pytest.mark.parametrize("config", [
-    RouterSettings(drafters_per_request=2, tree_width=3, rounds_in_flight=2, fusion="token"),
-    RouterSettings(drafters_per_request=3, tree_width=2, cost_control=False, fusion="token"),
-], ids=["priced", "unpriced"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        RouterSettings(drafters_per_request=2, tree_width=3, rounds_in_flight=2, fusion="token"),
+        RouterSettings(drafters_per_request=3, tree_width=2, cost_control=False, fusion="token"),
+    ],
+    ids=["priced", "unpriced"],
+)
 def test_local_fusion_answers_each_round_in_one_call_and_stays_lossless(engines, reference, config):
     verifier, drafters = engines
     prompts, expected = reference
@@ -71,22 +75,34 @@ def test_a_tree_does_not_depend_on_where_it_was_fused(engines, reference, cost_c
     the same drafters and the same mirrors of the drafters' caches."""
     _, drafters = engines
     prompts, _ = reference
-    config = RouterSettings(drafters_per_request=3, tree_width=3, max_k=6, cost_control=cost_control, routing=False, fusion="token")
+    config = RouterSettings(
+        drafters_per_request=3, tree_width=3, max_k=6, cost_control=cost_control, routing=False, fusion="token"
+    )
     out = {}
     for local in (False, True):
         control = fed_control() if cost_control else SpeculationControl(enabled=False)
         pool = LocalDrafterPool(drafters, fuse_locally=local)
         drafting = Drafting(config, pool, control, time.monotonic)
-        batch = [Request(request_id=f"{rid}-{local}", prompt=tuple(p), max_new_tokens=MAX_NEW, sampling=GREEDY,
-                         stop_ids=frozenset()) for rid, p in sorted(prompts.items())]
+        batch = [
+            Request(
+                request_id=f"{rid}-{local}",
+                prompt=tuple(p),
+                max_new_tokens=MAX_NEW,
+                sampling=GREEDY,
+                stop_ids=frozenset(),
+            )
+            for rid, p in sorted(prompts.items())
+        ]
         ks = {r.request_id: 2 + i % 4 for i, r in enumerate(batch)}
         first = asyncio.run(drafting.tokens(batch, ks))
         for r in batch:  # a second round from the caches the first left behind, one token further on
             r.generated.append(first[0][r.request_id].tokens[0] if len(first[0][r.request_id]) else 1)
         second = asyncio.run(drafting.tokens(batch, ks))
         out[local] = [
-            ([(t.tokens, t.parents, t.probs, t.top1) for t in (trees[r.request_id] for r in batch)],
-             [selected[r.request_id] for r in batch])
+            (
+                [(t.tokens, t.parents, t.probs, t.top1) for t in (trees[r.request_id] for r in batch)],
+                [selected[r.request_id] for r in batch],
+            )
             for trees, selected in (first, second)
         ] + [[r.drafter_cache for r in batch]]
         for r in batch:
@@ -113,9 +129,16 @@ def test_a_fused_rounds_steps_are_priced_at_the_wall_time_the_round_waited(engin
 
     control = SpeculationControl(enabled=False)
     pool = SlowMessages(drafters, fuse_locally=True)
-    drafting = Drafting(RouterSettings(drafters_per_request=2, routing=False, cost_control=False, fusion="token"), pool, control, time.monotonic)
+    drafting = Drafting(
+        RouterSettings(drafters_per_request=2, routing=False, cost_control=False, fusion="token"),
+        pool,
+        control,
+        time.monotonic,
+    )
     rid, prompt = sorted(prompts.items())[0]
-    batch = [Request(request_id="wall", prompt=tuple(prompt), max_new_tokens=MAX_NEW, sampling=GREEDY, stop_ids=frozenset())]
+    batch = [
+        Request(request_id="wall", prompt=tuple(prompt), max_new_tokens=MAX_NEW, sampling=GREEDY, stop_ids=frozenset())
+    ]
     trees, _ = asyncio.run(drafting.tokens(batch, {"wall": 3}))
     assert len(trees["wall"]) >= 3 and pool.fused_rounds == 1  # three steps in one call
     assert control.draft_step_s >= 0.001 + 0.06 / 3 * 0.9  # each step carries a third of the wait

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-
 from types import SimpleNamespace
+
+import pytest
 
 from common.spec.fusion import DraftTree
 from common.spec.types import GREEDY
 from services.router.control import SpeculationControl
-from services.router.lookup_drafting import LookupDrafting
-from services.router.requests import Counters
-from services.router.settings import RouterSettings
-from services.router.test_control import stepped
 from services.router.lookup import (
     LOOKUP_ID,
     LookupCalibration,
@@ -20,6 +16,10 @@ from services.router.lookup import (
     lookup_only,
     observe_lookup,
 )
+from services.router.lookup_drafting import LookupDrafting
+from services.router.requests import Counters
+from services.router.settings import RouterSettings
+from services.router.test_control import stepped
 
 
 def test_calibration_starts_from_priors_and_learns_per_match_length_and_depth():
@@ -89,7 +89,9 @@ def test_the_plain_steps_draft_as_deep_as_each_row_repays_at_its_depth():
     priced at its depth, a chain the first row is worth goes on where the later rows are worth it,
     and a chain whose calibration fell short of the first row's price is not drafted at all."""
     control = stepped(SpeculationControl())
-    drafting = LookupDrafting(RouterSettings(step_lookup=True, lookup_drafts=True, speculate=True, lookup_corpus=False), control, Counters())
+    drafting = LookupDrafting(
+        RouterSettings(step_lookup=True, lookup_drafts=True, speculate=True, lookup_corpus=False), control, Counters()
+    )
     cal = drafting.calibration
     for i in range(400):  # a 4-token match: its first token right 90% of the time, each later one 50%
         for depth, rate in enumerate((0.9, 0.5, 0.5, 0.5)):

@@ -8,9 +8,9 @@ import asyncio
 from common.spec.lookup_corpus import DomainCorpora
 from services.router.conftest import MAX_NEW
 from services.router.core import RouterCore
-from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.lookup import CORPUS, TEXT, LookupCalibration
+from services.router.settings import RouterSettings
 from services.router.test_core import generate_all
 
 
@@ -27,6 +27,7 @@ def corpus_of(prompts: dict[str, list[int]], outputs: dict[str, list[int]]):
         if known_version == 1:
             return None  # unchanged
         return 1, DomainCorpora.build({"any": [prompts[rid] + outputs[rid] for rid in prompts]})
+
     return load
 
 
@@ -48,8 +49,12 @@ def test_the_router_drafts_from_the_corpus_and_the_output_stays_the_target_s(eng
     assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     assert core.counters.corpus_tokens > 0 and core.counters.corpus_accepted < core.counters.corpus_tokens // 4
 
-    off = RouterCore(RouterSettings(cost_control=False, lookup_corpus=False), LocalDrafterPool({}), LocalVerifier(verifier),
-                     load_corpus=corpus_of(prompts, expected))
+    off = RouterCore(
+        RouterSettings(cost_control=False, lookup_corpus=False),
+        LocalDrafterPool({}),
+        LocalVerifier(verifier),
+        load_corpus=corpus_of(prompts, expected),
+    )
     assert asyncio.run(generate_all(off, prompts, MAX_NEW)) == expected
     assert off.counters.corpus_tokens == 0 and off.lookups.corpus is None
     assert verifier.active_requests == 0
@@ -66,8 +71,7 @@ def test_the_verifier_drafts_from_the_same_corpus_at_plain_steps(engines, refere
     try:
         # one lookup token a node (max_k 1), so the round's own tree leaves most tokens to the steps
         config = RouterSettings(cost_control=False, rounds_in_flight=1, plain_steps=4, min_k=1, initial_k=1, max_k=1)
-        core = RouterCore(config, LocalDrafterPool({}),
-                          LocalVerifier(verifier), load_corpus=load)
+        core = RouterCore(config, LocalDrafterPool({}), LocalVerifier(verifier), load_corpus=load)
         assert asyncio.run(generate_all(core, prompts, MAX_NEW)) == expected
     finally:
         verifier.corpus = None

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from common.spec.fusion import DraftTree
-from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
 from services.router.core import RouterCore
-from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool
+from services.router.lookup import LOOKUP_ID, LookupCalibration, add_lookup_chain
 from services.router.pass_plan import PassCurve, choose_nodes, plan_pass
+from services.router.settings import RouterSettings
 
 
 def cpu_curve() -> PassCurve:
@@ -62,8 +62,10 @@ def test_a_bin_not_measured_again_stops_counting_and_starts_afresh():
 
 def chains(*values: list[float]) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """Requests r0, r1, ... each with one chain of nodes whose expected tokens are ``values``."""
-    return ({f"r{i}": v for i, v in enumerate(values)},
-            {f"r{i}": [j - 1 for j in range(len(v))] for i, v in enumerate(values)})
+    return (
+        {f"r{i}": v for i, v in enumerate(values)},
+        {f"r{i}": [j - 1 for j in range(len(v))] for i, v in enumerate(values)},
+    )
 
 
 def test_a_slow_start_stops_pricing_rows_out_well_within_a_short_workload():
@@ -88,8 +90,12 @@ def test_one_lone_request_verifies_a_tree_only_when_it_repays_the_jump_to_two_ro
     # one plain row commits 1 token in 46 ms; a second row costs 31 ms more
     assert choose_nodes(*chains([0.3, 0.2, 0.1]), 1, seconds) == {"r0": set()}
     assert choose_nodes(*chains([0.95, 0.9, 0.85, 0.8]), 1, seconds) == {"r0": {0, 1, 2, 3}}
-    assert choose_nodes(*chains([0.95, 0.9, 0.05]), 1, seconds) == {"r0": {0, 1}}  # the unlikely third is not worth its row
-    assert choose_nodes(*chains([0.4]), 1, lambda rows: None) == {"r0": {0}}  # nothing measured: verify all, and measure
+    assert choose_nodes(*chains([0.95, 0.9, 0.05]), 1, seconds) == {
+        "r0": {0, 1}
+    }  # the unlikely third is not worth its row
+    assert choose_nodes(*chains([0.4]), 1, lambda rows: None) == {
+        "r0": {0}
+    }  # nothing measured: verify all, and measure
 
 
 def test_a_row_slows_every_request_of_the_pass_so_a_full_batch_takes_only_near_certain_nodes():
@@ -105,6 +111,7 @@ def test_a_row_slows_every_request_of_the_pass_so_a_full_batch_takes_only_near_c
 def test_a_drafted_round_is_priced_against_the_plain_steps_it_forfeits_round_trip_included():
     """Four sampled requests on the AVX-512 Xeon's pass curve (four rows 22 ms, then about 1.5 ms a
     row), each with one lookup node worth 0.3 tokens."""
+
     def xeon(rows: int) -> float:
         return {4: 0.0220, 5: 0.0238, 6: 0.0251, 7: 0.0270, 8: 0.0279}[rows]
 
@@ -162,9 +169,11 @@ def test_each_request_is_priced_by_its_own_rates():
 def tiled_prior() -> list[tuple[int, float]]:
     """A CPU's pass by rows, timed at load: 16 ms for one row, 1 ms more a row up to eight, a tile
     of eight more rows costs 6 ms at once and 1 ms a row (2 more past sixteen): sixteen rows 37 ms, seventeen 48."""
+
     def t(rows: int) -> float:
         tiles = (rows - 1) // 8
         return 0.016 + 0.001 * (rows - 1) + 0.006 * tiles + (0.002 if rows > 16 else 0.0) * tiles
+
     return [(r, t(r)) for r in (*range(1, 21), 24, 32)]
 
 
@@ -206,7 +215,9 @@ def test_the_prior_takes_the_level_of_the_bins_around_each_size():
     curve.observe(8, 0.024)
     ratio_at_4 = 2.0 + (4 - 1) / (8 - 1) * (1.5 - 2.0)
     assert curve.predict(4, 0.0) == pytest.approx(0.012 * ratio_at_4)
-    assert curve.predict(12, 0.0) == pytest.approx(1.5 * (0.016 + 0.001 * 4))  # the last segment's slope, the last bin's level
+    assert curve.predict(12, 0.0) == pytest.approx(
+        1.5 * (0.016 + 0.001 * 4)
+    )  # the last segment's slope, the last bin's level
 
 
 class UntimedVerifier:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 from common.spec.types import SamplingParams, VerifyItem
-from services.router.core import RouterCore
-from services.router.settings import RouterSettings
-from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
 from services.router.conftest import MAX_NEW
+from services.router.core import RouterCore
+from services.router.inprocess import LocalDrafterPool, LocalVerifier, output_of
 from services.router.scheduler import PLAIN_STREAK, plain_steps
+from services.router.settings import RouterSettings
 
 
 class RecordingVerifier(LocalVerifier):
@@ -39,7 +39,10 @@ def test_plain_steps_only_for_a_round_that_drafts_nothing_and_holds_the_pool() -
 async def _run(core: RouterCore, prompts: dict[str, list[int]], sampling: SamplingParams, stop: int | None = None):
     core.start()
     try:
-        reqs = {rid: core.submit(rid, p, MAX_NEW, sampling, [stop] if stop is not None else []) for rid, p in prompts.items()}
+        reqs = {
+            rid: core.submit(rid, p, MAX_NEW, sampling, [stop] if stop is not None else [])
+            for rid, p in prompts.items()
+        }
         return {rid: await asyncio.wait_for(output_of(req), 120) for rid, req in reqs.items()}
     finally:
         await core.stop()
@@ -63,7 +66,9 @@ def test_a_sampled_request_gets_the_same_tokens_in_steps_and_a_round_a_token(eng
     sampling = SamplingParams(temperature=0.9, seed=11)
     outs = []
     for steps in (1, 4):
-        core = RouterCore(RouterSettings(speculate=False, plain_steps=steps), LocalDrafterPool({}), LocalVerifier(verifier))
+        core = RouterCore(
+            RouterSettings(speculate=False, plain_steps=steps), LocalDrafterPool({}), LocalVerifier(verifier)
+        )
         outs.append(asyncio.run(_run(core, {rid: prompts[rid] for rid in sorted(prompts)[:2]}, sampling)))
     assert outs[0] == outs[1]
 
@@ -86,8 +91,11 @@ def test_an_overloaded_pool_serves_first_come_first_served_in_steps(engines, ref
     verifier, _ = engines
     prompts, expected = reference
     recording = RecordingVerifier(verifier)
-    core = RouterCore(RouterSettings(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
-                      LocalDrafterPool({}), recording)
+    core = RouterCore(
+        RouterSettings(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
+        LocalDrafterPool({}),
+        recording,
+    )
     assert asyncio.run(_run(core, prompts, SamplingParams())) == expected
     first: dict[str, int] = {}
     last: dict[str, int] = {}
@@ -119,8 +127,11 @@ def test_a_slot_freed_by_a_finished_request_is_refilled_after_one_step(engines, 
     prompts, expected = reference
     (long_id, long_prompt), *shorts = list(prompts.items())[:4]
     recording = SlowVerifier(verifier)
-    core = RouterCore(RouterSettings(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
-                      LocalDrafterPool({}), recording)
+    core = RouterCore(
+        RouterSettings(speculate=False, plain_steps=4, max_batch_requests=2, rounds_in_flight=1),
+        LocalDrafterPool({}),
+        recording,
+    )
     short_new = 6
 
     async def short_client() -> dict[str, list[int]]:
@@ -156,7 +167,9 @@ def test_a_slot_freed_by_a_finished_request_is_refilled_after_one_step(engines, 
     assert verifier.active_requests == 0
 
 
-def test_the_verifier_drafts_from_each_request_s_text_in_its_steps_and_the_output_is_the_targets(engines, reference) -> None:
+def test_the_verifier_drafts_from_each_request_s_text_in_its_steps_and_the_output_is_the_targets(
+    engines, reference
+) -> None:
     verifier, _ = engines
     prompts, expected = reference
     recording = RecordingVerifier(verifier)
@@ -166,7 +179,9 @@ def test_the_verifier_drafts_from_each_request_s_text_in_its_steps_and_the_outpu
     stepped = [item for item in items if item.plain_steps > 1]
     assert stepped and all(len(item.step_lookup) == core.config.lookup_max_ngram for item in stepped)
     assert all(not item.step_lookup and not item.max_tokens for item in items if item.plain_steps == 1)
-    assert core.counters.step_lookup_tokens > 0  # chains were drafted in the steps (the engine's tests see them accepted)
+    assert (
+        core.counters.step_lookup_tokens > 0
+    )  # chains were drafted in the steps (the engine's tests see them accepted)
     # a round's passes are its own and its steps', however many tokens the steps' chains brought
     assert core.counters.verify_passes <= core.counters.tokens_committed
 
@@ -174,9 +189,11 @@ def test_the_verifier_drafts_from_each_request_s_text_in_its_steps_and_the_outpu
 def test_no_step_lookup_when_it_is_off_or_the_lookup_drafter_is(engines, reference) -> None:
     verifier, _ = engines
     prompts, expected = reference
-    for config in (RouterSettings(rounds_in_flight=1, plain_steps=8, step_lookup=False),
-                   RouterSettings(rounds_in_flight=1, plain_steps=8, lookup_drafts=False),
-                   RouterSettings(speculate=False, plain_steps=8)):
+    for config in (
+        RouterSettings(rounds_in_flight=1, plain_steps=8, step_lookup=False),
+        RouterSettings(rounds_in_flight=1, plain_steps=8, lookup_drafts=False),
+        RouterSettings(speculate=False, plain_steps=8),
+    ):
         recording = RecordingVerifier(verifier)
         core = RouterCore(config, LocalDrafterPool({}), recording)
         assert asyncio.run(_run(core, prompts, SamplingParams())) == expected

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from cosine_cli.redis_server import RedisServer
 from common.platform.store import Store
+from cosine_cli.redis_server import RedisServer
 from services.router.profiles import ProfileStore
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from common.runtime.verifier_engine import VerifierEngine
 from cosine.v1 import common_pb2, router_pb2
 from services.router.core import RouterCore
-from services.router.settings import RouterSettings
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
 from services.router.server import RouterServicer
-from common.runtime.verifier_engine import VerifierEngine
+from services.router.settings import RouterSettings
 
 
 class FakeContext:
@@ -27,8 +27,9 @@ def test_closing_the_stream_at_a_yield_cancels_the_request(llama_target):
         core.start()
         try:
             servicer = RouterServicer(SimpleNamespace(core=core, verifier_ready=True))
-            request = router_pb2.SubmitRequest(request_id="r1", prompt_ids=[1, 2, 3], max_new_tokens=500,
-                                               sampling=common_pb2.SamplingParams())
+            request = router_pb2.SubmitRequest(
+                request_id="r1", prompt_ids=[1, 2, 3], max_new_tokens=500, sampling=common_pb2.SamplingParams()
+            )
             stream = servicer.Submit(request, FakeContext())
             first = await stream.__anext__()  # the generator is now suspended at a yield
             assert first.token_ids and not first.finished

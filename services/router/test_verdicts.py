@@ -3,10 +3,10 @@ credited, when a request finishes, fails or is marked for a re-prefill."""
 
 from __future__ import annotations
 
+from common.spec.fusion import DraftTree
 from common.spec.lookup_index import CORPUS, TEXT
 from common.spec.types import GREEDY, StepLookup, Verdict
 from services.router.control import SpeculationControl
-from common.spec.fusion import DraftTree
 from services.router.gate import DraftGate
 from services.router.lookup import LookupCalibration
 from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Request
@@ -92,13 +92,26 @@ def test_other_verifier_errors_fail_the_request_with_their_kind():
 def test_the_steps_lookup_drafts_calibrate_the_lookup_rates_as_the_router_s_own_chains_do():
     apply, req = make()
     calibration = apply.lookup_calibration
-    before = {(n, d, src): calibration(True, n, d, src) for n, d, src in ((6, 0, CORPUS), (6, 1, CORPUS), (6, 2, CORPUS), (2, 0, TEXT))}
+    before = {
+        (n, d, src): calibration(True, n, d, src)
+        for n, d, src in ((6, 0, CORPUS), (6, 1, CORPUS), (6, 2, CORPUS), (2, 0, TEXT))
+    }
     steps = (StepLookup(CORPUS, 6, 2, 1), StepLookup(TEXT, 2, 1, 0), StepLookup(CORPUS, 6, 2, 1))
-    verdict = Verdict("r", next_token=13, committed_len=6, plain_tokens=(14, 15), step_passes=2, step_drafted=5,
-                      step_accepted=2, step_lookups=steps)
+    verdict = Verdict(
+        "r",
+        next_token=13,
+        committed_len=6,
+        plain_tokens=(14, 15),
+        step_passes=2,
+        step_drafted=5,
+        step_accepted=2,
+        step_lookups=steps,
+    )
     apply.apply(req, DraftTree(drafter_ids=[]), [], verdict, [], 1000)
     assert calibration(True, 6, 0, CORPUS) > before[6, 0, CORPUS]  # the corpus chains' first tokens: accepted twice
     assert calibration(True, 6, 1, CORPUS) < before[6, 1, CORPUS]  # their second tokens: tried twice, rejected twice
     assert calibration(True, 6, 2, CORPUS) == before[6, 2, CORPUS]  # never tried
     assert calibration(True, 2, 0, TEXT) < before[2, 0, TEXT]
-    assert calibration(False, 6, 0, CORPUS) == LookupCalibration.prior(6, 0, CORPUS)  # a greedy request's steps: greedy rates only
+    assert calibration(False, 6, 0, CORPUS) == LookupCalibration.prior(
+        6, 0, CORPUS
+    )  # a greedy request's steps: greedy rates only

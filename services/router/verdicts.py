@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.logs import get_logger
+from common.spec.fusion import DraftTree, credit
 from common.spec.types import Verdict
 from services.router.control import SpeculationControl
-from common.spec.fusion import DraftTree, credit
 from services.router.gate import DraftGate
 from services.router.lookup import CORPUS, LOOKUP_ID, LookupCalibration, LookupNodes, lookup_only, observe_lookup
 from services.router.requests import FINISH_EOS, FINISH_LENGTH, Counters, Event, Request, RequestFailed
@@ -47,20 +47,37 @@ GOING_ON = Outcome()
 class VerdictApplication:
     """Applies one request's verdict; the round collects the profile updates of its batch."""
 
-    def __init__(self, control: SpeculationControl, gate: DraftGate, lookup_calibration: LookupCalibration,
-                 counters: Counters, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        control: SpeculationControl,
+        gate: DraftGate,
+        lookup_calibration: LookupCalibration,
+        counters: Counters,
+        metrics: Any = None,
+    ) -> None:
         self.control = control
         self.gate = gate
         self.lookup_calibration = lookup_calibration
         self.counters = counters
         self.metrics = metrics  # services.router.metrics.RouterMetrics, or None
 
-    def apply(self, r: Request, tree: DraftTree, selected: list[str], verdict: Verdict, updates: list[ProfileUpdate],
-              round_ns: int, lookups: Sequence[LookupNodes] = ()) -> Outcome:
+    def apply(
+        self,
+        r: Request,
+        tree: DraftTree,
+        selected: list[str],
+        verdict: Verdict,
+        updates: list[ProfileUpdate],
+        round_ns: int,
+        lookups: Sequence[LookupNodes] = (),
+    ) -> Outcome:
         if not verdict.ok:
             if lost_by_verifier(verdict) and r.verifier_synced and mark_for_resume(r):
-                log.info("verifier lost the request; re-prefilling its committed tokens", request_id=r.request_id,
-                         committed=len(r.sequence))
+                log.info(
+                    "verifier lost the request; re-prefilling its committed tokens",
+                    request_id=r.request_id,
+                    committed=len(r.sequence),
+                )
                 return GOING_ON
             return Outcome(error=RequestFailed(verdict.error, getattr(verdict, "error_kind", "") or "internal"))
         r.verifier_synced = True

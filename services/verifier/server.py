@@ -14,22 +14,22 @@ from typing import Any
 
 import grpc
 
-from common.runtime.checkpoints import CheckpointError
+from common.logs import get_logger
 from common.platform.grpc_server import ServerHandle
 from common.platform.live_requests import LiveRequests
-from common.logs import get_logger
-from common.spec.lookup_corpus import DomainCorpora
-from services.corpus import corpus_from_store, keep_corpus_loaded
 from common.platform.metrics import ServiceMetrics, bind_engine_metrics
+from common.platform.service import StartupError
+from common.platform.store import Store
+from common.runtime.batching import merge_outcomes, repeated_items, split_by_tokens
+from common.runtime.checkpoints import CheckpointError
 from common.runtime.model_thread import ModelThread
 from common.runtime.threads import configure_torch_threads
-from common.platform.service import StartupError
+from common.runtime.verifier_engine import VerifierEngine
+from common.spec.lookup_corpus import DomainCorpora
 from common.spec.types import VerifyItem, VerifyOutcome
-from common.platform.store import Store
 from cosine.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.convert import model_info_to_pb, verdict_to_pb, verify_items_from_pb
-from common.runtime.batching import merge_outcomes, repeated_items, split_by_tokens
-from common.runtime.verifier_engine import VerifierEngine
+from services.corpus import corpus_from_store, keep_corpus_loaded
 from services.verifier.settings import VerifierSettings
 
 SERVICE_NAME = "cosine.v1.Verifier"
@@ -50,7 +50,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         engine = self.app.engine
         if engine is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verifier hosts no target model (start it with --target PATH)")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this verifier hosts no target model (start it with --target PATH)"
+            )
         live = LiveRequests()  # request ids this stream holds caches for (see common/platform/live_requests.py)
         try:
             async for batch in request_iterator:
@@ -59,10 +61,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 before = live.begin((item.request_id, item.release) for item in items)
                 outcome = await self.app.verify(items)
                 live.settle(before, ((i.request_id, i.release, v.ok) for i, v in zip(items, outcome.verdicts)))
-                reply = verifier_pb2.VerifyResult(batch_id=batch.batch_id, verdicts=[verdict_to_pb(v) for v in outcome.verdicts],
-                                                  batch_tokens=outcome.batch_tokens)
+                reply = verifier_pb2.VerifyResult(
+                    batch_id=batch.batch_id,
+                    verdicts=[verdict_to_pb(v) for v in outcome.verdicts],
+                    batch_tokens=outcome.batch_tokens,
+                )
                 t = outcome.timings
-                reply.timings.prefill_ns, reply.timings.forward_ns, reply.timings.decode_ns = t.prefill_ns, t.forward_ns, t.decode_ns
+                reply.timings.prefill_ns, reply.timings.forward_ns, reply.timings.decode_ns = (
+                    t.prefill_ns,
+                    t.forward_ns,
+                    t.decode_ns,
+                )
                 reply.timings.total_ns = time.perf_counter_ns() - received
                 reply.timings.queue_ns = max(0, reply.timings.total_ns - t.total_ns)
                 yield reply
@@ -75,8 +84,13 @@ class VerifierApp:
     role = "verifier"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, settings: VerifierSettings, store: Store, engine: VerifierEngine | None,
-                 model_thread: ModelThread | None = None):
+    def __init__(
+        self,
+        settings: VerifierSettings,
+        store: Store,
+        engine: VerifierEngine | None,
+        model_thread: ModelThread | None = None,
+    ):
         self.settings = settings
         self.store = store
         self.engine = engine
@@ -92,8 +106,10 @@ class VerifierApp:
         assert self.engine is not None
         repeats = repeated_items(items)  # refused here: the split below could put them in different passes
         todo = [item for i, item in enumerate(items) if i not in repeats]
-        outcomes = [await self.model_thread.run(self.engine.verify, part)
-                    for part in split_by_tokens(todo, self.settings.max_batch_tokens)]
+        outcomes = [
+            await self.model_thread.run(self.engine.verify, part)
+            for part in split_by_tokens(todo, self.settings.max_batch_tokens)
+        ]
         outcome = merge_outcomes(outcomes, repeats)
         self.busy_ns += outcome.timings.total_ns
         if self.passes is not None:
@@ -113,8 +129,9 @@ class VerifierApp:
     def bind_metrics(self, metrics: ServiceMetrics) -> None:
         bind_engine_metrics(metrics, lambda: self.engine)
         self.passes = metrics.counter("cosine_verifier_batches_total", "verify batches")
-        self.pass_requests = metrics.histogram("cosine_verifier_batch_requests", "requests per verify batch",
-                                               buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64))
+        self.pass_requests = metrics.histogram(
+            "cosine_verifier_batch_requests", "requests per verify batch", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64)
+        )
         self.pass_seconds = metrics.histogram("cosine_verifier_batch_seconds", "model time of a verify batch")
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -130,7 +147,8 @@ class VerifierApp:
 
         # the lookup corpus the routers draft from, for the plain steps' drafts (VerifyItem.step_corpus)
         self._corpus_task = asyncio.ensure_future(
-            keep_corpus_loaded(lambda version: corpus_from_store(self.store, version), use, lambda: self._closed))
+            keep_corpus_loaded(lambda version: corpus_from_store(self.store, version), use, lambda: self._closed)
+        )
 
     async def stop(self) -> None:
         self._closed = True
@@ -142,8 +160,12 @@ class VerifierApp:
         info: dict[str, Any] = {"target": self.settings.target}
         if self.engine is not None:
             m = self.engine.model_info()
-            info.update(vocab_size=m.vocab_size, max_context=m.max_context, fingerprint=m.tokenizer_fingerprint,
-                        attention_backend=m.attention_backend)
+            info.update(
+                vocab_size=m.vocab_size,
+                max_context=m.max_context,
+                fingerprint=m.tokenizer_fingerprint,
+                attention_backend=m.attention_backend,
+            )
         return info
 
 
@@ -154,8 +176,12 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
     if settings.target:
         try:
             engine = await model_thread.run(
-                VerifierEngine.from_checkpoint, settings.target, device=settings.device, dtype=settings.dtype,
-                attention_backend=settings.attention, kv_token_budget=settings.kv_budget_tokens,
+                VerifierEngine.from_checkpoint,
+                settings.target,
+                device=settings.device,
+                dtype=settings.dtype,
+                attention_backend=settings.attention,
+                kv_token_budget=settings.kv_budget_tokens,
                 max_tree_nodes=settings.max_tree_nodes,
             )
         except (CheckpointError, ValueError) as exc:
@@ -163,8 +189,15 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
         if settings.time_passes:
             await model_thread.run(engine.time_passes)
         m = engine.model_info()
-        log.info("target loaded", path=settings.target, architecture=m.architecture, params=m.num_parameters,
-                 attention_backend=m.attention_backend, threads=threads, fingerprint=m.tokenizer_fingerprint)
+        log.info(
+            "target loaded",
+            path=settings.target,
+            architecture=m.architecture,
+            params=m.num_parameters,
+            attention_backend=m.attention_backend,
+            threads=threads,
+            fingerprint=m.tokenizer_fingerprint,
+        )
     else:
         log.warning("no target model given (--target PATH); this verifier will refuse Verify streams")
     return VerifierApp(settings, store, engine, model_thread)
@@ -173,5 +206,10 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
 def main(argv: Sequence[str] | None = None) -> None:
     from common.platform.service import run_service
 
-    run_service(VerifierSettings, build_app, prog="services.verifier", argv=argv,
-                description="CoSine verifier: hosts the target model and verifies batches of token trees losslessly.")
+    run_service(
+        VerifierSettings,
+        build_app,
+        prog="services.verifier",
+        argv=argv,
+        description="CoSine verifier: hosts the target model and verifies batches of token trees losslessly.",
+    )

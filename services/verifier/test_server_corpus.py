@@ -34,7 +34,9 @@ def test_the_verifier_loads_the_lookup_corpus_and_again_when_it_is_seeded_anew(r
             await store.seed_corpus({"code": [[1, 2, 3, 4]]})
             await app.start(None, "")  # type: ignore[arg-type]
             first = await _proposal(engine, [3, 4])
-            await store.seed_corpus({"code": [[1, 2, 9, 9]]})  # a new seed: the routers reload it, and so does the verifier
+            await store.seed_corpus(
+                {"code": [[1, 2, 9, 9]]}
+            )  # a new seed: the routers reload it, and so does the verifier
             second = await _proposal(engine, [9, 9])
         finally:
             await app.stop()

@@ -23,8 +23,11 @@ from common.platform.grpc_server import CHANNEL_OPTIONS
 from .harness import FuzzReport
 from .stack import FuzzStack
 
-_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                     HealthCheck.filter_too_much], print_blob=True)
+_common = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    print_blob=True,
+)
 settings.register_profile("ci", max_examples=50, derandomize=True, database=None, **_common)
 settings.register_profile("fuzz", max_examples=1000, **_common)
 
@@ -79,4 +82,3 @@ def channels(stack: FuzzStack) -> Iterator[dict[str, grpc.Channel]]:
     finally:
         for channel in out.values():
             channel.close()
-

@@ -25,14 +25,30 @@ from .strategies import DOUBLE, INT32, TEMPERATURE, TEXT, TOKEN, TOP_P, UINT32, 
 
 IDS = st.one_of(st.sampled_from(["a", "b", "c"]), st.sampled_from(["", "ü", "a" * 300]), TEXT)
 PROMPT = st.lists(TOKEN, min_size=1, max_size=12).map(tuple)
-APPEND = st.one_of(st.just(()), PROMPT, st.lists(INT32, min_size=1, max_size=4).map(tuple),
-                   st.integers(MAX_CONTEXT - 2, MAX_CONTEXT + 2).map(lambda n: (7,) * n))
+APPEND = st.one_of(
+    st.just(()),
+    PROMPT,
+    st.lists(INT32, min_size=1, max_size=4).map(tuple),
+    st.integers(MAX_CONTEXT - 2, MAX_CONTEXT + 2).map(lambda n: (7,) * n),
+)
 
 
 # ---- verifier --------------------------------------------------------------------------------
 
-VERIFY_FIELDS = frozenset({"request_id", "append_ids", "tree", "tree.tokens", "tree.parents", "tree.draft_probs",
-                           "tree.source_masks", "sampling.temperature", "sampling.top_p", "sampling.top_k"})
+VERIFY_FIELDS = frozenset(
+    {
+        "request_id",
+        "append_ids",
+        "tree",
+        "tree.tokens",
+        "tree.parents",
+        "tree.draft_probs",
+        "tree.source_masks",
+        "sampling.temperature",
+        "sampling.top_p",
+        "sampling.top_k",
+    }
+)
 
 
 @st.composite
@@ -42,7 +58,11 @@ def trees(draw) -> common_pb2.TokenTree:
     tokens = draw(st.lists(TOKEN, min_size=n, max_size=n))
     probs = draw(st.one_of(st.just([]), st.lists(st.floats(width=32), min_size=n, max_size=n)))
     masks = draw(st.one_of(st.just([]), st.lists(UINT64, min_size=n, max_size=n)))
-    broken = draw(st.sampled_from(["none"] * 4 + ["forward", "self", "below", "lengths", "token", "probs", "masks", "huge", "deep"]))
+    broken = draw(
+        st.sampled_from(
+            ["none"] * 4 + ["forward", "self", "below", "lengths", "token", "probs", "masks", "huge", "deep"]
+        )
+    )
     if broken == "forward" and n:
         i = draw(st.integers(0, n - 1))
         parents[i] = draw(st.integers(i + 1, 2**31 - 1))  # a forward reference closes a cycle
@@ -54,7 +74,9 @@ def trees(draw) -> common_pb2.TokenTree:
     elif broken == "lengths":
         parents = parents + [-1] if draw(st.booleans()) or not n else parents[:-1]
     elif broken == "token" and n:
-        tokens[draw(st.integers(0, n - 1))] = draw(st.one_of(st.integers(-(2**31), -1), st.integers(VOCAB_SIZE, 2**31 - 1)))
+        tokens[draw(st.integers(0, n - 1))] = draw(
+            st.one_of(st.integers(-(2**31), -1), st.integers(VOCAB_SIZE, 2**31 - 1))
+        )
     elif broken == "probs":
         probs = probs + [0.5]
     elif broken == "masks":
@@ -65,8 +87,13 @@ def trees(draw) -> common_pb2.TokenTree:
     elif broken == "deep":  # a chain as deep as the context
         n = draw(st.integers(MAX_CONTEXT - 8, MAX_CONTEXT + 8))
         parents, tokens, probs, masks = list(range(-1, n - 1)), [1] * n, [], []
-    return common_pb2.TokenTree(tokens=tokens, parents=parents, draft_probs=probs, source_masks=masks,
-                                drafter_ids=draw(st.lists(st.text(max_size=4), max_size=2)))
+    return common_pb2.TokenTree(
+        tokens=tokens,
+        parents=parents,
+        draft_probs=probs,
+        source_masks=masks,
+        drafter_ids=draw(st.lists(st.text(max_size=4), max_size=2)),
+    )
 
 
 SAMPLING = st.one_of(
@@ -74,23 +101,48 @@ SAMPLING = st.one_of(
     st.builds(common_pb2.SamplingParams, temperature=TEMPERATURE, top_p=TOP_P, top_k=UINT32),
     st.builds(common_pb2.SamplingParams, temperature=DOUBLE, top_p=DOUBLE, top_k=UINT32),
 )
-VERIFY_ITEM = st.builds(verifier_pb2.VerifyItem, request_id=IDS, append_ids=APPEND, tree=trees(), sampling=SAMPLING,
-                        release=st.sampled_from([False] * 5 + [True]))
+VERIFY_ITEM = st.builds(
+    verifier_pb2.VerifyItem,
+    request_id=IDS,
+    append_ids=APPEND,
+    tree=trees(),
+    sampling=SAMPLING,
+    release=st.sampled_from([False] * 5 + [True]),
+)
 VERIFY_SCRIPT = st.lists(st.lists(VERIFY_ITEM, max_size=5), min_size=1, max_size=4).map(
-    lambda batches: [verifier_pb2.VerifyBatch(batch_id=i + 1, items=items) for i, items in enumerate(batches)])
-_SMALL_VERIFY_ITEM = st.builds(verifier_pb2.VerifyItem, request_id=IDS, append_ids=PROMPT,
-                               tree=st.builds(common_pb2.TokenTree, tokens=st.lists(TOKEN, max_size=4),
-                                              parents=st.lists(st.integers(-1, 3), max_size=4)),
-                               sampling=SAMPLING, release=st.booleans())
-RAW_VERIFY = st.lists(mutated(st.builds(verifier_pb2.VerifyBatch, batch_id=UINT64, items=st.lists(_SMALL_VERIFY_ITEM, max_size=3))
-                              .map(lambda b: b.SerializeToString())), min_size=1, max_size=3)
+    lambda batches: [verifier_pb2.VerifyBatch(batch_id=i + 1, items=items) for i, items in enumerate(batches)]
+)
+_SMALL_VERIFY_ITEM = st.builds(
+    verifier_pb2.VerifyItem,
+    request_id=IDS,
+    append_ids=PROMPT,
+    tree=st.builds(
+        common_pb2.TokenTree, tokens=st.lists(TOKEN, max_size=4), parents=st.lists(st.integers(-1, 3), max_size=4)
+    ),
+    sampling=SAMPLING,
+    release=st.booleans(),
+)
+RAW_VERIFY = st.lists(
+    mutated(
+        st.builds(verifier_pb2.VerifyBatch, batch_id=UINT64, items=st.lists(_SMALL_VERIFY_ITEM, max_size=3)).map(
+            lambda b: b.SerializeToString()
+        )
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 def _tree_problem(tree: common_pb2.TokenTree) -> bool:
     n = len(tree.tokens)
-    return (n > VERIFIER_MAX_TREE_NODES or len(tree.parents) != n or any(not -1 <= p < i for i, p in enumerate(tree.parents))
-            or any(not 0 <= t < VOCAB_SIZE for t in tree.tokens)
-            or (tree.draft_probs and len(tree.draft_probs) != n) or (tree.source_masks and len(tree.source_masks) != n))
+    return (
+        n > VERIFIER_MAX_TREE_NODES
+        or len(tree.parents) != n
+        or any(not -1 <= p < i for i, p in enumerate(tree.parents))
+        or any(not 0 <= t < VOCAB_SIZE for t in tree.tokens)
+        or (tree.draft_probs and len(tree.draft_probs) != n)
+        or (tree.source_masks and len(tree.source_masks) != n)
+    )
 
 
 def _depth(tree: common_pb2.TokenTree) -> int:
@@ -113,7 +165,9 @@ class VerifierModel:
 
     def check_batch(self, batch: verifier_pb2.VerifyBatch, reply: verifier_pb2.VerifyResult) -> None:
         assert reply.batch_id == batch.batch_id
-        assert [v.request_id for v in reply.verdicts] == [i.request_id for i in batch.items], "one verdict per item, in order"
+        assert [v.request_id for v in reply.verdicts] == [i.request_id for i in batch.items], (
+            "one verdict per item, in order"
+        )
         seen: set[str] = set()
         for item, verdict in zip(batch.items, reply.verdicts):
             self.check_item(item, verdict, item.request_id in seen)
@@ -124,8 +178,11 @@ class VerifierModel:
             return "invalid"
         if item.release:
             return None
-        if (_sampling_problem(item.sampling) or _tree_problem(item.tree)
-                or any(not 0 <= t < VOCAB_SIZE for t in item.append_ids)):
+        if (
+            _sampling_problem(item.sampling)
+            or _tree_problem(item.tree)
+            or any(not 0 <= t < VOCAB_SIZE for t in item.append_ids)
+        ):
             return "invalid"
         if item.request_id not in self.committed and not item.append_ids:
             return "unknown_request"
@@ -174,9 +231,16 @@ DRAFTER_ID = st.one_of(st.sampled_from(DRAFTERS), st.sampled_from(["", "nope"]))
 @st.composite
 def draft_steps(draw, step_id: int) -> drafter_pb2.DraftStep:
     if draw(st.booleans()):
-        return drafter_pb2.DraftStep(step_id=step_id, drafter_id=draw(DRAFTER_ID), items=draw(st.lists(DRAFT_ITEM, max_size=4)))
-    groups = draw(st.lists(st.builds(drafter_pb2.DraftGroup, drafter_id=DRAFTER_ID, items=st.lists(DRAFT_ITEM, max_size=3)),
-                           min_size=1, max_size=3))
+        return drafter_pb2.DraftStep(
+            step_id=step_id, drafter_id=draw(DRAFTER_ID), items=draw(st.lists(DRAFT_ITEM, max_size=4))
+        )
+    groups = draw(
+        st.lists(
+            st.builds(drafter_pb2.DraftGroup, drafter_id=DRAFTER_ID, items=st.lists(DRAFT_ITEM, max_size=3)),
+            min_size=1,
+            max_size=3,
+        )
+    )
     return drafter_pb2.DraftStep(step_id=step_id, groups=groups)
 
 
@@ -203,14 +267,22 @@ class DrafterModel:
             return True
         if item.release:
             return False
-        if (item.top_n > DRAFTER_MAX_TOP_N or item.chain_len > DRAFTER_MAX_CHAIN_LEN or item.truncate_to < -1
-                or any(not 0 <= t < VOCAB_SIZE for t in item.append_ids)):
+        if (
+            item.top_n > DRAFTER_MAX_TOP_N
+            or item.chain_len > DRAFTER_MAX_CHAIN_LEN
+            or item.truncate_to < -1
+            or any(not 0 <= t < VOCAB_SIZE for t in item.append_ids)
+        ):
             return True
         held = self.tokens.get((drafter, item.request_id))
         if held is None and (not item.append_ids or item.truncate_to > 0):
             return True
         keep = (held or 0) if item.truncate_to < 0 else item.truncate_to
-        return keep > (held or 0) or keep + len(item.append_ids) > MAX_CONTEXT or (keep == 0 and not item.append_ids and item.top_n > 0)
+        return (
+            keep > (held or 0)
+            or keep + len(item.append_ids) > MAX_CONTEXT
+            or (keep == 0 and not item.append_ids and item.top_n > 0)
+        )
 
     def check_step(self, step: drafter_pb2.DraftStep, reply: drafter_pb2.DraftStepResult) -> None:
         assert reply.step_id == step.step_id
@@ -237,7 +309,9 @@ class DrafterModel:
                 assert fed <= result.cache_len <= fed + max(0, item.chain_len - 1), (item, result)
                 if item.top_n:
                     assert 1 <= len(result.positions) <= max(1, item.chain_len)
-                    assert all(len(p.token_ids) == len(p.probs) == min(item.top_n, VOCAB_SIZE) for p in result.positions)
+                    assert all(
+                        len(p.token_ids) == len(p.probs) == min(item.top_n, VOCAB_SIZE) for p in result.positions
+                    )
                     assert all(0 <= t < VOCAB_SIZE for p in result.positions for t in p.token_ids)
                 else:
                     assert not result.positions

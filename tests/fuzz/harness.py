@@ -54,11 +54,17 @@ class RawRpc:
         self.path = path
         self.request_streaming = request_streaming
         self.response_streaming = response_streaming
-        kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-                (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+        kind = {
+            (False, False): channel.unary_unary,
+            (False, True): channel.unary_stream,
+            (True, False): channel.stream_unary,
+            (True, True): channel.stream_stream,
+        }
         self._call = kind[request_streaming, response_streaming](path)
 
-    def send(self, request: bytes | Sequence[bytes], timeout_s: float = CALL_TIMEOUT_S, max_replies: int | None = None) -> Outcome:
+    def send(
+        self, request: bytes | Sequence[bytes], timeout_s: float = CALL_TIMEOUT_S, max_replies: int | None = None
+    ) -> Outcome:
         """Send one message (or a stream of them) and collect what comes back. ``max_replies``: read
         that many replies of a response stream, then cancel the call (a client that went away)."""
         payload = iter(list(request)) if self.request_streaming else request
@@ -83,7 +89,9 @@ class RawRpc:
 # ---- checks --------------------------------------------------------------------------------
 
 
-def check_status(outcome: Outcome, allowed: Iterable[str], fields: Iterable[str], expect_field: str | None = None) -> None:
+def check_status(
+    outcome: Outcome, allowed: Iterable[str], fields: Iterable[str], expect_field: str | None = None
+) -> None:
     """The call ended with an allowed status; a refusal names one of ``fields`` (``expect_field``
     when the case was built bad in that one field). Hangs and INTERNAL/UNKNOWN fail here."""
     allowed, fields = set(allowed), set(fields)
@@ -120,16 +128,17 @@ class FuzzReport:
         for target in sorted(self.cases):
             result = "FAILED" if target in self.failed else "passed"
             out.append(f"{target:<34} {self.cases[target]:>7} cases  {result}")
-        out.append(f"{'total':<34} {sum(self.cases.values()):>7} cases  "
-                   f"{'FAILED' if self.failed else 'passed'}")
+        out.append(f"{'total':<34} {sum(self.cases.values()):>7} cases  {'FAILED' if self.failed else 'passed'}")
         return out
 
 
 def fuzz_targets(*names: str) -> Callable[[Any], Any]:
     """Mark a test as a fuzzer of ``names``: a failure of the test counts against them in the report."""
+
     def mark(fn: Any) -> Any:
         fn.fuzz_targets = names
         return fn
+
     return mark
 
 

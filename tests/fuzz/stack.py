@@ -34,6 +34,7 @@ def _capture(build_app: Callable[..., Any], into: list[Any]) -> Callable[..., An
         app = await build_app(settings, store)
         into.append(app)
         return app
+
     return factory
 
 
@@ -66,16 +67,48 @@ class FuzzStack:
         from services.verifier.settings import VerifierSettings
 
         stack = cls(redis_url, prefix)
-        common = dict(host="127.0.0.1", port=0, metrics_port=-1, redis_url=redis_url, redis_prefix=prefix, log_level="warning")
+        common = dict(
+            host="127.0.0.1", port=0, metrics_port=-1, redis_url=redis_url, redis_prefix=prefix, log_level="warning"
+        )
         try:
-            stack._run("verifier", verifier_app, VerifierSettings, common, target=zoo.target.path, torch_threads=1,
-                       max_batch_tokens=VERIFIER_MAX_BATCH_TOKENS, max_tree_nodes=VERIFIER_MAX_TREE_NODES)
-            stack._run("drafter", drafter_app, DrafterSettings, common, torch_threads=1, max_top_n=DRAFTER_MAX_TOP_N,
-                       max_chain_len=DRAFTER_MAX_CHAIN_LEN, drafters=[f"{d}={zoo.drafters[d].path}" for d in DRAFTERS])
-            stack._run("router", router_app, RouterSettings, common, verifier_address=stack.address("verifier"),
-                       discovery_interval_s=0.2)
-            stack._run("gateway", gateway_app, GatewaySettings, common, router_address=stack.address("router"),
-                       tokenizer=zoo.target.path, http_port=0, **GATEWAY_LIMITS)
+            stack._run(
+                "verifier",
+                verifier_app,
+                VerifierSettings,
+                common,
+                target=zoo.target.path,
+                torch_threads=1,
+                max_batch_tokens=VERIFIER_MAX_BATCH_TOKENS,
+                max_tree_nodes=VERIFIER_MAX_TREE_NODES,
+            )
+            stack._run(
+                "drafter",
+                drafter_app,
+                DrafterSettings,
+                common,
+                torch_threads=1,
+                max_top_n=DRAFTER_MAX_TOP_N,
+                max_chain_len=DRAFTER_MAX_CHAIN_LEN,
+                drafters=[f"{d}={zoo.drafters[d].path}" for d in DRAFTERS],
+            )
+            stack._run(
+                "router",
+                router_app,
+                RouterSettings,
+                common,
+                verifier_address=stack.address("verifier"),
+                discovery_interval_s=0.2,
+            )
+            stack._run(
+                "gateway",
+                gateway_app,
+                GatewaySettings,
+                common,
+                router_address=stack.address("router"),
+                tokenizer=zoo.target.path,
+                http_port=0,
+                **GATEWAY_LIMITS,
+            )
             stack._wait_router_ready()
         except BaseException:
             stack.stop()
@@ -84,8 +117,10 @@ class FuzzStack:
         stack.vocab_size, stack.max_context = info.vocab_size, info.max_context
         if (stack.vocab_size, stack.max_context) != (VOCAB_SIZE, MAX_CONTEXT):
             stack.stop()
-            raise RuntimeError(f"the tiny zoo's target changed: vocab {stack.vocab_size}, context {stack.max_context}; "
-                               "update VOCAB_SIZE and MAX_CONTEXT in tests/fuzz/stack.py")
+            raise RuntimeError(
+                f"the tiny zoo's target changed: vocab {stack.vocab_size}, context {stack.max_context}; "
+                "update VOCAB_SIZE and MAX_CONTEXT in tests/fuzz/stack.py"
+            )
         return stack
 
     def _run(self, name: str, build_app: Any, settings_cls: Any, common: dict[str, Any], **kw: Any) -> None:
@@ -128,11 +163,16 @@ class FuzzStack:
         core = self.apps["router"].core
         if core is not None and core.requests:
             out.append(f"router requests: {sorted(core.requests)[:4]}")
-        engines = {"verifier": self.apps["verifier"].engine, **{f"drafter {d}": e for d, e in self.apps["drafter"].engines.items()}}
+        engines = {
+            "verifier": self.apps["verifier"].engine,
+            **{f"drafter {d}": e for d, e in self.apps["drafter"].engines.items()},
+        }
         for name, engine in engines.items():
             if engine.active_requests or engine.kv_reserved_tokens:
-                out.append(f"{name}: {engine.active_requests} requests, {engine.kv_reserved_tokens} KV tokens reserved "
-                           f"({sorted(engine._requests)[:4]})")
+                out.append(
+                    f"{name}: {engine.active_requests} requests, {engine.kv_reserved_tokens} KV tokens reserved "
+                    f"({sorted(engine._requests)[:4]})"
+                )
         return out
 
     def assert_clean(self, timeout_s: float = 15.0) -> None:

@@ -12,7 +12,7 @@ from hypothesis import example, given
 
 from cosine.v1 import drafter_pb2, verifier_pb2
 
-from .engine_cases import DRAFTERS, DRAFT_SCRIPT, RAW_DRAFT, RAW_VERIFY, VERIFY_SCRIPT, DrafterModel, VerifierModel
+from .engine_cases import DRAFT_SCRIPT, DRAFTERS, RAW_DRAFT, RAW_VERIFY, VERIFY_SCRIPT, DrafterModel, VerifierModel
 from .harness import RawRpc, check_status, fuzz_targets
 from .strategies import field_paths
 
@@ -32,8 +32,17 @@ def draft(channels) -> RawRpc:
 
 @fuzz_targets("verifier/stream")
 # a release refused as a repeat frees nothing: the request stays live and the stream's end must free it
-@example(script=[verifier_pb2.VerifyBatch(batch_id=1, items=[verifier_pb2.VerifyItem(request_id="x", append_ids=[1, 2, 3]),
-                                                              verifier_pb2.VerifyItem(request_id="x", release=True)])])
+@example(
+    script=[
+        verifier_pb2.VerifyBatch(
+            batch_id=1,
+            items=[
+                verifier_pb2.VerifyItem(request_id="x", append_ids=[1, 2, 3]),
+                verifier_pb2.VerifyItem(request_id="x", release=True),
+            ],
+        )
+    ]
+)
 @given(script=VERIFY_SCRIPT)
 def test_verify_streams_answer_every_item(stack, verify, fuzz_report, script):
     fuzz_report.case("verifier/stream")
@@ -58,9 +67,18 @@ def test_verify_streams_of_any_bytes(stack, verify, fuzz_report, messages):
 
 
 @fuzz_targets("drafter/stream")
-@example(script=[drafter_pb2.DraftStep(step_id=1, drafter_id=DRAFTERS[0], items=[
-    drafter_pb2.DraftItem(request_id="x", truncate_to=-1, append_ids=[1, 2, 3], top_n=1, chain_len=1),
-    drafter_pb2.DraftItem(request_id="x", truncate_to=-1, release=True)])])
+@example(
+    script=[
+        drafter_pb2.DraftStep(
+            step_id=1,
+            drafter_id=DRAFTERS[0],
+            items=[
+                drafter_pb2.DraftItem(request_id="x", truncate_to=-1, append_ids=[1, 2, 3], top_n=1, chain_len=1),
+                drafter_pb2.DraftItem(request_id="x", truncate_to=-1, release=True),
+            ],
+        )
+    ]
+)
 @given(script=DRAFT_SCRIPT)
 def test_draft_streams_answer_every_item(stack, draft, fuzz_report, script):
     fuzz_report.case("drafter/stream")

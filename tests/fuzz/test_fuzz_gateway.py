@@ -56,7 +56,9 @@ class GrpcGateway:
             request_id = chunks[0].request_id
         else:
             reply = gateway_pb2.GenerateResponse.FromString(outcome.replies[0])
-            assert reply.finish_reason in FINISHED and reply.usage.completion_tokens == len(reply.token_ids) <= limit, reply
+            assert reply.finish_reason in FINISHED and reply.usage.completion_tokens == len(reply.token_ids) <= limit, (
+                reply
+            )
             request_id = reply.request_id
         if isinstance(case, GenerateSpec) and case.request_id:
             assert request_id == case.request_id
@@ -65,12 +67,20 @@ class GrpcGateway:
 @pytest.fixture(scope="module")
 def gateways(channels) -> list[GrpcGateway]:
     """Every front door of the gateway a case may take (an HTTP target would be one more entry)."""
-    return [GrpcGateway(RawRpc(channels["gateway"], "/cosine.v1.Gateway/Generate", False, False), False),
-            GrpcGateway(RawRpc(channels["gateway"], "/cosine.v1.Gateway/GenerateStream", False, True), True)]
+    return [
+        GrpcGateway(RawRpc(channels["gateway"], "/cosine.v1.Gateway/Generate", False, False), False),
+        GrpcGateway(RawRpc(channels["gateway"], "/cosine.v1.Gateway/GenerateStream", False, True), True),
+    ]
 
 
-def run_case(stack: FuzzStack, gateways: list[GrpcGateway], data: st.DataObject, case: GenerateSpec | bytes,
-             allowed: set[str], expect_field: str | None = None) -> None:
+def run_case(
+    stack: FuzzStack,
+    gateways: list[GrpcGateway],
+    data: st.DataObject,
+    case: GenerateSpec | bytes,
+    allowed: set[str],
+    expect_field: str | None = None,
+) -> None:
     gateway = data.draw(st.sampled_from(gateways), label="gateway")
     outcome = gateway.send(case)
     assert outcome.code != FUZZER_CANCELLED
@@ -117,5 +127,7 @@ def test_stack_is_reachable(channels):
     """The fuzzers' own premise: the gateway answers a plain valid request."""
     reply = gateway_pb2.GenerateResponse.FromString(
         RawRpc(channels["gateway"], "/cosine.v1.Gateway/Generate", False, False)
-        .send(GenerateSpec(prompt="def f(x):", max_new_tokens=3).to_pb()).replies[0])
+        .send(GenerateSpec(prompt="def f(x):", max_new_tokens=3).to_pb())
+        .replies[0]
+    )
     assert 1 <= len(reply.token_ids) <= 3 and isinstance(grpc.StatusCode.OK, grpc.StatusCode)

@@ -19,9 +19,27 @@ from hypothesis import strategies as st
 from .harness import fuzz_targets
 from .stack import GATEWAY_LIMITS, FuzzStack
 
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                     "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user",
-                     "echo", "best_of", "suffix"}
+COMPLETION_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "echo",
+    "best_of",
+    "suffix",
+}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {"messages", "max_completion_tokens"}
 LIMIT = GATEWAY_LIMITS["max_new_tokens_limit"]
 
@@ -76,9 +94,11 @@ def check(reply: Reply, fields: set[str], body: Any, model: str, stack: FuzzStac
     stack.assert_clean()
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                     max_leaves=8)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 
 
 def bodies(fields: set[str], model: str, valid: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict]:
@@ -87,7 +107,8 @@ def bodies(fields: set[str], model: str, valid: dict[str, st.SearchStrategy]) ->
     known = st.fixed_dictionaries({}, optional=value)
     extra = st.dictionaries(st.text(max_size=8).filter(lambda k: k not in fields), _json, max_size=2)
     return st.tuples(known, extra, st.sampled_from([model, model, model, "other-model"])).map(
-        lambda t: {**t[1], **t[0], "model": t[2]})
+        lambda t: {**t[1], **t[0], "model": t[2]}
+    )
 
 
 def _valid(model: str) -> dict[str, st.SearchStrategy]:
@@ -100,8 +121,13 @@ def _valid(model: str) -> dict[str, st.SearchStrategy]:
         "seed": st.integers(0, 2**32),
         "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
         "stream": st.booleans(),
-        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
-                                                    "content": st.text(max_size=10)}), min_size=1, max_size=2),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=10)}
+            ),
+            min_size=1,
+            max_size=2,
+        ),
     }
 
 

@@ -13,7 +13,15 @@ from cosine.v1 import router_pb2
 
 from .harness import FUZZER_CANCELLED, Outcome, RawRpc, check_status, fuzz_targets, share_of_examples
 from .stack import FuzzStack
-from .strategies import BAD_SUBMIT_FIELDS, RAW_SUBMIT, SUBMIT_FIELDS, VALID_SUBMIT, WILD_SUBMIT, SubmitSpec, one_bad_submit
+from .strategies import (
+    BAD_SUBMIT_FIELDS,
+    RAW_SUBMIT,
+    SUBMIT_FIELDS,
+    VALID_SUBMIT,
+    WILD_SUBMIT,
+    SubmitSpec,
+    one_bad_submit,
+)
 
 MAX_CHUNKS = 3
 
@@ -23,7 +31,9 @@ def submit(channels) -> RawRpc:
     return RawRpc(channels["router"], "/cosine.v1.Router/Submit", False, True)
 
 
-def run_case(stack: FuzzStack, submit: RawRpc, case: SubmitSpec | bytes, allowed: set[str], expect_field: str | None = None) -> Outcome:
+def run_case(
+    stack: FuzzStack, submit: RawRpc, case: SubmitSpec | bytes, allowed: set[str], expect_field: str | None = None
+) -> Outcome:
     outcome = submit.send(case if isinstance(case, bytes) else case.to_pb(), max_replies=MAX_CHUNKS)
     check_status(outcome, {*allowed, FUZZER_CANCELLED} if "OK" in allowed else allowed, SUBMIT_FIELDS, expect_field)
     chunks = [router_pb2.TokenChunk.FromString(r) for r in outcome.replies]

@@ -10,6 +10,7 @@ import torch
 
 from cosine_zoo.random_checkpoints import make_checkpoint, make_perturbed_checkpoint
 
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     """The test models are tiny: intra-op threads only add synchronisation cost (and stall badly
@@ -33,22 +34,25 @@ LLAMA3_ROPE = {
 @pytest.fixture(scope="session")
 def llama_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Llama, GQA (4 query / 2 kv heads), llama3 RoPE scaling, untied embeddings."""
-    return make_checkpoint(tmp_path_factory.mktemp("llama_target"), "llama", seed=1, num_hidden_layers=3,
-                           rope_parameters=LLAMA3_ROPE)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("llama_target"), "llama", seed=1, num_hidden_layers=3, rope_parameters=LLAMA3_ROPE
+    )
 
 
 @pytest.fixture(scope="session")
 def qwen2_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2 (q/k/v biases), GQA, tied embeddings."""
-    return make_checkpoint(tmp_path_factory.mktemp("qwen2_target"), "qwen2", seed=2, num_hidden_layers=3,
-                           tie_word_embeddings=True)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("qwen2_target"), "qwen2", seed=2, num_hidden_layers=3, tie_word_embeddings=True
+    )
 
 
 @pytest.fixture(scope="session")
 def mistral_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Mistral, GQA, with a sliding window as wide as its context (1024 tokens): full attention."""
-    return make_checkpoint(tmp_path_factory.mktemp("mistral_target"), "mistral", seed=6, num_hidden_layers=3,
-                           sliding_window=1024)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("mistral_target"), "mistral", seed=6, num_hidden_layers=3, sliding_window=1024
+    )
 
 
 @pytest.fixture(scope="session")
@@ -70,5 +74,13 @@ def mistral_near(tmp_path_factory: pytest.TempPathFactory, mistral_target: Path)
 @pytest.fixture(scope="session")
 def llama_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An unrelated smaller Llama with the same vocabulary (its drafts are mostly wrong)."""
-    return make_checkpoint(tmp_path_factory.mktemp("llama_small"), "llama", seed=5, hidden_size=32,
-                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("llama_small"),
+        "llama",
+        seed=5,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )

@@ -19,7 +19,9 @@ def total_variation(counts: Mapping[Hashable, int], probs: Mapping[Hashable, flo
     return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
 
 
-def null_tv_threshold(probs: Mapping[Hashable, float], n: int, seed: int, null_runs: int = 200, slack: float = 1.1) -> float:
+def null_tv_threshold(
+    probs: Mapping[Hashable, float], n: int, seed: int, null_runs: int = 200, slack: float = 1.1
+) -> float:
     keys = list(probs)
     p = torch.tensor([probs[k] for k in keys], dtype=torch.float64)
     g = torch.Generator().manual_seed(seed)

@@ -123,6 +123,7 @@ def start_service(settings, factory, prog: str = "test-service") -> tuple[InProc
     server = InProcessService(settings, factory, prog).start()
     return server, server.port
 
+
 @pytest.fixture(scope="session")
 def dev_certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from common.platform.devcerts import write_dev_certs
@@ -157,5 +158,6 @@ def tiny_distilled_zoo(tiny_zoo: Any, tmp_path_factory: pytest.TempPathFactory) 
     from cosine_zoo.profiles import tiny_distill
 
     out = tmp_path_factory.mktemp("tiny-distilled-zoo")
-    return build_zoo(BuildOptions(out=out, profile=tiny_distill(), seed=0, progress=False, threads=1,
-                                  target=tiny_zoo.target.path))
+    return build_zoo(
+        BuildOptions(out=out, profile=tiny_distill(), seed=0, progress=False, threads=1, target=tiny_zoo.target.path)
+    )
