@@ -135,7 +135,8 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
             if w.kind == "open":
                 workloads[w.name] = build_workload(w, items, scenario.max_new_tokens, rps, scenario.seed)
         _say(
-            f"reference  capacity of {system} on {capacity_wl or 'the reference pass'}: {rps:.2f} requests/s ({tps:.0f} tokens/s); "
+            f"reference  capacity of {system} on {capacity_wl or 'the reference pass'}: {rps:.2f} requests/s "
+            f"({tps:.0f} tokens/s); "
             f"open-loop rates: "
             + ", ".join(f"{w.name} {workloads[w.name].offered_rps:.2f}/s" for w in specs if w.kind == "open")
         )
@@ -292,11 +293,14 @@ def format_table(report: dict[str, Any], workloads: Sequence[str] | None = None)
                 return "-" if v is None else format(v, fmt)
 
             lines.append(
-                f"{name:<20}{f(m['tokens_per_s'], '.1f'):>9}{f(m['latency_mean_s'], '.3f'):>10}{f(m['latency_p50_s'], '.3f'):>8}"
+                f"{name:<20}{f(m['tokens_per_s'], '.1f'):>9}{f(m['latency_mean_s'], '.3f'):>10}"
+                f"{f(m['latency_p50_s'], '.3f'):>8}"
                 f"{f(m['latency_p99_s'], '.3f'):>8}{f(m['ttft_mean_s'], '.3f'):>8}"
                 f"{f(None if m['tpot_mean_s'] is None else m['tpot_mean_s'] * 1e3, '.2f'):>9}"
-                f"{f(m['mean_accepted_len'], '.2f'):>9}{f(m['verifier_busy_frac'], '.0%'):>7}{f(m['bound_tokens_per_s'], '.0f'):>8}"
-                f"{f(m['frac_of_bound'], '.0%'):>8}  {f(s['draft_frac'], '.0%')}/{f(s['verify_frac'], '.0%')}/{f(s['other_frac'], '.0%')}"
+                f"{f(m['mean_accepted_len'], '.2f'):>9}{f(m['verifier_busy_frac'], '.0%'):>7}"
+                f"{f(m['bound_tokens_per_s'], '.0f'):>8}"
+                f"{f(m['frac_of_bound'], '.0%'):>8}  "
+                f"{f(s['draft_frac'], '.0%')}/{f(s['verify_frac'], '.0%')}/{f(s['other_frac'], '.0%')}"
             )
     r = report["ratios"]
     lines.append("\nratios (same run):")
@@ -327,7 +331,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--systems",
         default="",
         help="comma-separated systems, or 'all' (default: autoregressive, services_plain, hf_assisted, "
-        "vanilla_sd, cosine, cosine_token_fusion, cosine_no_control, cosine_no_lookup, cosine_no_draft_ahead, cosine_no_corpus)",
+        "vanilla_sd, cosine, cosine_token_fusion, cosine_no_control, cosine_no_lookup, cosine_no_draft_ahead, "
+        "cosine_no_corpus)",
     )
     p.add_argument("--workloads", default="", help="comma-separated subset of the scenario's workloads (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: the scenario's)")
@@ -391,7 +396,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     print(format_table(report))
     print(
-        f"\nwall {time.perf_counter() - t0:.0f}s; greedy check: {report['scenario']['greedy_check']['checked_requests']} "
+        f"\nwall {time.perf_counter() - t0:.0f}s; greedy check: "
+        f"{report['scenario']['greedy_check']['checked_requests']} "
         f"outputs equal to the target's own decode; report {args.out}"
         + ("" if args.no_plots else f", plots in {Path(args.out).parent}/")
     )

@@ -57,7 +57,8 @@ def check_greedy(
 def mismatch_text(bad: Sequence[dict[str, Any]]) -> str:
     b = bad[0]
     return (
-        f"GREEDY OUTPUT MISMATCH: {len(bad)} request(s) of {b['system']} on {b['workload']} differ from the target's own "
+        f"GREEDY OUTPUT MISMATCH: {len(bad)} request(s) of {b['system']} on {b['workload']} differ from the target's "
+        "own "
         f"greedy decode; first: request {b['request']} ({b['domain']}) at token {b['position']}: "
         f"expected ...{b['expected']}..., got ...{b['got']}... (lengths {b['expected_len']} vs {b['got_len']})"
     )

@@ -280,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     eos = tok.eos_token_id
     chosen = [d.strip() for d in args.drafters.split(",") if d.strip()] or None
     print(
-        f"loading the target and {len(chosen) if chosen else len(zoo.drafters)} drafters on {args.device} ({args.dtype}) ...",
+        f"loading the target and {len(chosen) if chosen else len(zoo.drafters)} drafters on {args.device} "
+        f"({args.dtype}) ...",
         file=sys.stderr,
         flush=True,
     )

@@ -17,7 +17,10 @@ from typing import Any
 
 from benchmarks.workloads import WorkloadSpec
 
-ONE_AT_A_TIME_WHY = "serves one request at a time: under load its throughput is its one-client figure and its latency the queue in front of it"
+ONE_AT_A_TIME_WHY = (
+    "serves one request at a time: under load its throughput is its one-client figure and its latency the queue "
+    "in front of it"
+)
 ABLATION_WHY = (
     "an ablation of cosine: run where its headline ratios against cosine are read (name workloads to run it on them)"
 )

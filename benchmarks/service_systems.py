@@ -300,7 +300,8 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "cosine": (
         (),
         (),
-        "everything on: routing by expertise, chunk fusion into a token tree, lookup drafting, pipelining while it pays, adaptive k, "
+        "everything on: routing by expertise, chunk fusion into a token tree, lookup drafting, pipelining while it "
+        "pays, adaptive k, "
         "cost-aware control",
     ),
     "cosine_no_routing": (("--no-routing",), (), "cosine with routing off (fixed first drafters)"),

@@ -168,9 +168,11 @@ def workload_table(report: Mapping[str, Any]) -> str:
         return None if busy is None else busy / m["verify_batches"] * 1e3
 
     head = (
-        "| workload | cosine / autoregressive, tok/s | same, while all clients busy | cosine / autoregressive, latency | "
+        "| workload | cosine / autoregressive, tok/s | same, while all clients busy | cosine / autoregressive, "
+        "latency | "
         "services_plain / autoregressive, tok/s | cosine / services_plain, tok/s | cosine / vanilla_sd, tok/s | "
-        "cosine / cosine_token_fusion, tok/s | cosine / cosine_no_draft_ahead, tok/s | cosine / cosine_no_corpus, tok/s | "
+        "cosine / cosine_token_fusion, tok/s | cosine / cosine_no_draft_ahead, tok/s | cosine / cosine_no_corpus, "
+        "tok/s | "
         "busy, cosine | accepted/round, cosine | requests a pass, cosine / services_plain / autoregressive | "
         "verify ms a pass, cosine / autoregressive |"
     )

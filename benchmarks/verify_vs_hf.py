@@ -137,7 +137,8 @@ def compare(
         }
         line = (
             f"   {b:5d}  {row['ours_decode'] * 1e3:8.2f} ms  {row['hf_decode'] * 1e3:6.2f} ms  "
-            f"{row['ours_chain5'] * 1e3:8.2f} ms  {row['hf_chain5'] * 1e3:6.2f} ms  {row['ours_tree10'] * 1e3:8.2f} ms  "
+            f"{row['ours_chain5'] * 1e3:8.2f} ms  {row['hf_chain5'] * 1e3:6.2f} ms  {row['ours_tree10'] * 1e3:8.2f} "
+            "ms  "
             f"{row['hf_chain5'] / row['ours_chain5']:14.2f}"
         )
         if peaks:

@@ -31,10 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "chaos",
         help="kill each service of a local cluster under load (drafter, verifier, router, gateway, Redis) and report",
-        description="Start a local cluster (as `cosine up`, supervised), run a greedy workload once undisturbed for reference "
-        "outputs, then once per victim while that process is SIGKILLed and restarted by the supervisor. Reports requests "
-        "sent, completed, failed, retried (after UNAVAILABLE) and outputs that differ from the undisturbed run, per kill "
-        "and in total. Exit status 0 when nothing failed or differed, 1 otherwise.",
+        description="Start a local cluster (as `cosine up`, supervised), run a greedy workload once undisturbed for "
+        "reference outputs, then once per victim while that process is SIGKILLed and restarted by the supervisor. "
+        "Reports requests sent, completed, failed, retried (after UNAVAILABLE) and outputs that differ from the "
+        "undisturbed run, per kill and in total. Exit status 0 when nothing failed or differed, 1 otherwise.",
     )
     p.add_argument(
         "--zoo", default=DEFAULT_ZOO, help=f"model zoo directory (default: {DEFAULT_ZOO}; the tiny test zoo works too)"
@@ -74,7 +74,8 @@ def _victims(text: str) -> list[str]:
     bad = [v for v in names if v not in VICTIMS]
     if bad or not names:
         raise SystemExit(
-            f"cosine chaos: error: --victims: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(VICTIMS)}"
+            f"cosine chaos: error: --victims: unknown {', '.join(bad) or '(none given)'}; choose from "
+            f"{', '.join(VICTIMS)}"
         )
     return names
 
@@ -109,9 +110,10 @@ def print_table(reference: Any, kills: list[Any], tot: dict[str, Any]) -> None:
         )
     )
     widths = [max(len(str(c)) for c in col) for col in zip(COLUMNS, *rows)]
-    line = lambda cells: "  ".join(
-        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )  # noqa: E731
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     print(line(COLUMNS))
     for row in rows:
         print(line(row))
@@ -142,7 +144,8 @@ async def run_chaos(args: argparse.Namespace, victims: list[str], say) -> dict[s
         await seed_zoo(cluster.redis_url, spec.prefix, zoo)
         cluster.supervise(backoff=Backoff(initial_s=0.5), say=say)
         say(
-            f"chaos      reference run: {len(prompts)} requests, {args.concurrency} at a time, {args.max_new_tokens} new tokens"
+            f"chaos      reference run: {len(prompts)} requests, {args.concurrency} at a time, {args.max_new_tokens} "
+            "new tokens"
         )
         outcomes = await run_workload(
             cluster.gateway_address, prompts, args.concurrency, args.max_new_tokens, args.retry_window

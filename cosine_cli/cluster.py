@@ -31,6 +31,7 @@ from typing import Any
 from common.platform.grpc_server import join_host_port, wait_healthy
 from common.platform.tls import TlsConfig, open_channel
 from cosine_cli.redis_server import RedisServer, free_port
+from cosine_cli.tls import service_tls_args
 
 
 class ClusterError(RuntimeError):
@@ -56,22 +57,6 @@ class ClusterSpec:
     prefix: str = "cosine"
     startup_timeout_s: float = 180.0
     tls: TlsConfig | None = None  # None: plaintext everywhere
-
-
-def tls_args(tls: TlsConfig | None) -> list[str]:
-    """The service flags that give a process ``tls`` (nothing for plaintext)."""
-    if tls is None or not tls.enabled:
-        return []
-    args = []
-    for flag, value in (
-        ("--tls-cert", tls.cert),
-        ("--tls-key", tls.key),
-        ("--tls-ca", tls.ca),
-        ("--tls-server-name", tls.server_name),
-    ):
-        if value:
-            args += [flag, value]
-    return args + (["--tls-client-auth"] if tls.client_auth else [])
 
 
 def thread_budget(cores: int, drafter_processes: int) -> tuple[int, int]:
@@ -162,7 +147,7 @@ class LocalCluster:
             name,
             "--metrics-port",
             str(metrics_port),
-            *tls_args(self.spec.tls),
+            *service_tls_args(self.spec.tls),
             *args,
         ]
         if threads:
@@ -216,7 +201,8 @@ class LocalCluster:
                     )
                 )
             say(
-                f"starting   verifier ({spec.target}) and {len(spec.drafters)} drafter(s): {', '.join(sorted(spec.drafters))}"
+                f"starting   verifier ({spec.target}) and {len(spec.drafters)} drafter(s): "
+                f"{', '.join(sorted(spec.drafters))}"
             )
             await self._wait([verifier, *drafters], "models")
             self.verifier_address = verifier.address

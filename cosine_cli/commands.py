@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="NAME=HOST:PORT",
-        help="a /metrics endpoint to read key figures from (repeatable; default: every process of the `cosine up` cluster)",
+        help="a /metrics endpoint to read key figures from (repeatable; default: every process of the `cosine up` "
+        "cluster)",
     )
     st.add_argument("--json", action="store_true")
     add_client_tls_args(st)
@@ -298,7 +299,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"{'drafter':<16}{'address':<24}{'healthy':<9}{'rounds':>8}{'accepted/round':>16}")
     for d in data["drafters"]:
         print(
-            f"{d['id']:<16}{d['address']:<24}{'yes' if d['healthy'] else 'NO':<9}{d['rounds']:>8}{d['acceptance']:>16.2f}"
+            f"{d['id']:<16}{d['address']:<24}{'yes' if d['healthy'] else 'NO':<9}"
+            f"{d['rounds']:>8}{d['acceptance']:>16.2f}"
         )
     if figures is not None:
         from cosine_cli.status_metrics import format_figures

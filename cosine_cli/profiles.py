@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr = sub.add_parser(
         "profile",
         help="write drafter expertise profiles into Redis (a zoo's acceptance matrix, or measured)",
-        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix, and the domain lexicon of its lexicon.json. With --measure: "
+        description="Seed the router's expertise profiles. From a zoo: its acceptance matrix, and the domain lexicon "
+        "of its lexicon.json. With --measure: "
         "for real checkpoints, measure each drafter's mean accepted tokens per round (greedy, chain of --k) on "
         "prompts of each domain, then write them.",
     )

@@ -99,13 +99,17 @@ def format_figures(figures: Mapping[str, float | None]) -> list[str]:
         return "-" if value is None else format(value * scale, fmt)
 
     return [
-        f"requests  ended {f('requests_ended', '.0f')}, running {f('requests_running', '.0f')}, queued {f('queue_depth', '.0f')}; "
+        f"requests  ended {f('requests_ended', '.0f')}, running {f('requests_running', '.0f')}, queued "
+        f"{f('queue_depth', '.0f')}; "
         f"tokens generated {f('tokens_generated', '.0f')}",
-        f"latency   time to first token {f('ttft_mean_s', '.1f', 1e3)} ms, per output token {f('tpot_mean_s', '.1f', 1e3)} ms, "
+        f"latency   time to first token {f('ttft_mean_s', '.1f', 1e3)} ms, per output token "
+        f"{f('tpot_mean_s', '.1f', 1e3)} ms, "
         f"end to end {f('e2e_mean_s', '.2f')} s (means)",
-        f"speculate {f('rounds', '.0f')} rounds, {f('accepted_tokens', '.0f')}/{f('draft_tokens', '.0f')} draft tokens accepted "
+        f"speculate {f('rounds', '.0f')} rounds, {f('accepted_tokens', '.0f')}/{f('draft_tokens', '.0f')} draft "
+        "tokens accepted "
         f"({f('acceptance_rate', '.0%')}), {f('accepted_per_round', '.2f')} accepted per round",
         f"rounds    draft {f('round_share_draft', '.0%')}, verify {f('round_share_verify', '.0%')}, "
-        f"orchestration {f('round_share_orchestration', '.0%')} of round time; verifier busy {f('verifier_busy_fraction', '.0%')} "
+        f"orchestration {f('round_share_orchestration', '.0%')} of round time; verifier busy "
+        f"{f('verifier_busy_fraction', '.0%')} "
         f"(last round); KV cache use up to {f('kv_cache_usage_max', '.0%')}",
     ]

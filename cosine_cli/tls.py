@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.platform.tls import TlsConfig
 
 CERTS_HELP = """\
 Write a throwaway certificate authority and two certificates it signs, for trying TLS and mutual
@@ -133,3 +136,19 @@ def cluster_tls(args: argparse.Namespace) -> Any:
     except TlsError as exc:
         raise SystemExit(f"cosine: error: {exc}") from None
     return tls
+
+
+def service_tls_args(tls: TlsConfig | None) -> list[str]:
+    """The service flags that give a process ``tls`` (nothing for plaintext)."""
+    if tls is None or not tls.enabled:
+        return []
+    args = []
+    for flag, value in (
+        ("--tls-cert", tls.cert),
+        ("--tls-key", tls.key),
+        ("--tls-ca", tls.ca),
+        ("--tls-server-name", tls.server_name),
+    ):
+        if value:
+            args += [flag, value]
+    return args + (["--tls-client-auth"] if tls.client_auth else [])

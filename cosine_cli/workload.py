@@ -117,7 +117,8 @@ def print_summary(results: Sequence[WorkResult], router_address: str = "") -> di
     print(f"throughput      {s['tokens_per_s']:.1f} tokens/s ({s['tokens']} tokens)")
     print(f"mean latency    {s['latency_mean_s']:.2f} s")
     print(
-        f"per round       {s['mean_accepted_len']:.2f} draft tokens accepted, {s['tokens_per_round']:.2f} tokens committed"
+        f"per round       {s['mean_accepted_len']:.2f} draft tokens accepted, {s['tokens_per_round']:.2f} tokens "
+        "committed"
     )
     drafters = sorted({d for v in s["served"].values() for d in v})
     if drafters:

@@ -6,10 +6,10 @@
 | argument          | variable                 | meaning                                                        |
 |-------------------|--------------------------|----------------------------------------------------------------|
 | ``tls``           | ``COSINE_TLS``           | dial TLS (implied by a CA); ``False`` forces plaintext         |
-| ``tls_ca``        | ``COSINE_TLS_CA``        | CA bundle the gateway's certificate must chain to (default: the system's roots) |
+| ``tls_ca``        | ``COSINE_TLS_CA``        | CA bundle the gateway's certificate chains to (default: system roots) |
 | ``tls_cert``      | ``COSINE_TLS_CERT``      | client certificate, for a gateway that requires one (mTLS)     |
 | ``tls_key``       | ``COSINE_TLS_KEY``       | its private key                                                |
-| ``tls_server_name`` | ``COSINE_TLS_SERVER_NAME`` | name the gateway's certificate must carry (default: the host dialled) |
+| ``tls_server_name`` | ``COSINE_TLS_SERVER_NAME`` | name the gateway's certificate must carry (default: host dialled) |
 
 A missing or unreadable file raises :class:`TlsSetupError` with one line naming the argument and path.
 """

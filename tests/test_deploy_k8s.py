@@ -159,7 +159,8 @@ def problems(objects) -> list[str]:
             )
         if ports.get("http", -1) != getattr(settings, "http_port", -1):
             out.append(
-                f"{where}: http containerPort {ports.get('http')} but the HTTP API is on {getattr(settings, 'http_port', -1)}"
+                f"{where}: http containerPort {ports.get('http')} but the HTTP API is on "
+                f"{getattr(settings, 'http_port', -1)}"
             )
         scrape = (template["metadata"].get("annotations") or {}).get("prometheus.io/port")
         if scrape is not None and int(scrape) != settings.metrics_port:
@@ -213,7 +214,8 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered, version
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(
-                f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {exc.message} at {'/'.join(map(str, exc.path))}"
+                f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {exc.message} at "
+                f"{'/'.join(map(str, exc.path))}"
             )
 
 

@@ -83,13 +83,15 @@ class ServiceSettings:
     # TLS (common/platform/tls.py): give every service the same three files and every hop is mutual TLS.
     tls_cert: str = setting(
         "",
-        help="PEM certificate (chain) to serve TLS with; also presented to peers that ask for a client certificate (none: plaintext)",
+        help="PEM certificate (chain) to serve TLS with; also presented to peers that ask for a client certificate "
+        "(none: plaintext)",
         metavar="PATH",
     )
     tls_key: str = setting("", help="PEM private key of --tls-cert", metavar="PATH")
     tls_ca: str = setting(
         "",
-        help="PEM CA bundle: peers this service calls are dialled over TLS and checked against it; with --tls-client-auth it also checks clients",
+        help="PEM CA bundle: peers this service calls are dialled over TLS and checked against it; with "
+        "--tls-client-auth it also checks clients",
         metavar="PATH",
     )
     tls_client_auth: bool = setting(False, help="mutual TLS: refuse clients without a certificate signed by --tls-ca")

@@ -43,7 +43,8 @@ class DrafterProfile:
 
 
 class SharedKnowledge:
-    """The profile, lexicon and corpus part of :class:`common.platform.store.Store` (which sets ``_r`` and ``prefix``)."""
+    """The profile, lexicon and corpus part of :class:`common.platform.store.Store` (which sets ``_r`` and "
+    "``prefix``)."""
 
     _r: aioredis.Redis
     prefix: str

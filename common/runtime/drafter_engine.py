@@ -236,7 +236,8 @@ class DrafterEngine(RequestEngine[DraftState]):
         if new:
             if not item.append_ids:
                 raise UnknownRequest(
-                    f"request_id: unknown request {item.request_id!r}: the first draft item must carry the prompt in append_ids"
+                    f"request_id: unknown request {item.request_id!r}: the first draft item must carry the prompt in "
+                    "append_ids"
                 )
             if item.truncate_to > 0:
                 raise InvalidInput(
@@ -246,12 +247,14 @@ class DrafterEngine(RequestEngine[DraftState]):
         keep = len(state.tokens) if item.truncate_to < 0 else item.truncate_to
         if keep > len(state.tokens):
             raise InvalidInput(
-                f"truncate_to: cannot truncate request {item.request_id!r} to {keep} tokens: its cache holds {len(state.tokens)}"
+                f"truncate_to: cannot truncate request {item.request_id!r} to {keep} tokens: its cache holds "
+                f"{len(state.tokens)}"
             )
         total = keep + len(item.append_ids)
         if total > self.runner.max_context:
             raise ContextTooLong(
-                f"append_ids: request {item.request_id!r}: {total} tokens exceed the model's maximum context of {self.runner.max_context}"
+                f"append_ids: request {item.request_id!r}: {total} tokens exceed the model's maximum context of "
+                f"{self.runner.max_context}"
             )
         if keep == 0 and not item.append_ids and item.top_n > 0:
             raise InvalidInput(f"top_n: request {item.request_id!r} has no tokens to propose from")

@@ -274,20 +274,13 @@ def test_a_kernel_lets_other_python_threads_run(own, torch_threads, which: str) 
         ks = [torch.randn(Hkv, past + 1, D, generator=gen) for _ in range(B)]
         vs = [torch.randn(Hkv, past + 1, D, generator=gen) for _ in range(B)]
         out = torch.empty_like(q)
-        call = lambda: own.cache_attention(
-            q,
-            k_new,
-            v_new,
-            ks,
-            vs,
-            list(range(B)),
-            [1] * B,
-            [True] * B,  # noqa: E731
-            torch.ones(B, dtype=torch.bool),
-            list(range(B)),
-            0.125,
-            out,
-        )
+
+        def call():
+            mask = torch.ones(B, dtype=torch.bool)
+            return own.cache_attention(
+                q, k_new, v_new, ks, vs, list(range(B)), [1] * B, [True] * B, mask, list(range(B)), 0.125, out
+            )
+
     else:
         weight = q8_0(49152, 576, seed=5)  # a vocabulary's output projection
         x = torch.randn(48, 576, generator=gen)

@@ -350,14 +350,16 @@ class VerifierEngine(RequestEngine[RequestState]):
         new = state is None
         if new and not item.append_ids:
             raise UnknownRequest(
-                f"request_id: unknown request {item.request_id!r}: the first verify item must carry the prompt in append_ids"
+                f"request_id: unknown request {item.request_id!r}: the first verify item must carry the prompt in "
+                "append_ids"
             )
         committed = (0 if new else len(state.tokens)) + len(item.append_ids)
         after = committed + item.tree.depth + 1
         if after > self.runner.max_context:
             raise ContextTooLong(
                 f"{'append_ids' if committed + 1 > self.runner.max_context else 'tree'}: request {item.request_id!r}: "
-                f"{committed} committed tokens + tree depth {item.tree.depth} + 1 exceeds the model's maximum context of "
+                f"{committed} committed tokens + tree depth {item.tree.depth} + 1 exceeds the model's maximum "
+                "context of "
                 f"{self.runner.max_context}"
             )
         if new:

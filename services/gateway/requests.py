@@ -82,7 +82,8 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
         numbers = ", ".join(str(n) for n in sorted(raw.unknown_fields))
         raise InvalidRequest(
             "request",
-            f"unknown field number(s) {numbers}: this gateway speaks cosine.v1; upgrade the gateway or drop the field(s)",
+            f"unknown field number(s) {numbers}: this gateway speaks cosine.v1; upgrade the gateway or drop the "
+            "field(s)",
         )
     request_id = raw.request_id or uuid.uuid4().hex
     if len(request_id) > REQUEST_ID_MAX or not all(ch.isalnum() or ch in "-_.:" for ch in request_id):
@@ -111,7 +112,8 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     if len(prompt_ids) + max_new > limits.max_context:
         raise InvalidRequest(
             "max_new_tokens",
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context of {limits.max_context}",
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context of "
+            f"{limits.max_context}",
         )
     temperature = 0.0 if raw.temperature is None else float(raw.temperature)
     if not math.isfinite(temperature) or temperature < 0:

@@ -19,7 +19,8 @@ class GatewaySettings(ServiceSettings):
     )
     http_port: int = setting(
         8000,
-        help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; 0: any free port, -1: off)",
+        help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; 0: any free "
+        "port, -1: off)",
         check=lambda v: None if -1 <= v <= 65535 else "must be -1 (off), 0 (any free port) or a port",
     )
     served_model_name: str = setting(
@@ -31,7 +32,8 @@ class GatewaySettings(ServiceSettings):
     router_address: str = setting("", help="host:port of the router (default: discovered through Redis membership)")
     api_keys: tuple[str, ...] = setting(
         (),
-        help="API keys clients must send as 'authorization: Bearer <key>' (comma-separated in COSINE_API_KEYS; none: no authentication)",
+        help="API keys clients must send as 'authorization: Bearer <key>' (comma-separated in COSINE_API_KEYS; none: "
+        "no authentication)",
         metavar="KEY",
     )
     api_keys_file: str = setting(

@@ -45,7 +45,8 @@ class OffPathDrafting(RequestPool):
     async def _draft(
         self, batch: list[Request], ks: dict[str, int]
     ) -> tuple[dict[str, DraftTree], dict[str, list[str]]]:
-        """A round's drafting, inline or ahead: the drafting requests routed, then drafted by chunk or by token fusion."""
+        """A round's drafting, inline or ahead: the drafting requests routed, then drafted by chunk or by token "
+        "fusion."""
         live = list(self.drafters.live()) if self.config.speculate else []
         # only the requests that draft this round need a domain and a routing vector; the others are
         # routed on the first round they draft in (no drafter scores a prompt that is never drafted for)

@@ -28,9 +28,9 @@ in which fewer first nodes were accepted than drafting needs (up to 64), and fal
 one that paid: a change of load or of text turns drafting back on, and probes never cost much more
 than they find.
 
-Probes are also held to a share of the router's time (``--probe-share``, :attr:`RouterSettings.probe_share`): a probe round's drafter time
-(mostly the catch-up of each probing request) is charged, and the next probe round waits until that
-time is the share of the time since (:meth:`DraftGate.charge_probes`). Under load the catch-ups are
+Probes are also held to a share of the router's time (``--probe-share``, :attr:`RouterSettings.probe_share`): a
+probe round's drafter time (mostly the catch-up of each probing request) is charged, and the next probe round waits
+until that time is the share of the time since (:meth:`DraftGate.charge_probes`). Under load the catch-ups are
 long (a request that last drafted a hundred tokens ago) and, where the drafters share the verifier's
 cores, slow the passes beside them as much as they take: five domains probing at once under a
 16-client load stretched the pass beside them to several times its length, every 64 rounds. With

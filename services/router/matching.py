@@ -35,7 +35,8 @@ def match_verdicts(expected: Sequence[tuple[str, int]], verdicts: Sequence[Verdi
             out[rid] = Verdict(
                 request_id=rid,
                 error_kind="internal",
-                error=f"verifier committed {v.committed_len} tokens for {rid}, the router expected {before + len(v.new_tokens)}",
+                error=f"verifier committed {v.committed_len} tokens for {rid}, "
+                f"the router expected {before + len(v.new_tokens)}",
             )
             continue
         out[rid] = v

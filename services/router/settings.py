@@ -30,7 +30,8 @@ class RouterSettings(ServiceSettings):
     drafters_per_request: int = setting(2, help="drafters that cooperate on one request", check=positive)
     fusion: str = setting(
         "chunk",
-        help="chunk: each drafter drafts a whole chunk in one call, the chunks fused into one tree; token: fuse drafter proposals at every draft step (k steps a round)",
+        help="chunk: each drafter drafts a whole chunk in one call, the chunks fused into one tree; token: fuse "
+        "drafter proposals at every draft step (k steps a round)",
         choices=("chunk", "token"),
     )
     local_fusion: bool = setting(
@@ -55,7 +56,8 @@ class RouterSettings(ServiceSettings):
     domain_detection: str = setting(
         "lexicon",
         choices=("lexicon", "drafters"),
-        help="how a new request's domain is found: lexicon (a token lexicon; seeded from the zoo's labelled prompts it decides "
+        help="how a new request's domain is found: lexicon (a token lexicon; seeded from the zoo's labelled prompts "
+        "it decides "
         "wherever it is confident, unseeded it learns from drafter scores and stands in once it agrees with "
         "them; no drafter pass) or drafters (every live drafter scores every new prompt)",
     )
@@ -70,7 +72,8 @@ class RouterSettings(ServiceSettings):
     )
     cost_control: bool = setting(
         True,
-        help="verify and draft only the nodes whose expected tokens repay their verifier and drafter time (measured online); off: every drafted node is verified",
+        help="verify and draft only the nodes whose expected tokens repay their verifier and drafter time (measured "
+        "online); off: every drafted node is verified",
     )
     draft_pricing: bool = setting(
         True,
@@ -116,7 +119,8 @@ class RouterSettings(ServiceSettings):
     pipeline_control: bool = setting(
         True,
         help="with cost control, keep more than one round in flight only while a round's drafting takes "
-        "as long as its verify pass (measured online); otherwise one round verifies the whole pool. Off: always --rounds-in-flight",
+        "as long as its verify pass (measured online); otherwise one round verifies the whole pool. Off: always "
+        "--rounds-in-flight",
     )
     draft_ahead: bool = setting(
         True,
@@ -149,5 +153,6 @@ class RouterSettings(ServiceSettings):
 
     def validate(self) -> str | None:
         if not self.min_k <= self.initial_k <= self.max_k:
-            return f"speculation lengths must satisfy min_k <= initial_k <= max_k (got {self.min_k}, {self.initial_k}, {self.max_k})"
+            got = f"{self.min_k}, {self.initial_k}, {self.max_k}"
+            return f"speculation lengths must satisfy min_k <= initial_k <= max_k (got {got})"
         return None

@@ -390,8 +390,8 @@ def test_a_second_round_is_in_flight_only_while_drafting_outlasts_verifying(engi
 @pytest.mark.parametrize("ahead", [True, False])
 def test_drafting_requests_draft_while_the_rest_of_their_round_is_verified(engines, reference, ahead):
     """One round in flight, half the requests turned down by the draft gate (its decision forced
-    here): with drafting ahead, the drafting half drafts while the other half's pass runs (a verify call overlaps a drafter
-    call) and joins the next pass with its trees; without, every pass waits for the drafters.
+    here): with drafting ahead, the drafting half drafts while the other half's pass runs (a verify call overlaps a
+    drafter call) and joins the next pass with its trees; without, every pass waits for the drafters.
     Output is the target's own either way."""
     verifier, drafters = engines
     prompts, expected = reference

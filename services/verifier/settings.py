@@ -22,14 +22,16 @@ class VerifierSettings(ServiceSettings):
     device: str = setting("cpu", help="torch device for the target model (cpu, cuda, cuda:1 ...)")
     dtype: str = setting(
         "auto",
-        help="the target's weights and activations: auto is bfloat16 on a CPU whose bfloat16 products are row-invariant "
+        help="the target's weights and activations: auto is bfloat16 on a CPU whose bfloat16 products are "
+        "row-invariant "
         "(AMX; every output stays the bfloat16 target's own, and a pass of many rows costs little more than a decode "
         "step), float32 anywhere else; float32 gives the checkpoint's float32 outputs",
         choices=("auto", "float32", "float16", "bfloat16"),
     )
     attention: str = setting(
         "auto",
-        help="attention backend: flash_attn (CUDA, when installed), cpu_kernel (the project's own, on a CPU with AVX-512 "
+        help="attention backend: flash_attn (CUDA, when installed), cpu_kernel (the project's own, on a CPU with "
+        "AVX-512 "
         "or AVX2: a pass's sequences in one call a layer, float32 attention; in float32 prompts go to sdpa), sdpa, "
         "eager, invariant (bfloat16 on a CPU with AMX, row-invariant, eager); auto picks cpu_kernel on a CPU where it "
         "builds (float32, or the row-invariant bfloat16), else invariant for that bfloat16, flash_attn on CUDA when "
