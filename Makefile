@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.cosine-installed
 PROTOS := $(wildcard protos/cosine/v1/*.proto)
 PB_STAMP := pb/.generated
 
-.PHONY: setup proto redis-server kernels test fuzz run bench clean help
+.PHONY: setup proto redis-server kernels lint format test fuzz run bench clean help
 
 help:
 	@echo "make run    - set up, start the local cluster and serve a demo workload"
-	@echo "make test   - set up and run the test suite"
+	@echo "make test   - set up, lint (ruff) and run the test suite"
+	@echo "make lint   - ruff's lint and format check; make format rewrites the code in ruff's format"
 	@echo "make fuzz   - set up and fuzz every service's gRPC and HTTP inputs at length (over 15,000 cases)"
 	@echo "make bench  - set up, build the default zoo if absent, run every system and write bench-out/report.json + plots"
 	@echo "make proto  - regenerate the gRPC/protobuf code (pb/) from protos/"
@@ -53,7 +54,16 @@ redis-server:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@command -v redis-server >/dev/null 2>&1 || { echo "redis-server is still missing; install it and retry" >&2; exit 1; }
 
-test: setup
+# ruff: lint and the format check (pyproject.toml's [tool.ruff]); `make format` rewrites in place.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix --select I .
+	$(BIN)/ruff format .
+
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The long fuzzing run: tests/fuzz under the `fuzz` hypothesis profile (1,000 random cases per
