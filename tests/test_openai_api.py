@@ -15,6 +15,7 @@ import pytest
 from common.platform.settings import load_settings
 from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_cli.profiles import seed_profiles
+from cosine_cli.status_metrics import scrape, total
 from cosine_client import Client
 from services.gateway.server import build_app
 from services.gateway.settings import GatewaySettings
@@ -79,6 +80,29 @@ def prompts(tiny_zoo):
 def grpc_text(cluster, prompt: str, **kw) -> str:
     with Client(cluster.gateway_address, timeout=120, api_key=KEY) as c:
         return c.generate(prompt, max_new_tokens=MAX_NEW, **kw).text
+
+
+def test_metrics_on_the_api_port_count_the_request(cluster, client, prompts):
+    """/metrics on the HTTP port (open without a key) is the gateway's registry: after one request its
+    request and speculative-decoding counters moved by exactly that request's figures."""
+    api = cluster.http_url.removeprefix("http://")
+    before = scrape(api)
+    reply = client.completions.create(model="tiny-target", prompt=prompts[1], max_tokens=MAX_NEW, temperature=0)
+    after = scrape(api)
+    spec = reply.model_extra["speculative_decoding"]
+
+    def moved(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert moved("cosine_requests_total") == 1
+    assert moved("cosine_generation_tokens_total") == reply.usage.completion_tokens
+    assert moved("cosine_spec_decode_rounds_total") == spec["rounds"] >= 1
+    assert moved("cosine_spec_decode_draft_tokens_total") == spec["draft_tokens"]
+    assert moved("cosine_spec_decode_accepted_tokens_total") == spec["accepted_tokens"]
+    for drafter, n in spec["accepted_by_drafter"].items():
+        assert moved("cosine_spec_decode_accepted_tokens_by_drafter_total", drafter=drafter) == n
+    # the same registry as the gateway's metrics port
+    assert set(scrape(cluster.state()["metrics"]["gateway"])) == set(after)
 
 
 def test_models_lists_the_served_model(client):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front of the gateway: ``POST /v1/completions``,
-``POST /v1/chat/completions`` (server-sent events when ``stream`` is set), ``GET /v1/models`` and
-``GET /health``, served by uvicorn in the gateway's own event loop beside its gRPC server.
+``POST /v1/chat/completions`` (server-sent events when ``stream`` is set), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (the gateway's Prometheus families, as on its metrics port),
+served by uvicorn in the gateway's own event loop beside its gRPC server.
 
 Thin like the gRPC servicer: bodies become the gateway's :class:`RawRequest`, the gateway's app
 (seen here only as the :class:`HttpHost` it provides) validates, admits and relays, and a
@@ -23,7 +24,8 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.logs import get_logger
@@ -53,6 +55,7 @@ class HttpHost(Protocol):
     settings: GatewaySettings
     keys: frozenset[str]  # API keys; empty: none required
     model_name: str
+    metrics_registry: CollectorRegistry | None  # the gateway's Prometheus registry; None: no /metrics
 
     async def ensure_ready(self) -> None: ...
 
@@ -148,6 +151,14 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
     @api.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        """Open without a key, as /health and the metrics port are (scrapers carry no API key)."""
+        registry = gateway.metrics_registry
+        if registry is None:
+            raise StarletteHTTPException(404, "this gateway keeps no metrics")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

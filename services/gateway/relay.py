@@ -157,6 +157,8 @@ class RouterRelay:
                             self.produced.extend(ids)
                             if clock is not None:
                                 clock.tokens_out(len(ids))
+                            if clock is not None and chunk.finished:
+                                clock.stats = chunk.stats
                             text = self._text(ids, chunk.finished)
                             if not chunk.finished and not await self._save(ids, loop.time()):
                                 store_failures += 1

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import unknown_fields
+from prometheus_client import CollectorRegistry
 from tenacity import retry_if_exception_type
 
 from common.logs import get_logger
@@ -139,6 +140,7 @@ class GatewayApp:
         self.member_id = ""
         self.inflight = 0
         self.metrics: GatewayMetrics | None = None
+        self.metrics_registry: CollectorRegistry | None = None  # also served on the HTTP API's /metrics
         self.keys: frozenset[str] = frozenset()
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()  # API keys, when configured
         self.http: HttpFront | None = None
@@ -147,6 +149,7 @@ class GatewayApp:
 
     def bind_metrics(self, metrics: ServiceMetrics) -> None:
         self.metrics = GatewayMetrics(metrics)
+        self.metrics_registry = metrics.registry
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
