@@ -325,3 +325,74 @@ def test_http_port_in_use_is_one_line(redis_url):
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and not line.startswith("{")]
     assert len(errors) == 1 and f"cannot serve HTTP on port {port}" in errors[0], proc.stderr
+
+
+# A template of our own for the tiny zoo's target, whose tokenizer has none: its marks show in the prompt.
+FLAG_TEMPLATE = (
+    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+)
+
+
+def in_process_gateway(cluster, tokenizer: str, *extra: str):
+    """A second gateway (in this process, no API keys) on the cluster's router, with its own flags."""
+    argv = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "0"]
+    argv += ["--redis-url", cluster.redis_url, "--redis-prefix", cluster.spec.prefix]
+    argv += ["--router-address", cluster.router_address, "--tokenizer", tokenizer, *extra]
+    apps = []
+
+    async def factory(s, store):
+        apps.append(await build_app(s, store))
+        return apps[-1]
+
+    server, _ = start_service(load_settings(GatewaySettings, argv, {}), factory, prog="gateway")
+    url = f"http://127.0.0.1:{apps[0].http.port}/v1"
+    return server, openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+
+def test_chat_template_flag_serves_a_tokenizer_without_one(cluster, tiny_zoo, tmp_path):
+    from common.runtime.checkpoints import load_tokenizer
+
+    target = str(tiny_zoo.target.path)
+    tok = load_tokenizer(target)
+    assert not tok.chat_template
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    server, plain = in_process_gateway(cluster, target)
+    try:  # without the flag: refused, and the message says what would help
+        with pytest.raises(openai.BadRequestError) as err:
+            plain.chat.completions.create(model="target", messages=messages, max_tokens=4)
+        assert err.value.param == "messages" and "--chat-template" in err.value.message
+    finally:
+        server.stop()
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(FLAG_TEMPLATE)
+    server, client = in_process_gateway(cluster, target, "--chat-template", str(path))
+    try:
+        # the default model name is the target's directory name
+        assert [m.id for m in client.models.list().data] == ["target"]
+        reply = client.chat.completions.create(model="target", messages=messages, max_tokens=MAX_NEW, temperature=0)
+    finally:
+        server.stop()
+    rendered = "<<user>> What is 2 + 3?\n<<assistant>>"
+    ids = tok(rendered, add_special_tokens=False).input_ids
+    assert reply.usage.prompt_tokens == len(ids)
+    with Client(cluster.gateway_address, timeout=120, api_key=KEY) as c:
+        assert reply.choices[0].message.content == c.generate(prompt_ids=ids, max_new_tokens=MAX_NEW).text
+
+
+def test_unreadable_chat_template_is_one_line_naming_the_flag(redis_url, tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-such-template.jinja"
+    argv = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.gateway", *argv, "--redis-url", redis_url, "--chat-template", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line and not line.startswith("{")]
+    assert len(errors) == 1 and f"--chat-template: {missing}: no such file" in errors[0], proc.stderr

@@ -26,6 +26,7 @@ from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
 from cosine_client.errors import GATEWAY_ANSWER
 from services.convert import finish_reason_to_pb, spec_stats_to_pb
 from services.gateway.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
+from services.gateway.chat_template import ChatTemplateError, load_chat_template
 from services.gateway.errors import GatewayError
 from services.gateway.http_api import HttpFront
 from services.gateway.metrics import GatewayMetrics
@@ -134,6 +135,7 @@ class GatewayApp:
         self.limits: Limits | None = None
         self.eos_ids: tuple[int, ...] = ()
         self.model_name = settings.served_model_name
+        self.chat_template: str | None = None  # --chat-template; None: the tokenizer's own
         self.router_channel: grpc.aio.Channel | None = None
         self.router_stub: router_pb2_grpc.RouterStub | None = None
         self.router_address = ""
@@ -236,13 +238,19 @@ class GatewayApp:
         return list(self.tokenizer(text).input_ids)
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """A chat as the target was trained to see it: its tokenizer's chat template with the
-        assistant's turn opened, tokenized as is (the template writes any special tokens)."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        """A chat as the target was trained to see it: ``--chat-template`` or else its tokenizer's
+        chat template, with the assistant's turn opened, tokenized as is (the template writes any
+        special tokens)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequest(
-                "messages", "the target's tokenizer has no chat template; use /v1/completions with a prompt"
+                "messages",
+                "the target's tokenizer has no chat template and the gateway was given no --chat-template; "
+                "use /v1/completions with a prompt",
             )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=False
+        )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     async def admit(self, raw: RawRequest) -> GenerationRequest:
@@ -329,8 +337,11 @@ async def build_app(settings: GatewaySettings, store: Store) -> GatewayApp:
     app = GatewayApp(settings, store)
     try:
         keys = load_api_keys(settings.api_keys, settings.api_keys_file)
-    except ApiKeyError as exc:
+        app.chat_template = load_chat_template(settings.chat_template)
+    except (ApiKeyError, ChatTemplateError) as exc:
         raise StartupError(str(exc)) from None
+    if app.chat_template is not None:
+        log.info("chat template from --chat-template", chars=len(app.chat_template))
     if keys:
         app.keys = keys
         app.interceptors = (ApiKeyInterceptor(keys),)

@@ -26,6 +26,12 @@ class GatewaySettings(ServiceSettings):
     served_model_name: str = setting(
         "", help="model name the HTTP API answers to (default: the target checkpoint's directory name)"
     )
+    chat_template: str = setting(
+        "",
+        help="Jinja chat template for /v1/chat/completions, a file or the template itself; it overrides the "
+        "tokenizer's own (default: the tokenizer's; without one, chat completions are refused)",
+        metavar="FILE|TEMPLATE",
+    )
     max_inflight: int = setting(
         2048, help="most requests in flight at once; more are refused (RESOURCE_EXHAUSTED / HTTP 429)", check=positive
     )
