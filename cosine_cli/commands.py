@@ -14,6 +14,7 @@ from typing import Any
 
 from cosine_cli.local_state import DEFAULT_ZOO, STATE_FILE, load_zoo_or_exit, read_state
 from cosine_cli.profiles import seed_zoo
+from cosine_cli.serving_args import ServiceArgs, add_serving_args, metrics_lines, service_args
 from cosine_cli.tls import add_client_tls_args, client_tls, cluster_tls
 
 
@@ -25,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Ctrl-C stops everything cleanly.",
     )
     _cluster_args(up)
+    add_serving_args(up)
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="generate from a prompt through the gateway (streams to the terminal)")
@@ -120,7 +122,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _spec_from_args(args: argparse.Namespace):
+def _spec_from_args(args: argparse.Namespace, serving: ServiceArgs = ServiceArgs()):
+    """The cluster the flags describe; ``serving``: the services' flags from `cosine up`'s serving flags."""
     from cosine_cli.cluster import ClusterSpec
 
     domains: dict[str, list[str]] = {}
@@ -149,6 +152,9 @@ def _spec_from_args(args: argparse.Namespace):
         http_port=args.http_port,
         drafter_processes=args.drafter_processes,
         router_args=tuple(args.router_arg),
+        verifier_args=serving.verifier,
+        drafter_args=serving.drafter,
+        gateway_args=serving.gateway,
         log_dir=args.log_dir,
         tls=cluster_tls(args),
     )
@@ -165,7 +171,7 @@ def _wait_for_signal() -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from cosine_cli.cluster import ClusterError, LocalCluster
 
-    spec = _spec_from_args(args)
+    spec = _spec_from_args(args, service_args(args))
     cluster = LocalCluster(spec)
     try:
         cluster.start()
@@ -190,7 +196,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         STATE_FILE.write_text(json.dumps(cluster.state()))
         cluster.supervise()  # a process that dies is restarted (with backoff, one line each)
         print(cluster.gateway_address, flush=True)
-        print(f"openai     {cluster.http_url}/v1 (model {Path(spec.target).name})", file=sys.stderr, flush=True)
+        model = args.served_model_name or Path(spec.target).name
+        print(f"openai     {cluster.http_url}/v1 (model {model})", file=sys.stderr, flush=True)
+        for line in metrics_lines(cluster.state()):
+            print(line, file=sys.stderr, flush=True)
         print("Ctrl-C stops the cluster.", file=sys.stderr, flush=True)
         _wait_for_signal()
     except ClusterError as exc:
