@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jinja2
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 
 class ChatTemplateError(ValueError):
@@ -34,7 +35,9 @@ def load_chat_template(value: str) -> str | None:
     if not text.strip():
         raise ChatTemplateError(f"--chat-template: {where} is empty")
     try:
-        jinja2.Environment().parse(text)
+        # compiled as apply_chat_template compiles it (its sandbox, loop controls and {% generation %}
+        # tag), so a template that passes here renders there
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"--chat-template: {where}: line {exc.lineno}: {exc.message}") from None
     return text

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jinja2
 from google.protobuf import unknown_fields
 from prometheus_client import CollectorRegistry
 from tenacity import retry_if_exception_type
@@ -248,9 +249,12 @@ class GatewayApp:
                 "the target's tokenizer has no chat template and the gateway was given no --chat-template; "
                 "use /v1/completions with a prompt",
             )
-        text = self.tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=True, tokenize=False
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateError as exc:  # a template's raise_exception(...): roles out of order, ...
+            raise InvalidRequest("messages", f"the chat template refused the messages: {exc}") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     async def admit(self, raw: RawRequest) -> GenerationRequest:

@@ -5,6 +5,9 @@ import os
 import pytest
 
 from services.gateway.chat_template import ChatTemplateError, load_chat_template
+from services.gateway.requests import InvalidRequest
+from services.gateway.server import GatewayApp
+from services.gateway.settings import GatewaySettings
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
@@ -30,6 +33,28 @@ def test_bad_values_name_the_flag(tmp_path, make, message):
     with pytest.raises(ChatTemplateError) as err:
         load_chat_template(make(tmp_path))
     assert str(err.value).startswith("--chat-template: ") and message in str(err.value)
+
+
+def test_what_apply_chat_template_accepts_passes():
+    # loop controls and the {% generation %} tag are transformers' extensions, not plain Jinja
+    template = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% break %}{% endfor %}"
+    assert load_chat_template(template) == template
+
+
+def test_the_flag_renders_chats_and_a_refusal_is_the_client_s_error(tiny_zoo):
+    from common.runtime.checkpoints import load_tokenizer
+
+    app = GatewayApp(GatewaySettings(), store=None)
+    app.tokenizer = load_tokenizer(str(tiny_zoo.target.path))
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequest, match="no --chat-template") as err:
+        app.render_chat(messages)
+    assert err.value.field == "messages"
+    app.chat_template = load_chat_template(TEMPLATE)
+    assert app.render_chat(messages) == app.tokenizer("user: hi\n", add_special_tokens=False).input_ids
+    app.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(InvalidRequest, match="the chat template refused the messages: roles must alternate"):
+        app.render_chat(messages)
 
 
 def test_a_file_that_is_not_text(tmp_path):
