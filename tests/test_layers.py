@@ -17,29 +17,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "deploy")
 # layer -> prefixes of modules it may never import
+TOOLS = ("cosine_cli", "cosine_zoo", "benchmarks", "tests")  # on top: nothing below imports them
 FORBIDDEN = {
-    "common.runtime": (
-        "common.platform",
-        "services",
-        "cosine_cli",
-        "cosine_client",
-        "cosine_zoo",
-        "benchmarks",
-        "tests",
-    ),
-    "common.spec": ("common.platform", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "tests"),
-    "common.platform": (
-        "common.runtime",
-        "services",
-        "cosine_cli",
-        "cosine_client",
-        "cosine_zoo",
-        "benchmarks",
-        "tests",
-    ),
-    "common.logs": ("common.", "services", "cosine_cli", "cosine_client", "cosine_zoo", "benchmarks", "tests"),
-    "services": ("cosine_cli", "cosine_zoo", "benchmarks", "tests"),
-    "cosine_client": ("common.runtime", "common.spec", "services", "cosine_cli", "cosine_zoo", "benchmarks", "tests"),
+    "common.runtime": ("common.platform", "services", "cosine_client", *TOOLS),
+    "common.spec": ("common.platform", "services", "cosine_client", *TOOLS),
+    "common.platform": ("common.runtime", "services", "cosine_client", *TOOLS),
+    "common.logs": ("common.", "services", "cosine_client", *TOOLS),
+    "services": TOOLS,
+    "cosine_client": ("common.runtime", "common.spec", "services", *TOOLS),
     "cosine_zoo": ("services", "cosine_cli", "benchmarks", "tests"),
 }
 
