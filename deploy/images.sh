@@ -16,7 +16,7 @@
 # Settings (environment): ENGINE (podman|docker), TAG (0.1.0), TARGETS, PYTHON_IMAGE, LOCAL_BASE,
 # SUITE, DEBIAN_MIRROR, PIP (the pip whose configuration is passed in), ENGINE_FLAGS (extra flags).
 # `deploy/images.sh redis` builds only the local Redis image the compose check uses when the
-# compose file's Redis image cannot be pulled.
+# compose file's Redis image cannot be pulled; `deploy/images.sh cuda` the CUDA verifier image.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -158,6 +158,20 @@ build_targets() {
   done
 }
 
+# The CUDA verifier (docker/Dockerfile.cuda): its base is NVIDIA's CUDA image, which must be present
+# or pullable (no local stand-in: the build needs nvcc and the CUDA libraries); torch comes from the
+# PyTorch CUDA index, everything else through the same pip configuration as the CPU images.
+build_cuda() {
+  local flags mounts=()
+  mapfile -t flags < <(engine_flags)
+  pip_config
+  sed -i '/^find-links = /d' "$PIP_DIR/pip.conf"  # local wheels (a CPU torch) must not compete with the CUDA index
+  if [ "$ENGINE" = podman ]; then for m in "${PIP_MOUNTS[@]}"; do mounts+=(-v "$m:ro"); done; fi
+  log "building cosine-verifier-cuda:$TAG (docker/Dockerfile.cuda)"
+  $ENGINE build "${flags[@]}" "${mounts[@]}" --secret "id=pip.conf,src=$PIP_DIR/pip.conf" \
+    -f docker/Dockerfile.cuda --target verifier -t "cosine-verifier-cuda:$TAG" . >&2
+}
+
 # A Redis image for the compose check when the compose file's (redis:*-alpine) cannot be pulled:
 # Debian's redis-server on the local base, with redis-cli and sh as the compose file expects.
 build_redis() {
@@ -181,7 +195,8 @@ build_redis() {
 case "${1:-build}" in
   build) build_targets ;;
   redis) build_redis ;;
+  cuda) build_cuda ;;
   base) choose_base ;;
   flags) PROBE_IMAGE=$(choose_base) engine_flags ;;
-  *) log "usage: $0 [build|redis|base|flags]"; exit 2 ;;
+  *) log "usage: $0 [build|cuda|redis|base|flags]"; exit 2 ;;
 esac
