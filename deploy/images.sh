@@ -176,7 +176,7 @@ build_cuda() {
 # Debian's redis-server on the local base, with redis-cli and sh as the compose file expects.
 build_redis() {
   local compose_redis base flags
-  compose_redis=$(sed -n 's/^ *image: *\(redis:.*\)$/\1/p' docker-compose.yml | head -1)
+  compose_redis=$(sed -n 's/^ *image: *\([^ ]*redis:[^ ]*\)$/\1/p' docker-compose.yml | head -1)
   if image_exists "$compose_redis" || timeout 60 $ENGINE pull -q "$compose_redis" >/dev/null 2>&1; then
     echo "$compose_redis"; return
   fi
