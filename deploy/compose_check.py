@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POD = "cosine-check"
 MAX_NEW = 48
 VOLUMES = ("zoo", "redis-data")
+DEADLINE = [float("inf")]  # monotonic time by which the whole check ends (--deadline)
 RESULTS: list[tuple[str, bool, str]] = []
 
 
@@ -186,7 +187,7 @@ def health_cmd(name: str, svc: dict[str, Any], env: dict[str, str]) -> list[str]
 
 
 def wait_for(engine: Engine, name: str, svc: dict[str, Any], env: dict[str, str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = min(time.monotonic() + timeout_s, DEADLINE[0])
     cmd = health_cmd(name, svc, env)
     one_shot = svc.get("restart") == "no" and name == "zoo"
     while time.monotonic() < deadline:
@@ -347,9 +348,11 @@ def main() -> int:
     ap.add_argument("--build", action="store_true", help="build the images even where they exist")
     ap.add_argument("--keep", action="store_true", help="leave the pod running at the end (no teardown)")
     ap.add_argument("--service-timeout", type=float, default=300, help="seconds a service may take to be ready")
+    ap.add_argument("--deadline", type=float, default=1200, help="seconds the whole check may take (default 1200)")
     ap.add_argument("--in-pod", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     started = time.monotonic()
+    DEADLINE[0] = started + args.deadline
     engine = Engine()
     password = os.environ.get("CHECK_REDIS_PASSWORD") or secrets.token_hex(16)
     env = compose_env(password)
@@ -374,7 +377,7 @@ def main() -> int:
             child_env = dict(os.environ, CHECK_REDIS_PASSWORD=password)
             results = hosts_dir / "results.json"
             cmd = ["nsenter", "-t", pid, "-n", sys.executable, "-m", "deploy.compose_check", "--in-pod", str(results)]
-            cmd += ["--kill", args.kill]
+            cmd += ["--kill", args.kill, "--deadline", str(max(60.0, DEADLINE[0] - time.monotonic()))]
             ok = subprocess.run(cmd, cwd=ROOT, env=child_env).returncode == 0
             if results.exists():
                 RESULTS.extend(tuple(r) for r in json.loads(results.read_text()))

@@ -197,6 +197,11 @@ case "${1:-build}" in
   redis) build_redis ;;
   cuda) build_cuda ;;
   base) choose_base ;;
-  flags) PROBE_IMAGE=$(choose_base) engine_flags ;;
+  flags)
+    # probe with an image already here (no pull, no debootstrap just for the flags)
+    for image in "$LOCAL_BASE" "$PYTHON_IMAGE" "cosine-tools:$TAG"; do
+      if image_exists "$image"; then PROBE_IMAGE=$image; break; fi
+    done
+    PROBE_IMAGE=${PROBE_IMAGE:-} engine_flags ;;
   *) log "usage: $0 [build|cuda|redis|base|flags]"; exit 2 ;;
 esac
