@@ -147,6 +147,8 @@ build_targets() {
     build_flags+=(--build-arg TORCH_INDEX_URL=)
   fi
   log "engine $ENGINE ${flags[*]}; base $base; pip configuration: $(grep -v '^\[' "$PIP_DIR/pip.conf" | tr '\n' ';')"
+  # podman writes OCI images by default, which have no HEALTHCHECK: docker's format keeps it.
+  [ "$ENGINE" = podman ] && build_flags+=(--format docker)
   for t in $TARGETS; do
     local start=$SECONDS
     log "building cosine-$t:$TAG"
@@ -168,6 +170,7 @@ build_cuda() {
   sed -i '/^find-links = /d' "$PIP_DIR/pip.conf"  # local wheels (a CPU torch) must not compete with the CUDA index
   if [ "$ENGINE" = podman ]; then for m in "${PIP_MOUNTS[@]}"; do mounts+=(-v "$m:ro"); done; fi
   log "building cosine-verifier-cuda:$TAG (docker/Dockerfile.cuda)"
+  [ "$ENGINE" = podman ] && flags+=(--format docker)  # OCI images have no HEALTHCHECK
   $ENGINE build "${flags[@]}" "${mounts[@]}" --secret "id=pip.conf,src=$PIP_DIR/pip.conf" \
     -f docker/Dockerfile.cuda --target verifier -t "cosine-verifier-cuda:$TAG" . >&2
 }
