@@ -373,6 +373,14 @@ def main() -> int:
         hosts_dir = Path(tempfile.mkdtemp(prefix=f"{POD}-"))
         try:
             bring_up(engine, services, order, envs, redis_image, hosts_dir, args.service_timeout)
+            if engine.cmd == "podman":  # the images' own HEALTHCHECKs (they read COSINE_PORT at run time)
+                for name in order:
+                    if services[name].get("build") and name != "zoo":
+                        res = subprocess.run(
+                            ["podman", "healthcheck", "run", container(name)], capture_output=True, text=True
+                        )
+                        out = (res.stdout + res.stderr).strip() or f"exit {res.returncode}"
+                        check(f"image HEALTHCHECK {name}", res.returncode == 0, out)
             pid = engine("inspect", container("net"), "--format", "{{.State.Pid}}")
             child_env = dict(os.environ, CHECK_REDIS_PASSWORD=password)
             results = hosts_dir / "results.json"
