@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.cosine-installed
 PROTOS := $(wildcard protos/cosine/v1/*.proto)
 PB_STAMP := pb/.generated
 
-.PHONY: setup proto redis-server kernels lint format test fuzz run bench clean help
+.PHONY: setup proto redis-server kernels lint format test fuzz run bench images compose-check clean help
 
 help:
 	@echo "make run    - set up, start the local cluster and serve a demo workload"
@@ -16,6 +16,8 @@ help:
 	@echo "make lint   - ruff's lint and format check; make format rewrites the code in ruff's format"
 	@echo "make fuzz   - set up and fuzz every service's gRPC and HTTP inputs at length (over 15,000 cases)"
 	@echo "make bench  - set up, build the default zoo if absent, run every system and write bench-out/report.json + plots"
+	@echo "make images - build the CPU images (docker/Dockerfile, every target) with podman or docker"
+	@echo "make compose-check - run docker-compose.yml's cluster in containers (tiny zoo) and check it; not part of make test"
 	@echo "make proto  - regenerate the gRPC/protobuf code (pb/) from protos/"
 	@echo "make kernels - build and cache the project's C++ CPU kernels for this CPU (part of setup)"
 	@echo "make clean  - remove the virtual environment and generated code"
@@ -81,6 +83,18 @@ BENCH_ZOO ?= .cosine/zoo-smol
 bench: setup
 	@test -f $(BENCH_ZOO)/zoo.json || $(BIN)/cosine models build --profile smol --out $(BENCH_ZOO)
 	$(BIN)/cosine bench --zoo $(BENCH_ZOO) --out bench-out/report.json $(BENCH_ARGS)
+
+# The CPU images (tools, drafter, verifier, router, gateway) with podman, or docker where podman is
+# missing; from a local Debian base (debootstrap, made once) where the default base cannot be
+# pulled; the build's pip uses this machine's pip configuration (deploy/images.sh).
+images:
+	PIP="$(if $(wildcard $(BIN)/pip),$(BIN)/pip,)" deploy/images.sh build
+
+# docker-compose.yml's cluster in containers on this machine, with the tiny zoo, then checked:
+# greedy outputs through the SDK and the openai client, /metrics, a container killed under load;
+# everything torn down (deploy/compose_check.py; about 10 minutes once the images exist).
+compose-check: setup
+	PIP="$(BIN)/pip" $(BIN)/python -m deploy.compose_check $(CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) pb
