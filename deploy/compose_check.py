@@ -29,36 +29,19 @@ import argparse
 import json
 import os
 import secrets
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from deploy.pod_check import RESULTS, ROOT, Cluster, Engine, check, run_checks, sh, summary
+
 POD = "cosine-check"
-MAX_NEW = 48
 VOLUMES = ("zoo", "redis-data")
 DEADLINE = [float("inf")]  # monotonic time by which the whole check ends (--deadline)
-RESULTS: list[tuple[str, bool, str]] = []
-
-
-def check(name: str, ok: bool, detail: str = "") -> bool:
-    RESULTS.append((name, ok, detail))
-    print(f"[{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True)
-    return ok
-
-
-def sh(args: list[str], check_rc: bool = True, capture: bool = True, timeout: float | None = None) -> str:
-    res = subprocess.run(args, capture_output=capture, text=True, timeout=timeout)
-    if check_rc and res.returncode != 0:
-        raise RuntimeError(f"{shlex.join(args)} exited {res.returncode}: {(res.stderr or '')[-2000:]}")
-    return (res.stdout or "").strip()
 
 
 # ---- the compose file, as this run uses it
@@ -117,23 +100,6 @@ def assign_ports(services: dict[str, dict[str, Any]], order: list[str]) -> dict[
 
 
 # ---- the engine
-
-
-class Engine:
-    def __init__(self) -> None:
-        self.cmd = os.environ.get("ENGINE") or ("podman" if _which("podman") else "docker")
-        self.flags = sh([str(ROOT / "deploy/images.sh"), "flags"]).split()
-        self.tag = os.environ.get("TAG", "0.1.0")
-
-    def __call__(self, *args: str, check_rc: bool = True, timeout: float | None = None) -> str:
-        return sh([self.cmd, *args], check_rc=check_rc, timeout=timeout)
-
-    def run_flags(self) -> list[str]:
-        return list(self.flags)
-
-
-def _which(name: str) -> bool:
-    return shutil.which(name) is not None
 
 
 def container(name: str) -> str:
@@ -201,18 +167,14 @@ def wait_for(engine: Engine, name: str, svc: dict[str, Any], env: dict[str, str]
             if state["Running"]:
                 return
         elif state["Running"]:
-            rc = subprocess.run(
-                [engine.cmd, "exec", container(name), *cmd], capture_output=True, text=True, timeout=30
-            ).returncode
-            if rc == 0:
+            if engine.exec_ok(container(name), cmd):
                 return
         time.sleep(2)
     raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s: {logs(engine, name)}")
 
 
 def logs(engine: Engine, name: str, lines: int = 30) -> str:
-    res = subprocess.run([engine.cmd, "logs", "--tail", str(lines), container(name)], capture_output=True, text=True)
-    return (res.stdout + res.stderr)[-3000:]
+    return engine.logs(container(name), lines)
 
 
 def teardown(engine: Engine) -> bool:
@@ -229,115 +191,6 @@ def teardown(engine: Engine) -> bool:
 
 
 # ---- the checks (run inside the pod's network namespace)
-
-
-def greedy_reference(zoo_dir: Path, prompts: list[str]) -> tuple[dict[str, list[int]], Any]:
-    import torch
-
-    from common.runtime.checkpoints import load_causal_lm, load_tokenizer
-
-    tok = load_tokenizer(zoo_dir / "target")
-    model = load_causal_lm(zoo_dir / "target")
-    out = {}
-    for prompt in prompts:
-        ids = torch.tensor([tok(prompt).input_ids])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        out[prompt] = gen[0, ids.shape[1] :].tolist()
-    return out, tok
-
-
-def run_checks(engine: Engine, services, envs, zoo_dir: Path, kill: list[str]) -> None:
-    from cosine_client import Client
-    from cosine_zoo.manifest import load_zoo
-
-    zoo = load_zoo(zoo_dir)
-    prompts = [p for d in sorted(zoo.prompts) for p in zoo.prompts[d][:2]]
-    reference, _ = greedy_reference(zoo_dir, prompts)
-    grpc_address = "127.0.0.1:" + envs["gateway"]["COSINE_PORT"]
-
-    with Client(grpc_address, timeout=120) as client:
-        results = [client.generate(p, max_new_tokens=MAX_NEW, temperature=0) for p in prompts]
-    sdk_equal = sum(list(r.token_ids) == reference[p] for r, p in zip(results, prompts))
-    check("SDK greedy = target's greedy decode", sdk_equal == len(prompts), f"{sdk_equal}/{len(prompts)} requests")
-    sdk_text = {p: r.text for r, p in zip(results, prompts)}
-
-    from openai import OpenAI
-
-    oa = OpenAI(base_url=f"http://127.0.0.1:{envs['gateway']['COSINE_HTTP_PORT']}/v1", api_key="unused", timeout=120)
-    model = oa.models.list().data[0].id
-    oa_equal = 0
-    for p in prompts:
-        reply = oa.completions.create(model=model, prompt=p, max_tokens=MAX_NEW, temperature=0)
-        oa_equal += reply.choices[0].text == sdk_text[p]
-    check(
-        "openai client greedy = target's greedy decode",
-        oa_equal == len(prompts),
-        f"{oa_equal}/{len(prompts)} completions (model {model!r}) equal the SDK's text of the target's ids",
-    )
-
-    for name, env in envs.items():
-        if "COSINE_METRICS_PORT" not in env:
-            continue
-        url = f"http://127.0.0.1:{env['COSINE_METRICS_PORT']}/metrics"
-        try:
-            body = urllib.request.urlopen(url, timeout=10).read().decode()
-            families = {line.split()[2] for line in body.splitlines() if line.startswith("# TYPE cosine_")}
-            check(f"/metrics {name}", bool(families), f"{url}: {len(families)} cosine_ families")
-        except OSError as exc:
-            check(f"/metrics {name}", False, f"{url}: {exc}")
-
-    for victim in kill:
-        kill_under_load(engine, services, envs, grpc_address, prompts * 4, reference, victim)
-
-
-def kill_under_load(engine: Engine, services, envs, grpc_address: str, load: list[str], reference, victim: str) -> None:
-    """SIGKILL one container while requests are in flight; it comes back by its restart policy (or
-    is started again); every request must be answered in full, equal to the target's greedy decode."""
-    import asyncio
-
-    from cosine_client import AsyncClient
-
-    name = container(victim)
-
-    async def under_load() -> tuple[list[Any], int, str]:
-        async with AsyncClient(grpc_address, timeout=300) as ac:
-            tasks = [asyncio.create_task(ac.generate(p, max_new_tokens=MAX_NEW, temperature=0)) for p in load]
-            await asyncio.sleep(0.5)
-            in_flight = sum(not t.done() for t in tasks)
-            state = json.loads(engine("inspect", name, "--format", "{{json .State}}"))
-            # a crash, not `kill` (a stop by the user, which a restart policy leaves stopped)
-            os.kill(int(state["Pid"]), signal.SIGKILL)
-            before = state["StartedAt"]
-            t0 = time.monotonic()
-            how = "started again by this check"
-            while time.monotonic() - t0 < 15:
-                await asyncio.sleep(1.0)
-                state = json.loads(engine("inspect", name, "--format", "{{json .State}}"))
-                if state["Running"] and state["StartedAt"] != before:
-                    how = "restarted by its restart policy"
-                    break
-            else:
-                engine("start", name)
-            await asyncio.to_thread(wait_for, engine, victim, services[victim], envs[victim], 300)
-            how += f", healthy {time.monotonic() - t0:.0f} s after the kill"
-            return await asyncio.gather(*tasks, return_exceptions=True), in_flight, how
-
-    outcomes, in_flight, how = asyncio.run(under_load())
-    errors = [o for o in outcomes if isinstance(o, BaseException)]
-    equal = sum(not isinstance(o, BaseException) and list(o.token_ids) == reference[p] for o, p in zip(outcomes, load))
-    check(
-        f"{victim} killed under load, nothing lost",
-        in_flight > 0 and not errors and equal == len(load),
-        f"{in_flight}/{len(load)} requests in flight at the kill; {how}; {len(load) - len(errors)} answered, "
-        f"{equal} equal the target's" + (f"; first error: {errors[0]!r}" if errors else ""),
-    )
 
 
 def main() -> int:
@@ -362,12 +215,12 @@ def main() -> int:
 
     if not args.in_pod:
         images = sorted({s["image"] for s in services.values() if s.get("build")})
-        missing = [i for i in images if not _exists(engine, i)]
+        missing = [i for i in images if not engine.exists(i)]
         if args.build or missing:
             subprocess.run([str(ROOT / "deploy/images.sh"), "build"], check=True)
-        check("images", all(_exists(engine, i) for i in images), " ".join(images))
+        check("images", all(engine.exists(i) for i in images), " ".join(images))
         redis_image = sh([str(ROOT / "deploy/images.sh"), "redis"])
-        check("redis image", _exists(engine, redis_image), redis_image)
+        check("redis image", engine.exists(redis_image), redis_image)
         teardown(engine)  # what an interrupted run left
         ok = False
         hosts_dir = Path(tempfile.mkdtemp(prefix=f"{POD}-"))
@@ -397,28 +250,23 @@ def main() -> int:
             if not args.keep:
                 check("teardown", teardown(engine), f"every {POD}-* container and volume removed")
                 shutil.rmtree(hosts_dir, ignore_errors=True)
-        passed = sum(ok for _, ok, _ in RESULTS)
-        failed = [name for name, ok, _ in RESULTS if not ok]
-        print(
-            f"compose-check: {passed}/{len(RESULTS)} checks passed in {time.monotonic() - started:.0f} s"
-            + (f"; failed: {', '.join(failed)}" if failed else ""),
-            flush=True,
-        )
+        failed = summary("compose-check", started)
         return 0 if ok and not failed else 1
 
     mount = engine("volume", "inspect", f"{POD}-zoo", "--format", "{{.Mountpoint}}")
     try:
-        run_checks(engine, services, envs, Path(mount), args.kill.split(","))
+        cluster = Cluster(
+            grpc_port=envs["gateway"]["COSINE_PORT"],
+            http_port=envs["gateway"]["COSINE_HTTP_PORT"],
+            metrics={n: e["COSINE_METRICS_PORT"] for n, e in envs.items() if "COSINE_METRICS_PORT" in e},
+            container=container,
+            wait=lambda victim, t: wait_for(engine, victim, services[victim], envs[victim], t),
+        )
+        run_checks(engine, cluster, Path(mount), args.kill.split(","))
     except Exception as exc:  # noqa: BLE001 - reported as a failed check
         check("checks", False, repr(exc)[-1500:])
     Path(args.in_pod).write_text(json.dumps(RESULTS))
     return 0 if all(ok for _, ok, _ in RESULTS) else 1
-
-
-def _exists(engine: Engine, image: str) -> bool:
-    if engine.cmd == "podman":
-        return subprocess.run(["podman", "image", "exists", image]).returncode == 0
-    return subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0
 
 
 if __name__ == "__main__":
