@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.cosine-installed
 PROTOS := $(wildcard protos/cosine/v1/*.proto)
 PB_STAMP := pb/.generated
 
-.PHONY: setup proto redis-server kernels lint format test fuzz run bench images compose-check clean help
+.PHONY: setup proto redis-server kernels lint format test fuzz run bench images compose-check chart-check clean help
 
 help:
 	@echo "make run    - set up, start the local cluster and serve a demo workload"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench  - set up, build the default zoo if absent, run every system and write bench-out/report.json + plots"
 	@echo "make images - build the CPU images (docker/Dockerfile, every target) with podman or docker"
 	@echo "make compose-check - run docker-compose.yml's cluster in containers (tiny zoo) and check it; not part of make test"
+	@echo "make chart-check - run the Helm chart's pods (helm template, small profile) in containers and check them"
 	@echo "make proto  - regenerate the gRPC/protobuf code (pb/) from protos/"
 	@echo "make kernels - build and cache the project's C++ CPU kernels for this CPU (part of setup)"
 	@echo "make clean  - remove the virtual environment and generated code"
@@ -95,6 +96,12 @@ images:
 # everything torn down (deploy/compose_check.py; about 10 minutes once the images exist).
 compose-check: setup
 	PIP="$(BIN)/pip" $(BIN)/python -m deploy.compose_check $(CHECK_ARGS)
+
+# The Helm chart's pods, rendered by Helm's library for a small profile (tiny zoo, one replica each,
+# the images built here), run as containers on this machine with the same checks as compose-check
+# (deploy/chart_check.py; what this leaves unverified against a real cluster: docs/deployment.md).
+chart-check: setup
+	$(BIN)/python -m deploy.chart_check $(CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) pb
