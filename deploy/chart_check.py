@@ -182,7 +182,9 @@ def run_args(engine: Engine, pod: dict, c: dict, tmp: Path, restart: str) -> lis
         args += ["--restart", restart]
     volumes = {v["name"]: v for v in spec.get("volumes", ())}
     for m in c["c"].get("volumeMounts", ()):
-        mode = ":ro" if m.get("readOnly", False) else ""
+        # nocopy: a claim is not filled from the image's directory (podman's copy-up would also reset
+        # its owner to that directory's, undoing fsGroup)
+        mode = ":ro,nocopy" if m.get("readOnly", False) else ":nocopy"
         v = volumes.get(m["name"])
         if v is None and m["name"] in pod["claims"]:
             args += ["-v", f"{pod['claims'][m['name']]}:{m['mountPath']}{mode}"]
@@ -319,6 +321,9 @@ def bring_up(engine: Engine, objects: list[dict], pods: list[dict], tmp: Path, t
         moved = {o: n for c in pod["containers"] for o, n in c["moved"].items()}
         how = "completed" if pod["kind"] == "Job" else "startup and readiness probes passed"
         extra = f"; ports moved in the shared namespace: {moved}" if moved else ""
+        counts = [engine("inspect", cname(pod, c), "--format", "{{.RestartCount}}") for c in pod["containers"]]
+        restarts = sum(map(int, counts))
+        extra += f"; {restarts} restarts" if restarts else ""
         check(f"up {pod['kind']} {pod['name']}", True, f"{how} {ready[pod['name']]:.0f} s after the start{extra}")
     for pod in pods:  # the liveness probes, once each, now that everything is up
         for c in pod["containers"]:
