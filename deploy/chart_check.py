@@ -280,19 +280,22 @@ def bring_up(engine: Engine, objects: list[dict], pods: list[dict], tmp: Path, t
         v for p in pods for v in p["claims"].values()
     }:
         engine("volume", "create", "--label", f"{POD}=1", claim)
+    tools = next(c["c"]["image"] for p in pods if p["kind"] == "Job" for c in p["containers"])
+    primed: set[str] = set()
     for pod in pods:  # fsGroup as the kubelet applies it: the claim's root group-owned, setgid, group-writable
         group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
-        volumes = [
-            v["persistentVolumeClaim"]["claimName"]
-            for v in pod["spec"].get("volumes", ())
-            if "persistentVolumeClaim" in v
-        ]
-        for claim in [f"{POD}-{c}" for c in volumes] + list(pod["claims"].values()):
+        claims = {v["name"]: f"{POD}-{v['persistentVolumeClaim']['claimName']}" for v in pod["spec"].get("volumes", ())
+                  if "persistentVolumeClaim" in v} | pod["claims"]  # fmt: skip
+        mounts = {m["name"]: m["mountPath"] for c in pod["containers"] for m in c["c"].get("volumeMounts", ())}
+        for key, claim in claims.items():
+            if claim not in primed:  # podman sets a volume's owner on its first mount: that first, then fsGroup
+                engine("run", "--rm", "--network", "none", *engine.flags, "-v", f"{claim}:{mounts[key]}:nocopy",
+                       "--entrypoint", "true", tools)  # fmt: skip
+                primed.add(claim)
             if group is not None:
                 root = Path(engine("volume", "inspect", claim, "--format", "{{.Mountpoint}}"))
                 os.chown(root, -1, int(group))
                 root.chmod(0o2775)
-    tools = next(c["c"]["image"] for p in pods if p["kind"] == "Job" for c in p["containers"])
     engine("run", "-d", "--name", f"{POD}-net", "--label", f"{POD}=1", "--network", "none", *engine.flags,
            "--entrypoint", "sleep", tools, "infinity")  # fmt: skip
     netns = engine("inspect", f"{POD}-net", "--format", "{{.State.Pid}}")
