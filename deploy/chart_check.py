@@ -241,10 +241,10 @@ def probe_ok(engine: Engine, name: str, probe: dict, netns: str | None) -> bool:
     return engine.exec_ok(name, probe["exec"], timeout=20)
 
 
-def wait_ready(engine: Engine, pods: list[dict], names: list[str], netns: str | None, timeout_s: float) -> dict:
+def wait_ready(engine: Engine, pods: list[dict], names: list[str], netns: str | None, timeout_s: float, t0=None):
     """Waits until every named pod's containers pass their startup, then readiness probes (or, for a
-    Job, exit 0); returns pod name -> seconds it took."""
-    deadline, t0, done = min(time.monotonic() + timeout_s, DEADLINE[0]), time.monotonic(), {}
+    Job, exit 0); returns pod name -> seconds from ``t0`` (default: now) until it was seen ready."""
+    deadline, t0, done = min(time.monotonic() + timeout_s, DEADLINE[0]), t0 or time.monotonic(), {}
     todo = [p for p in pods if p["name"] in names]
     while todo and time.monotonic() < deadline:
         for pod in list(todo):
@@ -319,7 +319,7 @@ def bring_up(engine: Engine, objects: list[dict], pods: list[dict], tmp: Path, t
             check(f"init containers {pod['name']}", True, f"exited 0 after {time.monotonic() - t0:.0f} s")
             for c in pod["containers"]:
                 engine(*run_args(engine, pod, c, tmp, pod["restart"]))
-    ready = wait_ready(engine, pods, [p["name"] for p in pods], netns, timeout_s)
+    ready = wait_ready(engine, pods, [p["name"] for p in pods], netns, timeout_s, t0)
     for pod in pods:
         moved = {o: n for c in pod["containers"] for o, n in c["moved"].items()}
         how = "completed" if pod["kind"] == "Job" else "startup and readiness probes passed"
@@ -327,7 +327,7 @@ def bring_up(engine: Engine, objects: list[dict], pods: list[dict], tmp: Path, t
         counts = [engine("inspect", cname(pod, c), "--format", "{{.RestartCount}}") for c in pod["containers"]]
         restarts = sum(map(int, counts))
         extra += f"; {restarts} restarts" if restarts else ""
-        check(f"up {pod['kind']} {pod['name']}", True, f"{how} {ready[pod['name']]:.0f} s after the start{extra}")
+        check(f"up {pod['kind']} {pod['name']}", True, f"{how}, seen {ready[pod['name']]:.0f} s after the start{extra}")
     for pod in pods:  # the liveness probes, once each, now that everything is up
         for c in pod["containers"]:
             if "livenessProbe" in c["probes"]:
