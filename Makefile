@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.cosine-installed
 PROTOS := $(wildcard protos/cosine/v1/*.proto)
 PB_STAMP := pb/.generated
 
-.PHONY: setup proto redis-server kernels lint format test fuzz run bench images compose-check chart-check clean help
+.PHONY: setup proto redis-server kernels lint format test fuzz run bench container-tools images compose-check chart-check clean help
 
 help:
 	@echo "make run    - set up, start the local cluster and serve a demo workload"
@@ -88,7 +88,14 @@ bench: setup
 # The CPU images (tools, drafter, verifier, router, gateway) with podman, or docker where podman is
 # missing; from a local Debian base (debootstrap, made once) where the default base cannot be
 # pulled; the build's pip uses this machine's pip configuration (deploy/images.sh).
-images:
+# Debian's podman, runc and debootstrap, installed when missing (as redis-server is above).
+container-tools:
+	@command -v podman >/dev/null 2>&1 || command -v docker >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || { \
+	  echo "installing podman, runc and debootstrap (Debian packages)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq podman runc debootstrap >/dev/null; }
+
+images: container-tools
 	PIP="$(if $(wildcard $(BIN)/pip),$(BIN)/pip,)" deploy/images.sh build
 
 # docker-compose.yml's cluster in containers on this machine, with the tiny zoo, then checked:
