@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.pod_check import RESULTS, ROOT, Cluster, Engine, check, run_checks, sh, summary
+from deploy.pod_check import RESULTS, ROOT, Cluster, Engine, check, checks_in_namespace, run_checks, sh, summary
 
 POD = "cosine-chart"
 PROFILE = [
@@ -408,13 +408,8 @@ def main() -> int:
     try:
         netns = bring_up(engine, objects, pods, tmp, args.service_timeout)
         results = tmp / "results.json"
-        cmd = ["nsenter", "-t", netns, "-n", sys.executable, "-m", "deploy.chart_check", "--in-pod", str(results)]
-        cmd += ["--kill", args.kill, "--deadline", str(max(60.0, DEADLINE[0] - time.monotonic()))]
-        ok = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ)).returncode == 0
-        if results.exists():
-            RESULTS.extend(tuple(r) for r in json.loads(results.read_text()))
-        else:
-            check("checks in the network namespace", False, "no results")
+        left = DEADLINE[0] - time.monotonic()
+        ok = checks_in_namespace("deploy.chart_check", netns, results, args.kill, left, dict(os.environ))
     except Exception as exc:  # noqa: BLE001 - reported as a failed check, then torn down
         check("bring-up", False, str(exc)[-1500:])
     finally:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.pod_check import RESULTS, ROOT, Cluster, Engine, check, run_checks, sh, summary
+from deploy.pod_check import RESULTS, ROOT, Cluster, Engine, check, checks_in_namespace, run_checks, sh, summary
 
 POD = "cosine-check"
 VOLUMES = ("zoo", "redis-data")
@@ -237,13 +237,8 @@ def main() -> int:
             pid = engine("inspect", container("net"), "--format", "{{.State.Pid}}")
             child_env = dict(os.environ, CHECK_REDIS_PASSWORD=password)
             results = hosts_dir / "results.json"
-            cmd = ["nsenter", "-t", pid, "-n", sys.executable, "-m", "deploy.compose_check", "--in-pod", str(results)]
-            cmd += ["--kill", args.kill, "--deadline", str(max(60.0, DEADLINE[0] - time.monotonic()))]
-            ok = subprocess.run(cmd, cwd=ROOT, env=child_env).returncode == 0
-            if results.exists():
-                RESULTS.extend(tuple(r) for r in json.loads(results.read_text()))
-            else:
-                check("checks in the network namespace", False, "no results")
+            left = DEADLINE[0] - time.monotonic()
+            ok = checks_in_namespace("deploy.compose_check", pid, results, args.kill, left, child_env)
         except Exception as exc:  # noqa: BLE001 - reported as a failed check, then torn down
             check("bring-up", False, str(exc)[-1500:])
         finally:
