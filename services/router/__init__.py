@@ -3,7 +3,10 @@
 - ``server.py``: the gRPC servicer (thin: protobuf in and out, status codes); ``inprocess.py`` the
   same core driven in one process.
 - ``core.py``: the rounds (gate, route, draft, plan, verify, apply), pipelined; ``ahead.py`` the
-  drafter work they start off the verifier's path (drafting ahead, routing ahead).
+  drafter work they start off the verifier's path (drafting ahead, routing ahead); ``feedback.py``
+  what a round teaches the router (pass times, counters, metrics).
+- ``yield_guard.py``: speculation only where it is measured to commit more tokens a second than
+  plain decoding, per load level (epochs of either arm; the losing one as a control group).
 - ``pool.py``: the request pool (submission, cancellation, hand-back after a round, finishing);
   ``requests.py`` its types and the contracts of the drafter pool and the verifier;
   ``admission.py`` checks a submission; ``resume.py`` re-prefills requests after a verifier restart.

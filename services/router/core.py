@@ -2,11 +2,15 @@
 
 The request pool they draw from is ``pool.py``'s (:class:`RequestPool`, a base of
 :class:`RouterCore`), the drafter work they start off the verifier's path ``ahead.py``'s
-(:class:`OffPathDrafting`, another); where every other part lives: the package docstring. No gRPC here: drafters
-and the verifier are reached through the small :class:`DrafterPool` and :class:`VerifierBackend`
-protocols (gRPC stream clients in production, in-process engines in tests), so the whole round
-logic is unit-testable.
+(:class:`OffPathDrafting`, another), what a round teaches the router ``feedback.py``'s
+(:class:`RoundFeedback`, a third), and whether a round may speculate at all ``yield_guard.py``'s;
+where every other part lives: the package docstring. No gRPC here: drafters and the verifier are
+reached through the small :class:`DrafterPool` and :class:`VerifierBackend` protocols (gRPC stream
+clients in production, in-process engines in tests), so the whole round logic is unit-testable.
 
+0. *guard*: the yield guard's epoch decides whether the round may speculate at all: where its
+   measurements say speculation commits fewer tokens a second than plain decoding at this load, or
+   while it runs plain decoding as a control group, the round drafts nothing and looks nothing up.
 A **round** for a batch of requests (see DESIGN.md):
 
 1. *gate + route*: the draft gate decides which requests the drafter models draft for (their
@@ -49,10 +53,10 @@ from common.spec.fusion import DraftTree
 from common.spec.types import Verdict, VerifyItem
 from services.corpus import CorpusLoader
 from services.router.admission import SubmitLimits
-from services.router.ahead import OffPathDrafting
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
-from services.router.drafting import Drafting, common_prefix, extras_gain, extras_seconds, sync_item, unread_tokens
+from services.router.drafting import Drafting, common_prefix, sync_item, unread_tokens
+from services.router.feedback import RoundFacts, RoundFeedback
 from services.router.gate import DraftGate, gate_domain, probe_order
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupNodes
@@ -77,6 +81,7 @@ from services.router.requests import (
 from services.router.scheduler import PLAIN_STREAK, LoadControl, plain_steps
 from services.router.settings import RouterSettings
 from services.router.verdicts import ProfileUpdate, VerdictApplication
+from services.router.yield_guard import YieldGuard
 
 # the names the servicer, the benchmarks and the tests import from here
 __all__ = [
@@ -106,7 +111,7 @@ log = get_logger("router")
 CATCH_UP_TOKENS = 16
 
 
-class RouterCore(OffPathDrafting):
+class RouterCore(RoundFeedback):
     def __init__(
         self,
         config: RouterSettings,
@@ -153,6 +158,11 @@ class RouterCore(OffPathDrafting):
         self.rounds_in_flight = 0
         self._finished_seen = 0  # requests finished when the latest round began (a slot freed since: _round)
         self._closed = False
+        # speculation only where it is measured to commit more than plain decoding (yield_guard.py)
+        self.guarding = config.yield_guard and config.speculate and config.cost_control
+        self.guard = YieldGuard(
+            config.yield_epoch_rounds, config.yield_epoch_s, config.max_batch_requests, clock, self._guard_settled
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -206,8 +216,30 @@ class RouterCore(OffPathDrafting):
                 self._wakeup.set()
 
     async def _round(self, batch: list[Request]) -> None:
+        """One round, in the yield guard's current epoch when it guards (its arm may make the round plain)."""
+        if not self.guarding:
+            await self._run_round(batch, plain=False)
+            return
+        ticket = self.guard.begin(len(self.requests))
+        self.counters.guard_plain_rounds += ticket.plain
+        result = None
+        try:
+            result = await self._run_round(batch, plain=ticket.plain)
+        finally:
+            if result is None:
+                self.guard.abandon(ticket)
+            else:
+                self.guard.end(ticket, *result)
+
+    async def _run_round(self, batch: list[Request], plain: bool) -> tuple[int, float] | None:
+        """The round proper; ``plain``: nothing is drafted or looked up (the yield guard's plain arm).
+        Returns the tokens it committed and its verifier-busy seconds (None when the verifier failed)."""
         t0 = self.clock()
-        ahead = {r.request_id: r.ahead for r in batch if r.ahead is not None and r.ahead.committed == len(r.sequence)}
+        ahead = {
+            r.request_id: r.ahead
+            for r in batch
+            if not plain and r.ahead is not None and r.ahead.committed == len(r.sequence)
+        }
         for r in batch:
             r.ahead = None
         # another round in flight overlaps this one's drafting (this round counts itself)
@@ -218,7 +250,8 @@ class RouterCore(OffPathDrafting):
         self.gate.new_round()
         for r in probe_order(batch):  # a domain's probe goes to its least recently probed request
             if (
-                not models
+                plain
+                or not models
                 or r.request_id in ahead
                 or r.routing_ahead
                 or not self.gate.drafts(
@@ -266,7 +299,7 @@ class RouterCore(OffPathDrafting):
             trees[rid], selected[rid] = got.tree, list(got.selected)
         lookups = (
             {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch}
-            if self.config.lookup_drafts and self.config.speculate
+            if self.config.lookup_drafts and self.config.speculate and not plain
             else {}
         )
         # a request that left the pool since the latest round began freed a slot that its client (in
@@ -315,7 +348,7 @@ class RouterCore(OffPathDrafting):
             drafts=self.lookups.forfeits_steps(batch, trees, lookups),
             whole_pool=whole_pool,
         )
-        step_lookup = self.lookups.at_steps(batch) if steps > 1 else {}
+        step_lookup = self.lookups.at_steps(batch) if steps > 1 and not plain else {}
         depths = [step_lookup.get(r.sampling.greedy, ((), ())) for r in batch]  # (own text, corpus) each
         items = [
             VerifyItem(
@@ -340,7 +373,7 @@ class RouterCore(OffPathDrafting):
             verdicts, busy_ns = await self.verifier.verify(items)
         except Exception as exc:  # broken stream: the verifier may be restarting; resume on it
             await self._verifier_failed(batch, exc)
-            return
+            return None
         t2 = self.clock()
         updates: list[ProfileUpdate] = []
         committed_before = self.counters.tokens_committed
@@ -359,75 +392,25 @@ class RouterCore(OffPathDrafting):
         for r in batch:
             r.plain_streak = 0 if self.lookups.forfeits_steps([r], trees, lookups) else r.plain_streak + 1
         self._observe_extras(batch, trees, selected, matched, set(ahead), t1 - t0)
-        rows = sum(len(it.append_ids) + len(it.tree.tokens) + 1 for it in items)
-        prefill_rows = sum(len(it.append_ids) for it in items)
-        beside = busy_before or self._off_path_started != started_before
-        committed = self.counters.tokens_committed - committed_before
-        # plain steps: the verifier ran a pass per step, the first one this round's rows, each later
-        # one a row per request still stepping; the curve learns the average pass
-        passes = max((1 + v.step_passes for v in matched.values() if v.ok), default=1)
-        step_rows = sum(v.step_passes + v.step_drafted for v in matched.values() if v.ok)
-        self.counters.plain_step_passes += passes - 1
-        if passes == 1 or not prefill_rows:
-            self.control.observe_pass(
-                round((rows + step_rows) / passes),
-                busy_ns / 1e9 / passes,
-                round(committed / passes),
-                prefill=prefill_rows > 0,
-                beside=beside,
-            )
-        self.control.observe_round(t1 - t0, (t2 - t1) / passes)
-        # one line a round at debug level: where a slow pass came from (its rows, a prompt in it,
-        # drafter work beside it on shared cores) without a profiler
-        log.debug(
-            "round",
-            round=self.counters.rounds,
-            requests=len(batch),
-            pool=len(self.requests),
-            rows=rows,
-            prefill_rows=prefill_rows,
-            beside=beside,
+        facts = RoundFacts(
+            batch=batch,
+            items=items,
+            verdicts=matched,
+            committed=self.counters.tokens_committed - committed_before,
+            busy_s=busy_ns / 1e9,
+            times=(t0, t1, t2),
+            plain=plain,
+            waited=waited,
+            beside=busy_before or self._off_path_started != started_before,
             drafted_ahead=drafted_ahead,
             routed_ahead=routed_ahead,
             probes=probes,
-            passes=passes,
-            slowdown=round(self.control.overlap_slowdown(), 2),
-            committed=committed,
-            draft_ms=round(1e3 * (t1 - t0), 1),
-            verify_ms=round(1e3 * (t2 - t1), 1),
-            pass_ms=round(busy_ns / 1e6, 1),
         )
-        if self.metrics is not None:
-            self.metrics.round(len(batch), t1 - t0, t2 - t1, self.clock() - t2, busy_ns / 1e9)
-        self.counters.rounds += 1
-        self.counters.draft_s += t1 - t0
-        self.counters.verify_s += t2 - t1
-        self.counters.verifier_busy_s += busy_ns / 1e9
-        if t2 > t0:
-            self.load.observe(min(1.0, busy_ns / 1e9 / max(t2 - t0, 1e-9)))
+        self._measure(facts)
         if updates and self.record is not None:
             self._background(self.record(updates))
-        if self.rounds_in_flight == 1 and not waited:  # alone, and no drafter model waited for
-            self.control.observe_overhead(self.clock() - t0 - busy_ns / 1e9)
         self.counters.apply_s += self.clock() - t2
-
-    def _observe_extras(
-        self,
-        batch: list[Request],
-        trees: dict[str, DraftTree],
-        selected: dict[str, list[str]],
-        matched: dict[str, Verdict],
-        ahead: set[str],
-        draft_s: float,
-    ) -> None:
-        """What the drafters beyond each request's first brought this round and what they cost
-        (``SpeculationControl.observe_extras``); rounds whose trees were drafted ahead do not count
-        (their draft time is not this round's)."""
-        inline = {r.request_id: selected.get(r.request_id, []) for r in batch if r.request_id not in ahead}
-        if not self.config.cost_control or not any(len(chosen) > 1 for chosen in inline.values()):
-            return
-        gained = sum(extras_gain(trees[rid], chosen, matched[rid].accepted_nodes) for rid, chosen in inline.items())
-        self.control.observe_extras(gained, extras_seconds(inline, draft_s), pipelined=self.rounds_in_flight > 1)
+        return facts.committed, facts.busy_s
 
     def _apply(
         self,

@@ -11,7 +11,11 @@ Counted per verdict, in the shape production engines export:
 - ``cosine_router_rounds_total``, ``cosine_router_batch_requests`` (histogram),
   ``cosine_router_round_seconds_total{stage="draft"|"verify"|"orchestration"}``,
   ``cosine_router_verifier_busy_fraction``, ``cosine_router_queue_depth``,
-  ``cosine_router_active_requests``, ``cosine_router_tokens_committed_total``.
+  ``cosine_router_active_requests``, ``cosine_router_tokens_committed_total``;
+- the yield guard's figures by load level (``yield_guard.py``): ``cosine_router_yield_tokens_per_second
+  {level, arm="speculate"|"plain", basis="wall"|"verifier_busy"}``, ``cosine_router_speculation_withdrawn
+  {level}`` (1 where the guard turned speculation off) and ``cosine_router_speculation_flips_total{level,
+  verdict="withdrawn"|"readmitted"}``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from common.platform.metrics import ServiceMetrics
 from common.spec.fusion import DraftTree
+from services.router.yield_guard import LevelRecord, level_label
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 
@@ -58,6 +63,19 @@ class RouterMetrics:
         self.committed = m.counter("cosine_router_tokens_committed_total", "tokens committed to requests")
         m.gauge("cosine_router_queue_depth", "requests waiting for a round").set_function(queue_depth)
         m.gauge("cosine_router_active_requests", "requests in the router").set_function(active)
+        self.yields = m.gauge(
+            "cosine_router_yield_tokens_per_second",
+            "tokens committed per second by each arm of the yield guard, by load level",
+            ["level", "arm", "basis"],
+        )
+        self.withdrawn = m.gauge(
+            "cosine_router_speculation_withdrawn",
+            "1 where the yield guard withdrew speculation, by load level",
+            ["level"],
+        )
+        self.flips = m.counter(
+            "cosine_router_speculation_flips_total", "the yield guard's verdicts that changed", ["level", "verdict"]
+        )
         self._drafted = 0
         self._accepted = 0
 
@@ -86,3 +104,14 @@ class RouterMetrics:
         total = draft_s + verify_s + other_s
         if total > 0:
             self.busy.set(min(1.0, busy_s / total))
+
+    def guard(self, level: int, record: LevelRecord, flip: str) -> None:
+        """One settled epoch of the yield guard at ``level``: both arms' yields and the verdict."""
+        name = level_label(level)
+        for arm, y in (("speculate", record.speculate), ("plain", record.plain)):
+            if y.epochs:
+                self.yields.labels(name, arm, "wall").set(y.per_s)
+                self.yields.labels(name, arm, "verifier_busy").set(y.per_busy_s)
+        self.withdrawn.labels(name).set(1.0 if record.withdrawn else 0.0)
+        if flip:
+            self.flips.labels(name, flip).inc()

@@ -34,6 +34,7 @@ from services.router.requests import (
 from services.router.resume import VERIFIER_RETRY, mark_for_resume
 from services.router.scheduler import Candidate, LoadControl, SpeculationLength, pick_batch
 from services.router.settings import RouterSettings
+from services.router.yield_guard import YieldGuard
 
 log = get_logger("router")
 
@@ -53,6 +54,8 @@ class RequestPool:
     verifier: VerifierBackend
     routing: RequestRouting
     gate: DraftGate
+    guard: YieldGuard
+    guarding: bool
     _wakeup: asyncio.Event
     _closed: bool
 
@@ -140,6 +143,8 @@ class RequestPool:
         """Rounds that may be in flight now: the configured number while pipelining pays (see
         ``SpeculationControl.pipeline_pays``), else one round with the whole pool."""
         configured = max(1, self.config.rounds_in_flight)
+        if self.guarding and self.guard.plain_now:  # the yield guard's plain arm: the target alone, one pass at a time
+            return 1
         if (
             configured > 1 and self.config.pipeline_control and not self.control.pipeline_pays()
         ):  # always pays without cost control

@@ -169,6 +169,9 @@ class Counters:
         0  # of the draft tokens, those the verifier drafted at plain steps (lookup, text and corpus)
     )
     step_lookup_accepted: int = 0  # of them, accepted by the target
+    guard_plain_rounds: int = 0  # rounds the yield guard ran plain (its control groups, and where it withdrew drafting)
+    guard_withdrawals: int = 0  # times the yield guard withdrew speculation at a load level
+    guard_readmissions: int = 0  # times it let speculation back in at one
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -204,4 +207,7 @@ class Counters:
             "verify_passes": self.verify_passes,
             "step_lookup_tokens": self.step_lookup_tokens,
             "step_lookup_accepted": self.step_lookup_accepted,
+            "guard_plain_rounds": self.guard_plain_rounds,
+            "guard_withdrawals": self.guard_withdrawals,
+            "guard_readmissions": self.guard_readmissions,
         }

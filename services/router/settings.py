@@ -93,6 +93,20 @@ class RouterSettings(ServiceSettings):
         "catch-up is charged against this share (1.0: in effect, probes as often as their round intervals allow)",
         check=in_range(0.001, 1.0),
     )
+    yield_guard: bool = setting(
+        True,
+        help="with cost control, measure what speculation commits per second against plain decoding, per load "
+        "level (epochs of either arm, the losing one now and then as a control group), and withdraw speculation "
+        "wherever it yields less; re-admit it when it yields more again",
+    )
+    yield_epoch_rounds: int = setting(
+        6, help="with the yield guard, fewest rounds of an epoch (its first is not measured)", check=positive
+    )
+    yield_epoch_s: float = setting(
+        0.5,
+        help="with the yield guard, shortest epoch, seconds (it ends earlier when the load level moves)",
+        check=non_negative,
+    )
     lookup_drafts: bool = setting(
         True,
         help="add the lookup drafter's free proposals to every request's tree: the tokens that followed the "
