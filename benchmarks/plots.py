@@ -38,6 +38,7 @@ STYLE = {
     "cosine_step_fusion": ("#dbdb8d", "3", "--"),
     "cosine_no_corpus": ("#9edae5", "4", "--"),
     "services_plain": ("#c49c94", "x", ":"),
+    "cosine_no_guard": ("#ffbb78", "+", "--"),
 }
 
 

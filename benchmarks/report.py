@@ -73,6 +73,9 @@ HEADLINE = (
     ("cosine_vs_cosine_no_lookup_latency", "cosine", "cosine_no_lookup", "latency_mean_s", "low"),
     ("cosine_vs_cosine_no_draft_ahead_throughput_c16", "cosine", "cosine_no_draft_ahead", "tokens_per_s", "c16"),
     ("cosine_vs_cosine_no_draft_ahead_throughput", "cosine", "cosine_no_draft_ahead", "tokens_per_s", "high"),
+    ("cosine_vs_cosine_no_guard_throughput_c1", "cosine", "cosine_no_guard", "tokens_per_s", "c1"),
+    ("cosine_vs_cosine_no_guard_throughput_c16", "cosine", "cosine_no_guard", "tokens_per_s", "c16"),
+    ("cosine_vs_cosine_no_guard_throughput", "cosine", "cosine_no_guard", "tokens_per_s", "high"),
 )
 # systems every other one is compared against in ratios.by_workload
 BASELINES = ("vanilla_sd", "autoregressive", "hf_assisted", "hf_generate", "specinfer_tree")

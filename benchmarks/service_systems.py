@@ -246,6 +246,10 @@ class ServiceSystem:
             "plain_step_passes": diff.get("plain_step_passes", 0.0),
             "step_lookup_tokens": diff.get("step_lookup_tokens", 0.0),
             "step_lookup_accepted": diff.get("step_lookup_accepted", 0.0),
+            "router_rounds": diff.get("rounds", 0.0),
+            "guard_plain_rounds": diff.get("guard_plain_rounds", 0.0),
+            "guard_withdrawals": diff.get("guard_withdrawals", 0.0),
+            "guard_readmissions": diff.get("guard_readmissions", 0.0),
             **cpu_counters(cpu_before, cpu_after),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
@@ -350,6 +354,11 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("--no-lookup-drafts",),
         (),
         "cosine without the lookup drafter (only the drafter models propose)",
+    ),
+    "cosine_no_guard": (
+        ("--no-yield-guard",),
+        (),
+        "cosine without the yield guard: the cost control's prices alone decide where it speculates",
     ),
     "cosine_one_drafter": (("--drafters-per-request", "1"), (), "cosine with one drafter per request"),
     "services_plain": (

@@ -3,8 +3,8 @@
     python -m benchmarks.summary bench-out/report.json
 
 The systems table, the goals and the closed loops' sustained ratios, then the per-workload table
-(docs/benchmarks.md's *Results*) and the cores each part of the serving path kept busy at 16
-clients and high load.
+(docs/benchmarks.md's *Results*), what the yield guard did, and the cores each part of the
+serving path kept busy at 16 clients and high load.
 
 Every figure comes from the report (one run); nothing is carried over from another run.
 """
@@ -55,6 +55,9 @@ GOALS = (
         "",
     ),
     ("cosine_vs_cosine_no_draft_ahead_throughput", "cosine / cosine waiting for its drafters, tokens/s, high load", ""),
+    ("cosine_vs_cosine_no_guard_throughput_c1", "cosine / cosine without the yield guard, tokens/s, 1 client", ""),
+    ("cosine_vs_cosine_no_guard_throughput_c16", "cosine / cosine without the yield guard, tokens/s, 16 clients", ""),
+    ("cosine_vs_cosine_no_guard_throughput", "cosine / cosine without the yield guard, tokens/s, high load", ""),
 )
 
 
@@ -205,6 +208,38 @@ def workload_table(report: Mapping[str, Any]) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def guard_table(report: Mapping[str, Any]) -> str:
+    """The yield guard in cosine's run, workload by workload (``services/router/yield_guard.py``):
+    the share of its rounds it ran plain (control groups and withdrawals), how often it withdrew
+    and re-admitted speculation, and the committed tokens per verifier-busy second of cosine and of
+    services_plain; empty for a report without the guard's counters."""
+    systems = report["systems"]
+    rows = []
+    for w in report["scenario"]["workloads"]:
+        c = (systems.get("cosine", {}).get(w) or {}).get("counters") or {}
+        if "guard_plain_rounds" not in c:
+            continue
+
+        def per_busy(system: str) -> float | None:
+            m = systems.get(system, {}).get(w) or {}
+            return m.get("bound_tokens_per_s")
+
+        cells = [
+            WORKLOAD_LABELS.get(w, w),
+            _pct(_div(c["guard_plain_rounds"], c.get("router_rounds"))),
+            f"{c.get('guard_withdrawals', 0):.0f} / {c.get('guard_readmissions', 0):.0f}",
+            f"{_f(per_busy('cosine'), '{:.0f}')} / {_f(per_busy('services_plain'), '{:.0f}')}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    head = (
+        "| workload | cosine's rounds run plain by its yield guard | withdrawn / re-admitted | "
+        "tokens per verifier-busy second, cosine / services_plain |"
+    )
+    return "\n".join(["the yield guard\n", head, "|---|---|---|---|", *rows])
+
+
 def cores_table(report: Mapping[str, Any], workloads: tuple[str, ...] = ("closed_c16", "open_high")) -> str:
     """Cores each part of the serving path kept busy, per service system, at 16 clients and high
     load (:mod:`benchmarks.cpu_split`); empty for a report without those counters."""
@@ -245,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(systems_table(report) + "\n")
     print(goals_table(report))
-    for table in (sustained_table(report), workload_table(report), cores_table(report)):
+    for table in (sustained_table(report), workload_table(report), guard_table(report), cores_table(report)):
         if table:
             print("\n" + table)
     return 0

@@ -202,6 +202,7 @@ ALL_SYSTEMS = (
     "cosine_no_corpus",
     "services_plain",
     "cosine_one_drafter",
+    "cosine_no_guard",
 )
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)

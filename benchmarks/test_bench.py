@@ -243,10 +243,14 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
     assert on_disk["schema"] == SCHEMA and validate_report(on_disk) == []
     assert on_disk["scenario"]["complete"] is True
     assert set(on_disk["systems"]) == {"cosine", "autoregressive", "hf_assisted", "services_plain"}
-    # each service system's counters are its own router's: drafting off in one, on in the other
+    # each service system's counters are its own router's: drafting off in one, on in the other (in
+    # a workload this short cosine's yield guard may have run it all as a plain epoch, which it counts)
+    drafted = 0.0
     for w in ("closed_c4", "open_low", "open_high"):
         plain, cos = on_disk["systems"]["services_plain"][w]["counters"], on_disk["systems"]["cosine"][w]["counters"]
-        assert plain["draft_tokens"] == 0 and plain["accepted_tokens"] == 0 and cos["draft_tokens"] > 0
+        assert plain["draft_tokens"] == 0 and plain["accepted_tokens"] == 0 and plain["guard_plain_rounds"] == 0
+        assert cos["draft_tokens"] > 0 or cos["guard_plain_rounds"] > 0, cos
+        drafted += cos["draft_tokens"]
         assert (
             plain["verify_batches"] > 0
             and plain["tokens_committed"] == on_disk["systems"]["services_plain"][w]["output_tokens"]
@@ -260,6 +264,7 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
             assert set(cpu) == {f"cpu_s_{p}" for p in PARTS} and cpu["cpu_s_verifier"] > 0, cpu
             assert sum(cpu.values()) <= (os.cpu_count() or 1) * (m["wall_s"] + 2.0), cpu
         assert not any(k.startswith("cpu_s_") for k in on_disk["systems"]["autoregressive"][w]["counters"])
+    assert drafted > 0
     for per in on_disk["systems"].values():
         assert set(per) == {"closed_c4", "open_low", "open_high"}
         for m in per.values():
@@ -321,7 +326,8 @@ def test_every_system_runs_the_target_in_the_dtype_asked(tiny_zoo, tmp_path):
 def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(tiny_zoo, tmp_path):
     """Where the CPU has AMX this is the row-invariant bfloat16 through real services: every greedy
     output of cosine equals the in-process target alone's in the same dtype (the bench fails on one
-    that does not)."""
+    that does not). Without the yield guard, whose plain epochs could leave a workload this short
+    with nothing speculated to check."""
     opts = BenchOptions(
         zoo=str(tiny_zoo.root),
         out=str(tmp_path / "report.json"),
@@ -330,7 +336,7 @@ def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(ti
         plots=False,
         progress=False,
         max_new_tokens=8,
-        systems=["autoregressive", "cosine"],
+        systems=["autoregressive", "cosine_no_guard"],
         workloads=["closed_c4"],
         dtype="auto",
     )
@@ -342,7 +348,7 @@ def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(ti
         report["scenario"]["greedy_check"]["checked_requests"] > 0
         and not report["scenario"]["greedy_check"]["mismatches"]
     )
-    assert report["systems"]["cosine"]["closed_c4"]["counters"]["accepted_tokens"] > 0
+    assert report["systems"]["cosine_no_guard"]["closed_c4"]["counters"]["accepted_tokens"] > 0
 
 
 def test_an_ablation_runs_only_where_its_headline_ratios_are_read(tiny_zoo, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.summary import main, workload_table
+from benchmarks.summary import guard_table, main, workload_table
 
 
 def _m(tokens_per_s: float, latency_s: float, batches: int, busy_s: float | None = None, **extra) -> dict:
@@ -88,3 +88,15 @@ def test_cores_table_divides_each_parts_cpu_seconds_by_the_runs_wall_time():
     assert table[-1] == "| cosine | high load | 1.80 | 0.02 | 0.04 | 0.05 | 0.03 | 0.01 | 1.95 |"
     assert len([r for r in table if r.startswith("| cosine") or r.startswith("| autoregressive")]) == 1
     assert cores_table(_report()) == ""  # no run with the counters: no table
+
+
+def test_the_guard_table_shows_cosine_s_plain_share_its_flips_and_both_systems_tokens_per_busy_second():
+    report = _report()
+    report["scenario"]["order"].append("services_plain")
+    guard = {"router_rounds": 200, "guard_plain_rounds": 30, "guard_withdrawals": 2, "guard_readmissions": 1}
+    report["systems"]["cosine"]["open_high"]["counters"].update(guard)
+    report["systems"]["cosine"]["open_high"]["bound_tokens_per_s"] = 240.0
+    report["systems"]["services_plain"] = {"open_high": _m(100.0, 4.0, 50, bound_tokens_per_s=260.0)}
+    rows = guard_table(report).splitlines()[4:]
+    assert rows == ["| high load | 15% | 2 / 1 | 240 / 260 |"]  # only the workload with the guard's counters
+    assert guard_table(_report()) == ""
