@@ -49,6 +49,7 @@ from common.runtime.pass_times import measure_pass_times
 from common.runtime.runner import LMRunner, SeqInput
 from common.runtime.step_lookups import StepChain, chain_outcomes, earned_chain, held_depth
 from common.spec.acceptance import RuleFactory, default_rule_factory
+from common.spec.logprobs import path_rows, token_logprobs
 from common.spec.lookup_corpus import DomainCorpora
 from common.spec.lookup_index import CORPUS, TEXT, LookupIndex
 from common.spec.types import (
@@ -273,9 +274,11 @@ class VerifierEngine(RequestEngine[RequestState]):
                 state.tokens += [*accepted, decision.next_token]
                 verdict = verdicts[p.index]
                 assert verdict is not None
+                logprobs = token_logprobs(lg, path_rows(path), [*accepted, decision.next_token], p.item.logprobs)
                 verdicts[p.index] = replace(
                     verdict,
                     plain_tokens=(*verdict.plain_tokens, *accepted, decision.next_token),
+                    logprobs=(*verdict.logprobs, *logprobs),
                     committed_len=len(state.tokens),
                     step_passes=verdict.step_passes + 1,
                     step_drafted=verdict.step_drafted + len(tree),
@@ -343,6 +346,8 @@ class VerifierEngine(RequestEngine[RequestState]):
                 f"tree: {len(item.tree)} nodes is more than this verifier's limit of {self.max_tree_nodes}"
             )
         item.tree.validate(vocab)
+        if not -1 <= item.logprobs <= vocab:
+            raise InvalidInput(f"logprobs: must be -1 (none) to the vocabulary's size {vocab}, got {item.logprobs}")
         for t in item.append_ids:
             if not 0 <= t < vocab:
                 raise InvalidInput(f"append_ids: token id {t} outside the vocabulary [0, {vocab})")
@@ -410,6 +415,11 @@ class VerifierEngine(RequestEngine[RequestState]):
             next_token=decision.next_token,
             node_accepted=tuple(flags),
             committed_len=len(state.tokens),
+            logprobs=tuple(
+                token_logprobs(
+                    logits, path_rows(decision.accepted_nodes), [*accepted_tokens, decision.next_token], item.logprobs
+                )
+            ),
         )
 
 

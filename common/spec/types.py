@@ -176,6 +176,20 @@ class TokenTree:
 
 # ---- verifier ------------------------------------------------------------------------------------
 
+NO_LOGPROBS = -1  # VerifyItem.logprobs: the request asked for none
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one committed token, and the ``top`` alternatives at its
+    position (``(token, logprob)``, most probable first) when they were asked for: log_softmax of
+    the target's raw logits in float32, before temperature, top-k and top-p, so the figures say
+    what the model thinks whatever the request's sampling."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass(frozen=True)
 class VerifyItem:
@@ -198,6 +212,10 @@ class VerifyItem:
     lacks: all of it); where the two chains differ they are siblings. Both empty: plain steps, one
     token each. ``max_tokens`` (0: no cap) caps the tokens the item commits in all, the steps' proposals
     trimmed to fit, so a step that accepts a chain never overshoots the request's length.
+
+    ``logprobs``: ``NO_LOGPROBS`` (the default) computes nothing extra; ``0`` returns the target's
+    log-probability of every new token (``Verdict.logprobs``), ``k > 0`` also its ``k`` most
+    probable alternatives at each position.
     """
 
     request_id: str
@@ -211,6 +229,7 @@ class VerifyItem:
     step_corpus: tuple[int, ...] = ()
     domain: str = ""
     max_tokens: int = 0
+    logprobs: int = NO_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -234,8 +253,9 @@ class Verdict:
     steps after it, see ``VerifyItem.plain_steps``). ``committed_len`` is its length afterwards.
     ``step_passes``: the plain steps' passes the request was in (fewer than ``plain_tokens`` when
     steps accepted the verifier's own lookup drafts, ``step_drafted`` tokens proposed and
-    ``step_accepted`` accepted, see ``VerifyItem.step_lookup``). On failure only ``request_id`` and
-    ``error`` are meaningful (``next_token == -1``).
+    ``step_accepted`` accepted, see ``VerifyItem.step_lookup``). ``logprobs``: one entry per new
+    token, in order, when the item asked (``VerifyItem.logprobs``), else empty. On failure only
+    ``request_id`` and ``error`` are meaningful (``next_token == -1``).
     """
 
     request_id: str
@@ -251,6 +271,7 @@ class Verdict:
     step_drafted: int = 0
     step_accepted: int = 0
     step_lookups: tuple[StepLookup, ...] = ()  # per step and chain, for the router's lookup calibration
+    logprobs: tuple[TokenLogprob, ...] = ()  # aligned with new_tokens (VerifyItem.logprobs)
 
     @property
     def ok(self) -> bool:
