@@ -8,11 +8,13 @@ from collections.abc import Mapping, Sequence
 from common.spec.fusion import DraftTree
 from common.spec.token_fusion import FusionOutcome, FusionRequest, FusionSource, StepPricing
 from common.spec.types import (
+    NO_LOGPROBS,
     DraftItem,
     DraftResult,
     ModelInfo,
     SamplingParams,
     StepLookup,
+    TokenLogprob,
     TokenTree,
     Verdict,
     VerifyItem,
@@ -51,6 +53,24 @@ def tree_to_pb(t: TokenTree) -> common_pb2.TokenTree:
 def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:
     return TokenTree(
         tuple(pb.tokens), tuple(pb.parents), tuple(pb.draft_probs), tuple(pb.source_masks), tuple(pb.drafter_ids)
+    )
+
+
+def logprobs_to_pb(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token=e.token,
+            logprob=e.logprob,
+            top_tokens=[t for t, _ in e.top],
+            top_logprobs=[lp for _, lp in e.top],
+        )
+        for e in entries
+    ]
+
+
+def logprobs_from_pb(entries: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(e.token, e.logprob, tuple(zip(e.top_tokens, e.top_logprobs, strict=True))) for e in entries
     )
 
 
@@ -166,6 +186,7 @@ def verify_batch_to_pb(batch_id: int, items: Sequence[VerifyItem]) -> verifier_p
                 step_corpus=i.step_corpus,
                 domain=i.domain,
                 max_tokens=i.max_tokens,
+                logprobs=None if i.logprobs == NO_LOGPROBS else i.logprobs,
             )
             for i in items
         ],
@@ -186,6 +207,7 @@ def verify_items_from_pb(batch: verifier_pb2.VerifyBatch) -> list[VerifyItem]:
             step_corpus=tuple(i.step_corpus),
             domain=i.domain,
             max_tokens=i.max_tokens,
+            logprobs=i.logprobs if i.HasField("logprobs") else NO_LOGPROBS,
         )
         for i in batch.items
     ]
@@ -209,6 +231,7 @@ def verdict_to_pb(v: Verdict) -> verifier_pb2.Verdict:
             verifier_pb2.StepLookup(source=s.source, match=s.match, tried=s.tried, accepted=s.accepted)
             for s in v.step_lookups
         ],
+        logprobs=logprobs_to_pb(v.logprobs),
     )
 
 
@@ -227,6 +250,7 @@ def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
         step_drafted=pb.step_drafted,
         step_accepted=pb.step_accepted,
         step_lookups=tuple(StepLookup(s.source, s.match, s.tried, s.accepted) for s in pb.step_lookups),
+        logprobs=logprobs_from_pb(pb.logprobs),
     )
 
 
@@ -385,6 +409,7 @@ def submit_to_pb(
     sampling: SamplingParams,
     stop_token_ids: Sequence[int],
     domain_hint: str,
+    logprobs: int = NO_LOGPROBS,
 ) -> router_pb2.SubmitRequest:
     return router_pb2.SubmitRequest(
         request_id=request_id,
@@ -393,6 +418,20 @@ def submit_to_pb(
         sampling=sampling_to_pb(sampling),
         stop_token_ids=stop_token_ids,
         domain_hint=domain_hint,
+        logprobs=None if logprobs == NO_LOGPROBS else logprobs,
+    )
+
+
+def submit_logprobs_from_pb(pb: router_pb2.SubmitRequest) -> int:
+    """What a submission asked for (``VerifyItem.logprobs``): unset is ``NO_LOGPROBS``."""
+    return pb.logprobs if pb.HasField("logprobs") else NO_LOGPROBS
+
+
+def token_chunk_to_pb(
+    request_id: str, tokens: Sequence[int], logprobs: Sequence[TokenLogprob], finished: bool
+) -> router_pb2.TokenChunk:
+    return router_pb2.TokenChunk(
+        request_id=request_id, token_ids=tokens, finished=finished, logprobs=logprobs_to_pb(logprobs)
     )
 
 
@@ -402,4 +441,5 @@ def token_chunk_from_pb(pb: router_pb2.TokenChunk) -> RouterChunk:
         finished=pb.finished,
         finish_reason=finish_reason_from_pb(pb.finish_reason),
         stats=spec_stats_from_pb(pb.stats),
+        logprobs=logprobs_from_pb(pb.logprobs),
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from common.spec.types import TokenLogprob
+
 
 class FinishReason(enum.Enum):
     """Why a generation ended. The value is the name the gateway's logs and metrics use."""
@@ -39,14 +41,17 @@ class RouterChunk:
     finished: bool = False
     finish_reason: FinishReason = FinishReason.UNSPECIFIED
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
 
 
 @dataclass
 class Progress:
-    """One piece of a generation as the gateway relays it."""
+    """One piece of a generation as the gateway relays it; ``logprobs`` has one entry per token
+    of ``token_ids`` when the request asked for them (``GenerationRequest.logprobs``)."""
 
     text: str
     token_ids: list[int]
     finished: bool = False
     finish_reason: FinishReason = FinishReason.UNSPECIFIED
     stats: SpecStats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()

@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.spec.types import InvalidInput, SamplingParams
+from common.spec.types import NO_LOGPROBS, InvalidInput, SamplingParams
 from services.router.requests import RequestFailed
 
 REQUEST_ID_MAX = 128
@@ -41,6 +41,7 @@ def check_submission(
     stop_ids: Sequence[int],
     domain_hint: str,
     limits: SubmitLimits | None,
+    logprobs: int = NO_LOGPROBS,
 ) -> None:
     """Raise :class:`RequestFailed` (kind ``invalid``, the message starting with the field's name)
     at the first field the router cannot serve."""
@@ -70,6 +71,10 @@ def check_submission(
         bad = next((t for t in stop_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid("stop_token_ids", f"token id {bad} is outside the target's vocabulary [0, {vocab})")
+        if logprobs > vocab:
+            raise invalid("logprobs", f"{logprobs} alternatives is more than the target's vocabulary of {vocab}")
+    if logprobs < NO_LOGPROBS:
+        raise invalid("logprobs", f"must be unset or >= 0 (got {logprobs})")
     try:
         sampling.validate()
     except InvalidInput as exc:

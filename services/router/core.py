@@ -364,6 +364,7 @@ class RouterCore(RoundFeedback):
                 step_corpus=corpus,
                 domain=gate_domain(r) if step_lookup else "",
                 max_tokens=left if steps > 1 else 0,
+                logprobs=r.logprobs,
             )
             for r, left, (text, corpus) in zip(batch, remaining, depths)
         ]

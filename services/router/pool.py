@@ -17,7 +17,7 @@ from typing import Any
 
 from common.logs import get_logger
 from common.spec.lookup_index import LookupIndex
-from common.spec.types import SamplingParams
+from common.spec.types import NO_LOGPROBS, SamplingParams
 from services.router.admission import SubmitLimits, check_submission
 from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting
@@ -67,10 +67,13 @@ class RequestPool:
         sampling: SamplingParams,
         stop_ids: Sequence[int] = (),
         domain_hint: str = "",
+        logprobs: int = NO_LOGPROBS,
     ) -> Request:
+        """``logprobs``: stream the target's log-probability of each token with this many
+        alternatives (``VerifyItem.logprobs``; ``NO_LOGPROBS``: none)."""
         if self._closed:
             raise RequestFailed("router shutting down", "unavailable")
-        check_submission(request_id, prompt, max_new_tokens, sampling, stop_ids, domain_hint, self.limits)
+        check_submission(request_id, prompt, max_new_tokens, sampling, stop_ids, domain_hint, self.limits, logprobs)
         if request_id in self.requests:
             raise RequestFailed(f"request_id: request {request_id} is already running", "already_exists")
         if len(self.requests) >= self.config.max_queue:
@@ -88,6 +91,7 @@ class RequestPool:
             ready_since=self.clock(),
             lookup=LookupIndex(self.config.lookup_max_ngram),
             first_accept=self.gate.start(guess),  # what drafting did for the recent requests of its domain
+            logprobs=logprobs,
         )
         self.requests[request_id] = req
         self._wakeup.set()

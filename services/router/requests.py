@@ -11,7 +11,7 @@ from typing import Protocol
 
 from common.spec.fusion import DraftTree
 from common.spec.lookup_index import LookupIndex
-from common.spec.types import DraftItem, DraftResult, SamplingParams, Verdict, VerifyItem
+from common.spec.types import NO_LOGPROBS, DraftItem, DraftResult, SamplingParams, TokenLogprob, Verdict, VerifyItem
 from services.router.routing import RoutingVector
 from services.router.scheduler import SpeculationLength
 
@@ -82,9 +82,11 @@ class RequestStats:
 
 @dataclass
 class Event:
-    """What a submitter receives: new tokens, and at the end the finish reason or an error."""
+    """What a submitter receives: new tokens (with their log-probabilities, one each, when the
+    request asked), and at the end the finish reason or an error."""
 
     tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
     finished: bool = False
     finish_reason: str = ""
     error: RequestFailed | None = None
@@ -131,6 +133,7 @@ class Request:
     ahead: AheadDraft | None = None  # what they drafted, verified in its next round
     routing_ahead: bool = False  # being routed (its prompt scored by the drafters) while it decodes plainly
     plain_streak: int = 0  # its latest rounds in a row verified with nothing drafted (scheduler.plain_steps)
+    logprobs: int = NO_LOGPROBS  # what its verify items ask for (VerifyItem.logprobs)
 
     @property
     def sequence(self) -> list[int]:

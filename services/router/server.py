@@ -17,7 +17,7 @@ from common.platform.service import StartupError
 from common.platform.store import Store, StoreUnavailable
 from common.platform.tls import TlsConfig
 from cosine.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.convert import sampling_from_pb
+from services.convert import sampling_from_pb, submit_logprobs_from_pb, token_chunk_to_pb
 from services.router.admission import SubmitLimits
 from services.router.clients import GrpcDrafterPool, GrpcVerifier
 from services.router.core import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestFailed, RouterCore
@@ -87,6 +87,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     sampling_from_pb(request.sampling),
                     list(request.stop_token_ids),
                     request.domain_hint,
+                    submit_logprobs_from_pb(request),
                 )
             except RequestFailed as exc:
                 await context.abort(KIND_TO_STATUS.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))
@@ -97,9 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         await context.abort(
                             KIND_TO_STATUS.get(event.error.kind, grpc.StatusCode.INTERNAL), str(event.error)
                         )
-                    chunk = router_pb2.TokenChunk(
-                        request_id=req.request_id, token_ids=event.tokens, finished=event.finished
-                    )
+                    chunk = token_chunk_to_pb(req.request_id, event.tokens, event.logprobs, event.finished)
                     chunk.timings.total_ns = event.round_ns
                     if event.finished:
                         chunk.finish_reason = FINISH_TO_PB.get(

@@ -143,7 +143,8 @@ class VerdictApplication:
             updates.append((d, r.domain, float(got), float(depth)))
 
     def _commit(self, r: Request, tree: DraftTree, verdict: Verdict, round_ns: int) -> Outcome:
-        """Append the verdict's new tokens up to a stop token or the length limit and stream them."""
+        """Append the verdict's new tokens up to a stop token or the length limit and stream them,
+        their log-probabilities (when asked) cut at the same token."""
         new: list[int] = []
         reason = ""
         for tok in verdict.new_tokens:
@@ -158,7 +159,7 @@ class VerdictApplication:
         self.counters.tokens_committed += len(new)
         if self.metrics is not None:
             self.metrics.verdict(tree, verdict.accepted_nodes, len(new))
-        r.events.put_nowait(Event(tokens=tuple(new), round_ns=round_ns))
+        r.events.put_nowait(Event(tokens=tuple(new), logprobs=verdict.logprobs[: len(new)], round_ns=round_ns))
         return Outcome(finish_reason=reason) if reason else GOING_ON
 
 
