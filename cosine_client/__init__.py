@@ -22,7 +22,7 @@ from cosine_client.errors import (
     Unavailable,
 )
 from cosine_client.tls import TlsOptions, TlsSetupError
-from cosine_client.types import Chunk, Generation, SpecStats, Usage
+from cosine_client.types import Chunk, Generation, SpecStats, TokenLogprob, Usage
 
 __all__ = [
     "AsyncClient",
@@ -30,6 +30,7 @@ __all__ = [
     "Chunk",
     "Generation",
     "SpecStats",
+    "TokenLogprob",
     "Usage",
     "CosineError",
     "InvalidArgument",

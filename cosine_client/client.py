@@ -15,7 +15,7 @@ from common.platform.retry import RetryPolicy
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc
 from cosine_client.errors import CosineError, from_rpc_error, is_transport_failure
 from cosine_client.tls import TlsOptions
-from cosine_client.types import FINISH_REASONS, Chunk, Generation, SpecStats, Usage
+from cosine_client.types import FINISH_REASONS, Chunk, Generation, SpecStats, TokenLogprob, Usage
 
 RESUMES = 3  # times a call is sent again after the connection to the gateway broke
 RESUME_WAIT_S = 30.0  # longest wait for the gateway to answer again before a resume
@@ -37,7 +37,10 @@ def build_request(
     request_id: str = "",
     domain_hint: str = "",
     resume_ids: Sequence[int] = (),
+    logprobs: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
+    """``logprobs``: also return the target's log-probability of every generated token, with this
+    many most probable alternatives at each position (0: the chosen token only; None: none)."""
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt or prompt_ids")
     req = gateway_pb2.GenerateRequest(
@@ -57,6 +60,8 @@ def build_request(
         req.seed = seed
     if resume_ids:
         req.resume_ids.ids.extend(int(t) for t in resume_ids)
+    if logprobs is not None:
+        req.logprobs = logprobs
     return req
 
 
@@ -94,6 +99,7 @@ def _generation(reply: gateway_pb2.GenerateResponse, elapsed_s: float) -> Genera
         stats=SpecStats.from_pb(reply.stats),
         usage=Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens),
         elapsed_s=elapsed_s,
+        logprobs=tuple(TokenLogprob.from_pb(e) for e in reply.logprobs),
     )
 
 
@@ -106,6 +112,7 @@ def _chunk(msg: gateway_pb2.GenerateChunk) -> Chunk:
         finish_reason=FINISH_REASONS.get(msg.finish_reason, "") if msg.finished else "",
         stats=SpecStats.from_pb(msg.stats) if msg.finished else None,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if msg.finished else None,
+        logprobs=tuple(TokenLogprob.from_pb(e) for e in msg.logprobs),
     )
 
 

@@ -30,6 +30,24 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token (log_softmax of its raw logits,
+    before temperature, top-k and top-p), and its most probable alternatives at that position
+    as ``(token id, logprob)``, best first, when asked (``logprobs=k``)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_pb(cls, pb: Any) -> TokenLogprob:
+        return cls(pb.token, pb.logprob, tuple(zip(pb.top_tokens, pb.top_logprobs)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -44,6 +62,7 @@ class Generation:
     stats: SpecStats
     usage: Usage
     elapsed_s: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for (logprobs=k)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +80,7 @@ class Generation:
                 "drafters_used": list(self.stats.drafters_used),
                 "accepted_by_drafter": dict(self.stats.accepted_by_drafter),
             },
+            **({"logprobs": [e.to_dict() for e in self.logprobs]} if self.logprobs else {}),
         }
 
 
@@ -73,3 +93,4 @@ class Chunk:
     finish_reason: str = ""
     stats: SpecStats | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for (logprobs=k)

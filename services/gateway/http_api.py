@@ -29,12 +29,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.logs import get_logger
+from common.spec.types import TokenLogprob
 from services.gateway.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
 from services.gateway.errors import GatewayError
+from services.gateway.openai_logprobs import Shaper, shaper
 from services.gateway.openai_schema import (
     FINISH_REASONS,
     ChatCompletionRequest,
     CompletionRequest,
+    asked_logprobs,
     chat_raw,
     completion_raw,
     envelope,
@@ -55,6 +58,7 @@ class HttpHost(Protocol):
     settings: GatewaySettings
     keys: frozenset[str]  # API keys; empty: none required
     model_name: str
+    tokenizer: Any  # the target's (a token's text in the logprobs objects)
     metrics_registry: CollectorRegistry | None  # the gateway's Prometheus registry; None: no /metrics
 
     async def ensure_ready(self) -> None: ...
@@ -174,13 +178,23 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         request_id = uuid.uuid4().hex
-        return await _serve(request, body, lambda: completion_raw(body, request_id), chat=False, request_id=request_id)
+        return await _serve(
+            request,
+            body,
+            lambda: completion_raw(body, request_id, gateway.settings.max_logprobs),
+            chat=False,
+            request_id=request_id,
+        )
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         request_id = uuid.uuid4().hex
         return await _serve(
-            request, body, lambda: chat_raw(body, request_id, gateway.render_chat), chat=True, request_id=request_id
+            request,
+            body,
+            lambda: chat_raw(body, request_id, gateway.render_chat, gateway.settings.max_logprobs),
+            chat=True,
+            request_id=request_id,
         )
 
     async def _serve(
@@ -201,20 +215,22 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
         except StopAsyncIteration:
             return error_response(GatewayError(grpc.StatusCode.INTERNAL, "the request ended without output"), chat)
         response_id = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
+        logprobs = shaper(gateway.tokenizer, asked_logprobs(body), chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _stream(gen, first, pieces, response_id, model, chat, include_usage)
+            events = _stream(gen, first, pieces, response_id, model, chat, include_usage, logprobs)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            text, count, last = [first.text], len(first.token_ids), first
+            text, count, last, entries = [first.text], len(first.token_ids), first, list(first.logprobs)
             async for piece in pieces:
                 text.append(piece.text)
                 count += len(piece.token_ids)
+                entries.extend(piece.logprobs)
                 last = piece
         except GatewayError as exc:
             return error_response(exc, chat)
         reason = FINISH_REASONS.get(last.finish_reason, "stop")
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs(entries)}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -242,20 +258,26 @@ async def _stream(
     model: str,
     chat: bool,
     include_usage: bool,
+    logprobs: Shaper,
 ) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk shape, ``data: [DONE]`` last. A failure after the
-    first event (headers already sent) is reported as an ``error`` event."""
+    first event (headers already sent) is reported as an ``error`` event. Each chunk carries the
+    logprobs of the tokens since the previous chunk (a piece whose text is still held back sends
+    no chunk; its tokens' logprobs go with the next)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     count = 0
+    entries: list[TokenLogprob] = []
 
     def chunk(text: str, reason: str | None, role: bool = False, **extra: Any) -> bytes:
+        shaped = logprobs(entries)
+        entries.clear()
         if chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             )
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": shaped}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": shaped}
         return _sse(envelope(kind, response_id, model, [choice], **extra))
 
     try:
@@ -263,6 +285,7 @@ async def _stream(
         is_first = True
         while piece is not None:
             count += len(piece.token_ids)
+            entries.extend(piece.logprobs)
             reason = FINISH_REASONS.get(piece.finish_reason, "stop") if piece.finished else None
             if piece.text or piece.finished or (chat and is_first):
                 extra = {"speculative_decoding": spec_decoding(piece.stats)} if piece.finished else {}

@@ -3,9 +3,11 @@
 Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI clients send
 fields a server may not know); :func:`completion_raw` and :func:`chat_raw` turn them into the
 gateway's own :class:`RawRequest`, which the same validation as the gRPC API checks. What CoSine
-does not implement (n > 1, echo, logprobs, penalties, logit_bias, suffix) is refused with the
-field named rather than silently ignored. Responses are plain dicts in OpenAI's shape, with a
-``speculative_decoding`` object beside ``usage``.
+does not implement (n > 1, echo, penalties, logit_bias, suffix) is refused with the field named
+rather than silently ignored. Log-probabilities (completions' ``logprobs: int``, chat's ``logprobs:
+true`` with ``top_logprobs: int``) are the target's own, at most ``--max-logprobs`` alternatives
+(:mod:`services.gateway.openai_logprobs` shapes them). Responses are plain dicts in OpenAI's shape,
+with a ``speculative_decoding`` object beside ``usage``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -58,6 +59,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0)  # alternatives per position (0: the chosen token only)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -80,13 +82,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
 
 
 def _unsupported(body: _Common) -> None:
     if body.n != 1:
         raise InvalidRequest("n", "only n=1 is supported")
-    if body.logprobs not in (None, False, 0):
-        raise InvalidRequest("logprobs", "log-probabilities are not returned by this server")
     if body.presence_penalty or body.frequency_penalty:
         raise InvalidRequest(
             "presence_penalty" if body.presence_penalty else "frequency_penalty",
@@ -100,8 +102,10 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
 
-def completion_raw(body: CompletionRequest, request_id: str) -> RawRequest:
+def completion_raw(body: CompletionRequest, request_id: str, max_logprobs: int) -> RawRequest:
     _unsupported(body)
+    if body.logprobs is not None and body.logprobs > max_logprobs:
+        raise InvalidRequest("logprobs", f"at most {max_logprobs} alternatives per position (got {body.logprobs})")
     if body.echo:
         raise InvalidRequest("echo", "not supported")
     if body.best_of not in (None, 1):
@@ -117,24 +121,47 @@ def completion_raw(body: CompletionRequest, request_id: str) -> RawRequest:
         prompt = str(body.prompt[0])
     else:
         prompt_ids = [int(t) for t in body.prompt]
-    return _raw(body, request_id, body.max_tokens, prompt=prompt, prompt_ids=prompt_ids)
+    return _raw(body, request_id, body.max_tokens, prompt=prompt, prompt_ids=prompt_ids, logprobs=body.logprobs)
 
 
 def chat_raw(
-    body: ChatCompletionRequest, request_id: str, render: Callable[[list[dict[str, str]]], list[int]]
+    body: ChatCompletionRequest,
+    request_id: str,
+    render: Callable[[list[dict[str, str]]], list[int]],
+    max_logprobs: int,
 ) -> RawRequest:
     """``render`` applies the target's chat template (with the generation prompt) and tokenizes."""
     _unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs", "needs logprobs: true")
+    if body.top_logprobs is not None and body.top_logprobs > max_logprobs:
+        raise InvalidRequest(
+            "top_logprobs", f"at most {max_logprobs} alternatives per position (got {body.top_logprobs})"
+        )
     messages = []
     for m in body.messages:
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
         messages.append({"role": m.role, "content": text})
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _raw(body, request_id, max_tokens, prompt=None, prompt_ids=render(messages))
+    return _raw(body, request_id, max_tokens, prompt=None, prompt_ids=render(messages), logprobs=asked_logprobs(body))
+
+
+def asked_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The alternatives per position a request asked the log-probabilities of (0: the chosen token
+    only), or None when it asked for none."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 def _raw(
-    body: _Common, request_id: str, max_tokens: int | None, *, prompt: str | None, prompt_ids: list[int] | None
+    body: _Common,
+    request_id: str,
+    max_tokens: int | None,
+    *,
+    prompt: str | None,
+    prompt_ids: list[int] | None,
+    logprobs: int | None,
 ) -> RawRequest:
     return RawRequest(
         prompt=prompt,
@@ -147,6 +174,7 @@ def _raw(
         stop=_stops(body.stop),
         request_id=request_id,
         domain_hint="",
+        logprobs=logprobs,
     )
 
 

@@ -90,6 +90,7 @@ class RouterRelay:
             sampling,
             self.app.eos_ids,
             gen.domain_hint,
+            gen.logprobs,
         )
         return stub.Submit(submit, timeout=timeout_s)
 
@@ -168,12 +169,17 @@ class RouterRelay:
                                 text = self.stops.feed(text) + (self.stops.flush() if chunk.finished else "")
                                 if self.stops.stopped:
                                     outcome = "stop"
-                                    yield Progress(text, ids, True, FinishReason.STOP, chunk.stats)
+                                    yield Progress(text, ids, True, FinishReason.STOP, chunk.stats, chunk.logprobs)
                                     return
                             if chunk.finished:
                                 outcome = chunk.finish_reason.value
                             yield Progress(
-                                text, ids, chunk.finished, chunk.finish_reason, chunk.stats if chunk.finished else None
+                                text,
+                                ids,
+                                chunk.finished,
+                                chunk.finish_reason,
+                                chunk.stats if chunk.finished else None,
+                                chunk.logprobs,
                             )
                             if chunk.finished:
                                 return

@@ -10,6 +10,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from common.spec.types import NO_LOGPROBS
+
 REQUEST_ID_MAX = 128
 
 
@@ -29,6 +31,7 @@ class Limits:
     max_stop_strings: int
     vocab_size: int
     max_context: int
+    max_logprobs: int = 20  # most alternatives a request may ask log-probabilities of
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     domain_hint: str = ""
     resume_ids: tuple[int, ...] = ()  # already delivered by an earlier gateway (a resumed stream)
+    logprobs: int = NO_LOGPROBS  # the target's log-probabilities with this many alternatives (NO_LOGPROBS: none)
 
     def params(self) -> dict[str, Any]:
         return {
@@ -55,6 +59,7 @@ class GenerationRequest:
             "seed": self.seed,
             "stop": list(self.stop),
             "domain_hint": self.domain_hint,
+            "logprobs": self.logprobs,
         }
 
 
@@ -74,6 +79,7 @@ class RawRequest:
     domain_hint: str
     unknown_fields: Sequence[int] = ()
     resume_ids: Sequence[int] = ()
+    logprobs: int | None = None  # None: no log-probabilities
 
 
 def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int]]) -> GenerationRequest:
@@ -142,6 +148,9 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
         raise InvalidRequest("stop", f"at most {limits.max_stop_strings} stop strings")
     if any(not s for s in stops):
         raise InvalidRequest("stop", "stop strings must not be empty")
+    logprobs = NO_LOGPROBS if raw.logprobs is None else int(raw.logprobs)
+    if raw.logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
+        raise InvalidRequest("logprobs", f"must be between 0 and {limits.max_logprobs} (got {raw.logprobs})")
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -153,6 +162,7 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
         stop=stops,
         domain_hint=raw.domain_hint,
         resume_ids=resume_ids,
+        logprobs=logprobs,
     )
 
 

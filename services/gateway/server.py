@@ -25,7 +25,7 @@ from common.platform.tls import TlsConfig, http_server_ssl, open_channel
 from common.runtime.checkpoints import CheckpointError, load_tokenizer
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
 from cosine_client.errors import GATEWAY_ANSWER
-from services.convert import finish_reason_to_pb, spec_stats_to_pb
+from services.convert import finish_reason_to_pb, logprobs_to_pb, spec_stats_to_pb
 from services.gateway.auth import ApiKeyError, ApiKeyInterceptor, load_api_keys
 from services.gateway.chat_template import ChatTemplateError, load_chat_template
 from services.gateway.errors import GatewayError
@@ -65,6 +65,7 @@ def raw_from_pb(req: gateway_pb2.GenerateRequest) -> RawRequest:
         domain_hint=req.domain_hint,
         unknown_fields=unknown,
         resume_ids=list(req.resume_ids.ids),
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
     )
 
 
@@ -78,12 +79,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GenerateResponse:
         t0 = time.perf_counter_ns()
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         try:
             gen = await self.app.admit(raw_from_pb(request))
             async for piece in self.app.relay(gen, context.time_remaining()):
                 text.append(piece.text)
                 ids.extend(piece.token_ids)
+                logprobs.extend(piece.logprobs)
                 last = piece
         except GatewayError as exc:
             await context.abort(exc.code, exc.message, trailing_metadata=(GATEWAY_ANSWER,))
@@ -92,6 +94,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             text="".join(text),
             token_ids=ids,
             finish_reason=finish_reason_to_pb(last.finish_reason) if last else 0,
+            logprobs=logprobs_to_pb(logprobs),
         )
         if last is not None and last.stats is not None:
             reply.stats.CopyFrom(spec_stats_to_pb(last.stats))
@@ -107,7 +110,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for piece in self.app.relay(gen, context.time_remaining()):
                 count += len(piece.token_ids)
                 chunk = gateway_pb2.GenerateChunk(
-                    request_id=gen.request_id, text=piece.text, token_ids=piece.token_ids, finished=piece.finished
+                    request_id=gen.request_id,
+                    text=piece.text,
+                    token_ids=piece.token_ids,
+                    finished=piece.finished,
+                    logprobs=logprobs_to_pb(piece.logprobs),
                 )
                 if piece.finished:
                     chunk.finish_reason = finish_reason_to_pb(piece.finish_reason)
@@ -214,6 +221,7 @@ class GatewayApp:
                 self.settings.max_stop_strings,
                 vocab,
                 min(max_context, 1 << 30),
+                self.settings.max_logprobs,
             )
             eos = self.tokenizer.eos_token_id
             self.eos_ids = () if eos is None else (int(eos),)

@@ -54,6 +54,12 @@ class GatewaySettings(ServiceSettings):
     max_new_tokens_limit: int = setting(2048, help="largest max_new_tokens a request may ask for", check=positive)
     max_prompt_tokens: int = setting(4096, help="longest prompt accepted, in target tokens", check=positive)
     max_stop_strings: int = setting(16, help="most stop strings one request may give", check=positive)
+    max_logprobs: int = setting(
+        20,
+        help="most alternatives a request may ask the log-probabilities of at each position (OpenAI's top_logprobs "
+        "in chat, logprobs in completions)",
+        check=lambda v: None if v >= 0 else "must be 0 or greater",
+    )
     router_resumes: int = setting(
         3,
         help="times one request is resumed on a router after its router was lost (0: never)",

@@ -40,7 +40,11 @@ COMPLETION_FIELDS = {
     "best_of",
     "suffix",
 }
-CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+}
 LIMIT = GATEWAY_LIMITS["max_new_tokens_limit"]
 
 
