@@ -165,3 +165,23 @@ def test_the_routers_chunks_reach_the_gateway_as_its_own_types_and_go_out_unchan
     assert submit.domain_hint == "code"
     assert submit.sampling.seed == 3 and submit.sampling.top_k == 7
     assert not submit_to_pb("r", [1], 5, SamplingParams(), (), "").sampling.HasField("seed")
+
+
+def test_logprobs_asked_and_returned_survive_the_wire():
+    """Unset, 0 (the chosen token only) and k stay apart on the wire; the figures (float32) come
+    back exactly, the alternatives in their order; and a submission's ask reaches the router."""
+    from common.spec.types import NO_LOGPROBS, TokenLogprob
+    from cosine.v1 import router_pb2
+    from services.convert import submit_logprobs_from_pb, submit_to_pb, token_chunk_from_pb, token_chunk_to_pb
+
+    items = [VerifyItem("a"), VerifyItem("b", logprobs=0), VerifyItem("c", logprobs=5)]
+    back = verify_items_from_pb(roundtrip(verify_batch_to_pb(1, items), verifier_pb2.VerifyBatch))
+    assert [i.logprobs for i in back] == [NO_LOGPROBS, 0, 5]
+    entries = (TokenLogprob(7, -0.5), TokenLogprob(9, -1.25, ((9, -1.25), (3, -2.0))))
+    verdict = Verdict("a", next_token=7, plain_tokens=(9,), committed_len=4, logprobs=entries)
+    assert verdict_from_pb(roundtrip(verdict_to_pb(verdict), verifier_pb2.Verdict)).logprobs == entries
+    chunk = token_chunk_from_pb(roundtrip(token_chunk_to_pb("a", (7, 9), entries, False), router_pb2.TokenChunk))
+    assert chunk.token_ids == (7, 9) and chunk.logprobs == entries
+    for asked in (NO_LOGPROBS, 0, 3):
+        submit = submit_to_pb("a", [1], 4, SamplingParams(), [], "", asked)
+        assert submit_logprobs_from_pb(roundtrip(submit, router_pb2.SubmitRequest)) == asked

@@ -146,3 +146,14 @@ def test_numbers_beyond_the_wire_types_are_refused(kw, field):
     with pytest.raises(InvalidRequest) as err:
         validate(raw(**kw), LIMITS, tok)
     assert err.value.field == field
+
+
+def test_logprobs_up_to_the_limit():
+    """Unset asks for none; 0 to the limit are kept; past it (or negative) is refused naming the field."""
+    assert validate(raw(), LIMITS, tok).logprobs == -1
+    assert validate(raw(logprobs=0), LIMITS, tok).logprobs == 0
+    assert validate(raw(logprobs=LIMITS.max_logprobs), LIMITS, tok).logprobs == LIMITS.max_logprobs
+    for bad in (LIMITS.max_logprobs + 1, -1):
+        with pytest.raises(InvalidRequest) as err:
+            validate(raw(logprobs=bad), LIMITS, tok)
+        assert err.value.field == "logprobs" and str(LIMITS.max_logprobs) in str(err.value)
