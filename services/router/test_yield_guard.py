@@ -191,5 +191,6 @@ def test_the_router_withdraws_speculation_whose_rows_cost_more_than_they_bring_a
     assert core.counters.guard_readmissions == 1 and core.counters.guard_plain_rounds > 0
     # one epoch of each arm, then the verdict (its requests' last rounds besides)
     assert withdrawn <= 3 * 4 + 8, withdrawn
-    # the plain epochs until the first control group of speculation, then that one
-    assert readmitted <= (EXPLORE_START + 2) * 4 + 8, readmitted
+    # the plain epochs until the first control group of speculation, then that one; a second such
+    # cycle when the first group's epoch paid for the drafters' catch-up and fell short
+    assert readmitted <= 2 * (EXPLORE_START + 1) * 4 + 8, readmitted

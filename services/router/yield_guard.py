@@ -52,7 +52,7 @@ YIELD_MARGIN = 0.01  # withdraw under (1 - margin) x plain's yield, re-admit ove
 EXPLORE_START = 4  # epochs of the winning arm between two of the other, after a flip
 EXPLORE_MAX = 32  # ... at most, while the other keeps confirming the verdict
 EPOCH_WEIGHT = 0.3  # EWMA weight of a full epoch's yield in the winning arm's figure
-CONTROL_WEIGHT = 0.6  # ... in the losing arm's, measured far more rarely: its latest epoch counts most
+CONTROL_WEIGHT = 0.8  # ... in the losing arm's, measured far more rarely: its latest epoch counts most
 WARMUP_ROUNDS = 1  # an epoch's first rounds are not measured: they pay for the switch
 
 
