@@ -72,11 +72,17 @@ def test_speculation_that_yields_less_than_plain_is_withdrawn_after_one_epoch_of
 def test_speculation_that_pays_keeps_its_level_and_plain_runs_only_as_a_thinning_control_group():
     sim = Sim()
     sim.rounds(4 * 200, pool=1, speculate=1300, plain=1000)
+    assert sim.guard.record(1).explore_every == EXPLORE_MAX
+    sim = Sim()  # near break-even the control group confirms narrowly: the interval grows by halves
+    sim.rounds(4 * 8, pool=1, speculate=1050, plain=1000)
+    assert sim.guard.record(1).explore_every == 2 * EXPLORE_START
+    sim = Sim()
+    sim.rounds(4 * 200, pool=1, speculate=1300, plain=1000)
     rec = sim.guard.record(1)
     assert not rec.withdrawn and sim.flips("withdrawn") == 0
     assert rec.explore_every == EXPLORE_MAX
-    # the early plain epoch plus control groups every 4, 8, 16, 32 epochs: under a tenth of the time
-    assert sum(sim.arms) / len(sim.arms) < 0.1
+    # the early plain epoch plus control groups, each confirming by a clear margin: every 16, then 64 epochs
+    assert sum(sim.arms) / len(sim.arms) < 0.04
 
 
 def test_withdrawn_speculation_is_readmitted_once_its_rows_are_cheap_again():

@@ -28,8 +28,11 @@ epoch early to measure the other arm. Speculation is withdrawn at a level when i
 falls under ``1 - YIELD_MARGIN`` of plain's, and re-admitted when it rises over ``1 + YIELD_MARGIN``
 of it (hysteresis against noise). Whichever arm is out is still measured now and then, as a
 control group: one epoch in every ``explore_every`` at the level, an interval that doubles each time
-such an epoch confirms the verdict (from ``EXPLORE_START`` up to ``EXPLORE_MAX``) and falls back
-to the start when one does not or the verdict flips. A control group's epoch weighs more in its
+such an epoch confirms the verdict and quadruples when it does so by a clear margin
+(``CLEAR_MARGIN``), from ``EXPLORE_START`` up to ``EXPLORE_MAX``; it halves when one does not, and
+falls back to the start when the verdict flips. Where speculation wins clearly (one client) the
+control groups thus soon take a few percent of the time; near break-even, where either arm costs
+little, they stay frequent. A control group's epoch weighs more in its
 arm's figure than a winning arm's epoch in its own (``CONTROL_WEIGHT``): it is measured rarely, and
 one epoch that beats the winner by a clear margin flips the verdict. The guard therefore costs at
 most a small share of the time where one arm clearly wins, and follows a change of machine, text
@@ -50,7 +53,8 @@ log = get_logger("router")
 
 YIELD_MARGIN = 0.01  # withdraw under (1 - margin) x plain's yield, re-admit over (1 + margin) x
 EXPLORE_START = 4  # epochs of the winning arm between two of the other, after a flip
-EXPLORE_MAX = 32  # ... at most, while the other keeps confirming the verdict
+EXPLORE_MAX = 64  # ... at most, while the other keeps confirming the verdict
+CLEAR_MARGIN = 0.1  # a control group under (1 - this) x the winner's yield confirms clearly: 4x the interval
 EPOCH_WEIGHT = 0.3  # EWMA weight of a full epoch's yield in the winning arm's figure
 CONTROL_WEIGHT = 0.8  # ... in the losing arm's, measured far more rarely: its latest epoch counts most
 WARMUP_ROUNDS = 1  # an epoch's first rounds are not measured: they pay for the switch
@@ -125,10 +129,16 @@ class LevelRecord:
         if self.withdrawn and spec > (1 + YIELD_MARGIN) * base:
             self.withdrawn, self.explore_every, self.since_explored = False, EXPLORE_START, 0
             return "readmitted"
-        if minority and self.speculate.epochs + self.plain.epochs > 2:
-            # the control group confirmed the verdict: measure it more rarely; it did not: soon again
+        if minority:
+            # the control group confirmed the verdict: measure it more rarely (far more rarely when
+            # by a clear margin); it did not: sooner again
             other = spec if plain else base
-            self.explore_every = min(EXPLORE_MAX, 2 * self.explore_every) if per_s < other else EXPLORE_START
+            if per_s < (1 - CLEAR_MARGIN) * other:
+                self.explore_every = min(EXPLORE_MAX, 4 * self.explore_every)
+            elif per_s < other:
+                self.explore_every = min(EXPLORE_MAX, 2 * self.explore_every)
+            else:
+                self.explore_every = max(EXPLORE_START, self.explore_every // 2)
         return ""
 
 
