@@ -141,15 +141,35 @@ def exact_law(hf, output: list[int], roots: list[int], params: SamplingParams, p
     return {k: v for k, v in law.items() if v > 1e-12}
 
 
+def repeat_key(outcome: tuple) -> tuple:
+    """(first token, whether the second repeats it) after an accepted root; ("miss",) otherwise."""
+    y, z = outcome
+    return ("miss",) if z is None else (y, z == y)
+
+
 @pytest.mark.slow
-def test_sampled_tokens_follow_the_penalised_targets_law(llama_target: Path, hf) -> None:
-    """Thousands of requests, each re-prefilled with PROMPT and an output that repeats two tokens
-    (negative frequency and presence penalties make them likely, the repetition penalty the
-    prompt's tokens unlikely), verify a tree holding the penalised target's three likeliest roots
-    and two children under the first; the law of (first token, second token when the first was an
-    accepted node) must be the penalised target's own, and far from the plain target's."""
-    params = SamplingParams(temperature=0.8, repetition_penalty=1.5, presence_penalty=-2.0, frequency_penalty=-2.0)
-    output = [77, 77, 77, 77, 140, 140]
+@pytest.mark.parametrize(
+    "params,output",
+    [
+        # an output that repeats two tokens: negative frequency and presence penalties make them
+        # likely, the repetition penalty the prompt's tokens unlikely (the output counted as output)
+        (
+            SamplingParams(temperature=0.8, repetition_penalty=1.5, presence_penalty=-2.0, frequency_penalty=-2.0),
+            [77, 77, 77, 77, 140, 140],
+        ),
+        # no output yet: a repetition penalty below 1 makes a prompt token likely as the root, and
+        # whether the next token repeats it is up to the presence and frequency counts of its path
+        (SamplingParams(temperature=0.8, repetition_penalty=0.3, presence_penalty=-2.0, frequency_penalty=-2.0), []),
+    ],
+    ids=["output", "path"],
+)
+def test_sampled_tokens_follow_the_penalised_targets_law(llama_target: Path, hf, params, output) -> None:
+    """Thousands of requests, each prefilled with PROMPT and ``output`` (``prompt_len``: the output
+    counts as output), verify a tree holding the penalised target's three likeliest roots and two
+    children under the first; the law of (first token, second token when the first was an accepted
+    node) must be the penalised target's own, and far from the plain target's; so must the law of
+    whether the token after an accepted root repeats it (few outcomes: a sharp test of the path's
+    counts)."""
     p0 = target_probs(reference_logits(hf, PROMPT, output, params), params)
     roots = torch.topk(p0, 3).indices.tolist()
     p1 = target_probs(reference_logits(hf, PROMPT, [*output, roots[0]], params), params)
@@ -175,3 +195,10 @@ def test_sampled_tokens_follow_the_penalised_targets_law(llama_target: Path, hf)
     plain = exact_law(hf, output, roots, params, SamplingParams())
     off = 0.5 * sum(abs(law.get(k, 0.0) - plain.get(k, 0.0)) for k in set(law) | set(plain))
     assert off > 3 * threshold, (off, threshold)  # the plain target's law would have failed the check
+    repeats, repeats_law = Counter(), Counter()
+    for k, c in counts.items():
+        repeats[repeat_key(k)] += c
+    for k, p in law.items():
+        repeats_law[repeat_key(k)] += p
+    tv, threshold = tv_check(repeats, repeats_law, seed=9)
+    assert tv <= threshold, (tv, threshold, repeats, repeats_law)
