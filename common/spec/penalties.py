@@ -30,7 +30,7 @@ from common.spec.types import SamplingParams, TokenTree
 
 def penalised(params: SamplingParams) -> bool:
     """Whether ``params`` asks for any penalty (then the rows must go through :func:`penalise`)."""
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+    return params.penalised
 
 
 def path_tokens(tree: TokenTree) -> list[list[int]]:

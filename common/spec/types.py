@@ -86,6 +86,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on (then the verifier penalises the target's logits)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def validate(self) -> None:
         """Raise :class:`InvalidInput` naming the field (``sampling.temperature: ...``)."""
         if not 0.0 <= self.temperature < math.inf:  # also catches NaN

@@ -127,6 +127,15 @@ class RouterRelay:
                 max_new_tokens=gen.max_new_tokens,
                 temperature=gen.temperature,
                 router=app.router_address,
+                **(
+                    {
+                        "presence_penalty": gen.presence_penalty,
+                        "frequency_penalty": gen.frequency_penalty,
+                        "repetition_penalty": gen.repetition_penalty,
+                    }
+                    if gen.sampling().penalised
+                    else {}
+                ),
             )
             clock = app.metrics.start(len(gen.prompt_ids)) if app.metrics is not None else None
             outcome = "cancelled"
