@@ -38,9 +38,17 @@ def build_request(
     domain_hint: str = "",
     resume_ids: Sequence[int] = (),
     logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """``logprobs``: also return the target's log-probability of every generated token, with this
-    many most probable alternatives at each position (0: the chosen token only; None: none)."""
+    many most probable alternatives at each position (0: the chosen token only; None: none).
+
+    Penalties (None: off), applied to the target's logits so the output is the penalised target's
+    own: ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (OpenAI's, on the generated
+    tokens), ``repetition_penalty`` > 0 (transformers' and vLLM's, on the prompt's and the
+    generated tokens; 1: off)."""
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt or prompt_ids")
     req = gateway_pb2.GenerateRequest(
@@ -62,6 +70,12 @@ def build_request(
         req.resume_ids.ids.extend(int(t) for t in resume_ids)
     if logprobs is not None:
         req.logprobs = logprobs
+    if presence_penalty is not None:
+        req.presence_penalty = presence_penalty
+    if frequency_penalty is not None:
+        req.frequency_penalty = frequency_penalty
+    if repetition_penalty is not None:
+        req.repetition_penalty = repetition_penalty
     return req
 
 

@@ -1,5 +1,6 @@
 """Protobuf <-> domain dataclasses, in one place. Servicers and gRPC clients call these; nothing
-past them sees a protobuf message."""
+past them sees a protobuf message. (Sampling parameters: :mod:`services.convert_sampling`, whose
+functions are imported here too.)"""
 
 from __future__ import annotations
 
@@ -20,24 +21,8 @@ from common.spec.types import (
     VerifyItem,
 )
 from cosine.v1 import common_pb2, drafter_pb2, router_pb2, verifier_pb2
+from services.convert_sampling import sampling_from_pb, sampling_to_pb
 from services.gateway.progress import FinishReason, RouterChunk, SpecStats
-
-
-def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
-    if s.seed is not None:
-        pb.seed = s.seed
-    return pb
-
-
-def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        # only an unset (0) top_p means "off": NaN or a negative value must reach validation, not become 1
-        temperature=float(pb.temperature),
-        top_p=float(pb.top_p) if pb.top_p != 0 else 1.0,
-        top_k=int(pb.top_k),
-        seed=int(pb.seed) if pb.HasField("seed") else None,
-    )
 
 
 def tree_to_pb(t: TokenTree) -> common_pb2.TokenTree:
@@ -187,6 +172,7 @@ def verify_batch_to_pb(batch_id: int, items: Sequence[VerifyItem]) -> verifier_p
                 domain=i.domain,
                 max_tokens=i.max_tokens,
                 logprobs=None if i.logprobs == NO_LOGPROBS else i.logprobs,
+                prompt_len=i.prompt_len,
             )
             for i in items
         ],
@@ -208,6 +194,7 @@ def verify_items_from_pb(batch: verifier_pb2.VerifyBatch) -> list[VerifyItem]:
             domain=i.domain,
             max_tokens=i.max_tokens,
             logprobs=i.logprobs if i.HasField("logprobs") else NO_LOGPROBS,
+            prompt_len=i.prompt_len,
         )
         for i in batch.items
     ]
@@ -410,7 +397,10 @@ def submit_to_pb(
     stop_token_ids: Sequence[int],
     domain_hint: str,
     logprobs: int = NO_LOGPROBS,
+    prompt_len: int = 0,
 ) -> router_pb2.SubmitRequest:
+    """``prompt_len``: how many of ``prompt_ids`` are the prompt proper (0: all; a resumed stream
+    sends what it already has after them)."""
     return router_pb2.SubmitRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -419,6 +409,7 @@ def submit_to_pb(
         stop_token_ids=stop_token_ids,
         domain_hint=domain_hint,
         logprobs=None if logprobs == NO_LOGPROBS else logprobs,
+        prompt_len=prompt_len,
     )
 
 

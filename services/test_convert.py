@@ -185,3 +185,24 @@ def test_logprobs_asked_and_returned_survive_the_wire():
     for asked in (NO_LOGPROBS, 0, 3):
         submit = submit_to_pb("a", [1], 4, SamplingParams(), [], "", asked)
         assert submit_logprobs_from_pb(roundtrip(submit, router_pb2.SubmitRequest)) == asked
+
+
+def test_penalties_and_the_prompts_length_survive_the_wire():
+    """Penalties reach the verifier as they were asked; an unset repetition penalty is off (1) but
+    a 0 that was set is passed on, so validation refuses it (INVALID_ARGUMENT naming the field)."""
+    import pytest
+
+    from common.spec.types import InvalidInput
+    from cosine.v1 import common_pb2, router_pb2
+    from services.convert import sampling_from_pb, submit_to_pb
+
+    penalised = SamplingParams(temperature=0.5, presence_penalty=-1.5, frequency_penalty=0.25, repetition_penalty=1.3)
+    items = [VerifyItem("a", append_ids=(1, 2, 3), sampling=penalised, prompt_len=2), VerifyItem("b")]
+    back = verify_items_from_pb(roundtrip(verify_batch_to_pb(1, items), verifier_pb2.VerifyBatch))
+    assert back == items
+    assert sampling_from_pb(common_pb2.SamplingParams()).repetition_penalty == 1.0
+    zero = sampling_from_pb(common_pb2.SamplingParams(repetition_penalty=0.0))
+    with pytest.raises(InvalidInput, match=r"^sampling\.repetition_penalty: "):
+        zero.validate()
+    submit = roundtrip(submit_to_pb("r", [1, 2, 3], 4, penalised, [], "", prompt_len=2), router_pb2.SubmitRequest)
+    assert sampling_from_pb(submit.sampling) == penalised and submit.prompt_len == 2

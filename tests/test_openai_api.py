@@ -210,7 +210,12 @@ def test_bad_fields_are_400_naming_the_field(client, prompts):
     cases = [
         (dict(prompt=prompts[0], temperature=-1), "temperature"),
         (dict(prompt=prompts[0], max_tokens=100_000), "max_tokens"),
-        (dict(prompt=prompts[0], n=2), "n"),
+        (dict(prompt=prompts[0], n=0), "n"),
+        (dict(prompt=prompts[0], n=9), "n"),  # past the gateway's --max-n (8)
+        (dict(prompt=prompts[0], n=2, best_of=3), "best_of"),
+        (dict(prompt=prompts[0], presence_penalty=2.5), "presence_penalty"),
+        (dict(prompt=prompts[0], frequency_penalty=-3), "frequency_penalty"),
+        (dict(prompt=prompts[0], extra_body={"repetition_penalty": 0}), "repetition_penalty"),
         (dict(prompt=[], max_tokens=4), "prompt"),
         (dict(prompt=[10**9], max_tokens=4), "prompt"),
         (dict(prompt=prompts[0], top_p=2), "top_p"),

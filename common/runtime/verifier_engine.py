@@ -52,6 +52,7 @@ from common.spec.acceptance import RuleFactory, default_rule_factory
 from common.spec.logprobs import path_rows, token_logprobs
 from common.spec.lookup_corpus import DomainCorpora
 from common.spec.lookup_index import CORPUS, TEXT, LookupIndex
+from common.spec.penalties import acceptance_logits
 from common.spec.types import (
     ContextTooLong,
     InvalidInput,
@@ -81,6 +82,7 @@ class RequestState:
     generator: torch.Generator | None = None
     verdicts: int = field(default=0)
     lookup: LookupIndex | None = None  # the n-grams its plain steps draft from (VerifyItem.step_lookup)
+    prompt_len: int = 0  # where its output begins in ``tokens`` (the penalties count from there)
 
 
 @dataclass
@@ -264,7 +266,11 @@ class VerifierEngine(RequestEngine[RequestState]):
             rows += sum(1 + len(tree) for _, tree, _ in going)
             for (p, tree, chains), lg in zip(going, logits):
                 state = p.state
-                decision = self.rule_factory(p.item.sampling).decide(tree, lg, state.generator or self._generator)
+                decision = self.rule_factory(p.item.sampling).decide(
+                    tree,
+                    acceptance_logits(lg, tree, state.tokens, state.prompt_len, p.item.sampling),
+                    state.generator or self._generator,
+                )
                 path = decision.accepted_nodes
                 accepted = [tree.tokens[a] for a in path]
                 if self.observe_logits is not None:
@@ -371,7 +377,9 @@ class VerifierEngine(RequestEngine[RequestState]):
             gen = None
             if item.sampling.seed is not None:
                 gen = torch.Generator().manual_seed(int(item.sampling.seed))
-            state = RequestState(item.request_id, [], self.pool.new_cache(), gen)
+            state = RequestState(
+                item.request_id, [], self.pool.new_cache(), gen, prompt_len=item.prompt_len or len(item.append_ids)
+            )
         uncached = state.tokens[state.cache.length :] + list(item.append_ids)
         try:
             state.cache.reserve(len(uncached) + len(item.tree))
@@ -398,7 +406,8 @@ class VerifierEngine(RequestEngine[RequestState]):
         """Apply the request's acceptance rule to ``logits: [n + 1, vocab]`` and commit the result."""
         state, item, tree = p.state, p.item, p.item.tree
         rule = self.rule_factory(item.sampling)
-        decision = rule.decide(tree, logits, state.generator or self._generator)
+        ruled = acceptance_logits(logits, tree, [*state.tokens, *item.append_ids], state.prompt_len, item.sampling)
+        decision = rule.decide(tree, ruled, state.generator or self._generator)
         s = len(p.uncached)
         # keep the uncached committed tokens and the accepted path; drop every other tree entry
         state.cache.commit(list(range(s)) + [s + a for a in decision.accepted_nodes])

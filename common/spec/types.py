@@ -67,16 +67,29 @@ class SamplingParams:
 
     ``top_k == 0`` and ``top_p`` of 0 or 1 mean "off". ``seed`` makes a request reproducible: the
     verifier seeds the request's own random generator with it on first sight.
+
+    Penalties (``common.spec.penalties``; 0, 0 and 1 are off): ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2] (OpenAI's, on the output's tokens), ``repetition_penalty`` > 0
+    (transformers' and vLLM's, on the prompt's and the output's). The verifier applies them to the
+    target's logits before acceptance, so the output is the penalised target's own.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on (then the verifier penalises the target's logits)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         """Raise :class:`InvalidInput` naming the field (``sampling.temperature: ...``)."""
@@ -86,6 +99,14 @@ class SamplingParams:
             raise InvalidInput(f"sampling.top_p: must be within [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidInput(f"sampling.top_k: must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also catches NaN
+                raise InvalidInput(f"sampling.{name}: must be within [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidInput(
+                f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
+            )
 
 
 GREEDY = SamplingParams()
@@ -216,6 +237,10 @@ class VerifyItem:
     ``logprobs``: ``NO_LOGPROBS`` (the default) computes nothing extra; ``0`` returns the target's
     log-probability of every new token (``Verdict.logprobs``), ``k > 0`` also its ``k`` most
     probable alternatives at each position.
+
+    ``prompt_len``: on first sight, how many of ``append_ids`` are the prompt (the rest: output
+    committed before, as a resumed request re-prefills it); 0: all of them. The presence and
+    frequency penalties count the output only.
     """
 
     request_id: str
@@ -230,6 +255,7 @@ class VerifyItem:
     domain: str = ""
     max_tokens: int = 0
     logprobs: int = NO_LOGPROBS
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from common.logs import get_logger
 from common.spec.types import TokenLogprob
 from services.gateway.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
 from services.gateway.errors import GatewayError
+from services.gateway.openai_choices import collect, fan_out, first_pieces, merged, merged_stats
 from services.gateway.openai_logprobs import Shaper, shaper
 from services.gateway.openai_schema import (
     FINISH_REASONS,
@@ -39,6 +40,7 @@ from services.gateway.openai_schema import (
     CompletionRequest,
     asked_logprobs,
     chat_raw,
+    choices,
     completion_raw,
     envelope,
     error_body,
@@ -205,45 +207,44 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
             model = await ready_model(body.model)
             try:
                 raw: RawRequest = to_raw()
+                n = choices(body, gateway.settings.max_n)
             except InvalidRequest as exc:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
             gen = await gateway.admit(raw)
-            pieces = gateway.relay(gen)
-            first = await anext(pieces)  # failures before the first token still get a status code
+            streams = [gateway.relay(g) for g in fan_out(gen, n)]
+            firsts = await first_pieces(streams)  # failures before the first token still get a status code
         except GatewayError as exc:
             return error_response(exc, chat)
         except StopAsyncIteration:
             return error_response(GatewayError(grpc.StatusCode.INTERNAL, "the request ended without output"), chat)
         response_id = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
-        logprobs = shaper(gateway.tokenizer, asked_logprobs(body), chat)
+        shapers = [shaper(gateway.tokenizer, asked_logprobs(body), chat) for _ in range(n)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _stream(gen, first, pieces, response_id, model, chat, include_usage, logprobs)
+            events = _stream(gen, merged(streams, firsts), response_id, model, chat, include_usage, shapers)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            text, count, last, entries = [first.text], len(first.token_ids), first, list(first.logprobs)
-            async for piece in pieces:
-                text.append(piece.text)
-                count += len(piece.token_ids)
-                entries.extend(piece.logprobs)
-                last = piece
+            whole = await collect(streams, firsts)
         except GatewayError as exc:
             return error_response(exc, chat)
-        reason = FINISH_REASONS.get(last.finish_reason, "stop")
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs(entries)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
+        out = []
+        for i, got in enumerate(whole):
+            reason = FINISH_REASONS.get(got.last.finish_reason, "stop")
+            choice: dict[str, Any] = {"index": i, "finish_reason": reason, "logprobs": shapers[i](got.entries)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(got.text)}
+            else:
+                choice["text"] = "".join(got.text)
+            out.append(choice)
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse(
             envelope(
                 kind,
                 response_id,
                 model,
-                [choice],
-                usage=usage(len(gen.prompt_ids), count),
-                speculative_decoding=spec_decoding(last.stats),
+                out,
+                usage=usage(len(gen.prompt_ids), sum(got.count for got in whole)),
+                speculative_decoding=spec_decoding(merged_stats([got.last.stats for got in whole])),
             )
         )
 
@@ -252,53 +253,59 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
 
 async def _stream(
     gen: GenerationRequest,
-    first: Progress,
-    pieces: AsyncIterator[Progress],
+    pieces: AsyncIterator[tuple[int, Progress]],
     response_id: str,
     model: str,
     chat: bool,
     include_usage: bool,
-    logprobs: Shaper,
+    shapers: list[Shaper],
 ) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk shape, ``data: [DONE]`` last. A failure after the
-    first event (headers already sent) is reported as an ``error`` event. Each chunk carries the
-    logprobs of the tokens since the previous chunk (a piece whose text is still held back sends
-    no chunk; its tokens' logprobs go with the next)."""
+    """Server-sent events in OpenAI's chunk shape, ``data: [DONE]`` last; each chunk holds one
+    choice, named by its ``index``, the choices' chunks interleaved as they come. A failure after
+    the first event (headers already sent) is reported as an ``error`` event. Each chunk carries
+    the logprobs of its choice's tokens since that choice's previous chunk (a piece whose text is
+    still held back sends no chunk; its tokens' logprobs go with the next). The last choice to
+    finish carries ``speculative_decoding`` for all of them."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    n = len(shapers)
     count = 0
-    entries: list[TokenLogprob] = []
+    entries: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    started = [False] * n
+    stats: list[Any] = [None] * n
+    finished = 0
 
-    def chunk(text: str, reason: str | None, role: bool = False, **extra: Any) -> bytes:
-        shaped = logprobs(entries)
-        entries.clear()
+    def chunk(i: int, text: str, reason: str | None, role: bool = False, **extra: Any) -> bytes:
+        shaped = shapers[i](entries[i])
+        entries[i].clear()
         if chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             )
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": shaped}
+            choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": shaped}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": shaped}
+            choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": shaped}
         return _sse(envelope(kind, response_id, model, [choice], **extra))
 
     try:
-        piece: Progress | None = first
-        is_first = True
-        while piece is not None:
+        async for i, piece in pieces:
             count += len(piece.token_ids)
-            entries.extend(piece.logprobs)
+            entries[i].extend(piece.logprobs)
+            is_first, started[i] = not started[i], True
             reason = FINISH_REASONS.get(piece.finish_reason, "stop") if piece.finished else None
+            extra = {}
+            if piece.finished:
+                stats[i], finished = piece.stats, finished + 1
+                if finished == n:
+                    extra = {"speculative_decoding": spec_decoding(merged_stats(stats))}
             if piece.text or piece.finished or (chat and is_first):
-                extra = {"speculative_decoding": spec_decoding(piece.stats)} if piece.finished else {}
-                yield chunk(piece.text, reason, role=chat and is_first, **extra)
-            is_first = False
-            piece = None if piece.finished else await anext(pieces, None)
+                yield chunk(i, piece.text, reason, role=chat and is_first, **extra)
         if include_usage:
             yield _sse(envelope(kind, response_id, model, [], usage=usage(len(gen.prompt_ids), count)))
     except GatewayError as exc:
         status, err_kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
         yield _sse(error_body(exc.message, err_kind, None, exc.code.name.lower()))
     finally:
-        await pieces.aclose()  # a client that went away cancels the request at the router
+        await pieces.aclose()  # a client that went away cancels the requests at the router
     yield _sse("[DONE]")
 
 

@@ -3,10 +3,14 @@
 Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI clients send
 fields a server may not know); :func:`completion_raw` and :func:`chat_raw` turn them into the
 gateway's own :class:`RawRequest`, which the same validation as the gRPC API checks. What CoSine
-does not implement (n > 1, echo, penalties, logit_bias, suffix) is refused with the field named
-rather than silently ignored. Log-probabilities (completions' ``logprobs: int``, chat's ``logprobs:
-true`` with ``top_logprobs: int``) are the target's own, at most ``--max-logprobs`` alternatives
-(:mod:`services.gateway.openai_logprobs` shapes them). Responses are plain dicts in OpenAI's shape,
+does not implement (echo, logit_bias, suffix, best_of other than n) is refused with the field named
+rather than silently ignored. ``presence_penalty`` and ``frequency_penalty`` are OpenAI's,
+``repetition_penalty`` (an extension) vLLM's; the target's logits are penalised before acceptance,
+so the output is the penalised target's own. ``n`` choices (at most ``--max-n``) are ``n``
+independent generations (:mod:`services.gateway.openai_choices`). Log-probabilities
+(completions' ``logprobs: int``, chat's ``logprobs: true`` with ``top_logprobs: int``) are the
+target's own, at most ``--max-logprobs`` alternatives (:mod:`services.gateway.openai_logprobs`
+shapes them). Responses are plain dicts in OpenAI's shape,
 with a ``speculative_decoding`` object beside ``usage``.
 """
 
@@ -50,9 +54,10 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = None  # choices (None: 1)
+    presence_penalty: float | None = None  # ranges are checked by the gateway's validation (400 naming the field)
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # an extension, as vLLM offers
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -86,14 +91,15 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0)
 
 
+def choices(body: _Common, max_n: int) -> int:
+    """How many choices the request asks for; raises InvalidRequest naming ``n`` outside 1..max_n."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= max_n:
+        raise InvalidRequest("n", f"must be between 1 and {max_n} (got {n})")
+    return n
+
+
 def _unsupported(body: _Common) -> None:
-    if body.n != 1:
-        raise InvalidRequest("n", "only n=1 is supported")
-    if body.presence_penalty or body.frequency_penalty:
-        raise InvalidRequest(
-            "presence_penalty" if body.presence_penalty else "frequency_penalty",
-            "penalties would change the target's distribution; only 0 is supported",
-        )
     if body.logit_bias:
         raise InvalidRequest("logit_bias", "not supported")
 
@@ -108,8 +114,8 @@ def completion_raw(body: CompletionRequest, request_id: str, max_logprobs: int) 
         raise InvalidRequest("logprobs", f"at most {max_logprobs} alternatives per position (got {body.logprobs})")
     if body.echo:
         raise InvalidRequest("echo", "not supported")
-    if body.best_of not in (None, 1):
-        raise InvalidRequest("best_of", "only best_of=1 is supported")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise InvalidRequest("best_of", "only best_of equal to n is supported (every candidate is returned)")
     if body.suffix:
         raise InvalidRequest("suffix", "not supported")
     prompt, prompt_ids = None, None
@@ -175,6 +181,9 @@ def _raw(
         request_id=request_id,
         domain_hint="",
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
 
 

@@ -26,7 +26,6 @@ import grpc
 
 from common.logs import get_logger, request_context
 from common.platform.store import STORE_ERRORS, RequestExists, Store
-from common.spec.types import SamplingParams
 from cosine.v1 import router_pb2_grpc
 from services.convert import submit_to_pb, token_chunk_from_pb
 from services.gateway.errors import GatewayError
@@ -82,15 +81,15 @@ class RouterRelay:
     def _submit(self, stub: router_pb2_grpc.RouterStub, timeout_s: float) -> grpc.aio.UnaryStreamCall:
         gen = self.gen
         request_id = gen.request_id if not self.resumes else f"{gen.request_id}:r{self.resumes}"
-        sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, seed=gen.seed)
         submit = submit_to_pb(
             request_id,
             [*gen.prompt_ids, *self.produced],
             gen.max_new_tokens - len(self.produced),
-            sampling,
+            gen.sampling(),
             self.app.eos_ids,
             gen.domain_hint,
             gen.logprobs,
+            prompt_len=len(gen.prompt_ids),  # what was produced is output (the penalties count it)
         )
         return stub.Submit(submit, timeout=timeout_s)
 
@@ -128,6 +127,15 @@ class RouterRelay:
                 max_new_tokens=gen.max_new_tokens,
                 temperature=gen.temperature,
                 router=app.router_address,
+                **(
+                    {
+                        "presence_penalty": gen.presence_penalty,
+                        "frequency_penalty": gen.frequency_penalty,
+                        "repetition_penalty": gen.repetition_penalty,
+                    }
+                    if gen.sampling().penalised
+                    else {}
+                ),
             )
             clock = app.metrics.start(len(gen.prompt_ids)) if app.metrics is not None else None
             outcome = "cancelled"

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from common.spec.types import NO_LOGPROBS
+from common.spec.types import NO_LOGPROBS, SamplingParams
 
 REQUEST_ID_MAX = 128
 
@@ -49,6 +49,21 @@ class GenerationRequest:
     domain_hint: str = ""
     resume_ids: tuple[int, ...] = ()  # already delivered by an earlier gateway (a resumed stream)
     logprobs: int = NO_LOGPROBS  # the target's log-probabilities with this many alternatives (NO_LOGPROBS: none)
+    presence_penalty: float = 0.0  # penalties on the target's logits (common.spec.penalties); 0, 0, 1: off
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def sampling(self) -> SamplingParams:
+        """How the target picks this request's tokens (what the router and verifier are given)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
 
     def params(self) -> dict[str, Any]:
         return {
@@ -60,6 +75,9 @@ class GenerationRequest:
             "stop": list(self.stop),
             "domain_hint": self.domain_hint,
             "logprobs": self.logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
         }
 
 
@@ -80,6 +98,23 @@ class RawRequest:
     unknown_fields: Sequence[int] = ()
     resume_ids: Sequence[int] = ()
     logprobs: int | None = None  # None: no log-probabilities
+    presence_penalty: float | None = None  # None: 0
+    frequency_penalty: float | None = None  # None: 0
+    repetition_penalty: float | None = None  # None: 1 (off)
+
+
+def _penalties(raw: RawRequest) -> tuple[float, float, float]:
+    """The penalties of ``raw`` with their defaults; raises InvalidRequest naming a bad one."""
+    values = []
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = 0.0 if getattr(raw, name) is None else float(getattr(raw, name))
+        if not -2.0 <= value <= 2.0:  # also catches NaN
+            raise InvalidRequest(name, f"must be between -2 and 2 (got {getattr(raw, name)})")
+        values.append(value)
+    repetition = 1.0 if raw.repetition_penalty is None else float(raw.repetition_penalty)
+    if not 0.0 < repetition < math.inf:
+        raise InvalidRequest("repetition_penalty", f"must be a finite number > 0 (got {raw.repetition_penalty})")
+    return values[0], values[1], repetition
 
 
 def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int]]) -> GenerationRequest:
@@ -151,6 +186,7 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
     logprobs = NO_LOGPROBS if raw.logprobs is None else int(raw.logprobs)
     if raw.logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
         raise InvalidRequest("logprobs", f"must be between 0 and {limits.max_logprobs} (got {raw.logprobs})")
+    presence, frequency, repetition = _penalties(raw)
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -163,6 +199,9 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
         domain_hint=raw.domain_hint,
         resume_ids=resume_ids,
         logprobs=logprobs,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
     )
 
 

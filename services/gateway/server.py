@@ -66,6 +66,9 @@ def raw_from_pb(req: gateway_pb2.GenerateRequest) -> RawRequest:
         unknown_fields=unknown,
         resume_ids=list(req.resume_ids.ids),
         logprobs=req.logprobs if req.HasField("logprobs") else None,
+        presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else None,
+        frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else None,
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
     )
 
 

@@ -60,6 +60,11 @@ class GatewaySettings(ServiceSettings):
         "in chat, logprobs in completions)",
         check=lambda v: None if v >= 0 else "must be 0 or greater",
     )
+    max_n: int = setting(
+        8,
+        help="most choices (n) one OpenAI-API request may ask for; each is a generation of its own",
+        check=positive,
+    )
     router_resumes: int = setting(
         3,
         help="times one request is resumed on a router after its router was lost (0: never)",

@@ -157,3 +157,27 @@ def test_logprobs_up_to_the_limit():
         with pytest.raises(InvalidRequest) as err:
             validate(raw(logprobs=bad), LIMITS, tok)
         assert err.value.field == "logprobs" and str(LIMITS.max_logprobs) in str(err.value)
+
+
+def test_penalties_in_range_are_kept_and_others_refused_by_name():
+    """Unset: off (0, 0, 1); presence and frequency in [-2, 2], repetition finite and > 0."""
+    plain = validate(raw(), LIMITS, tok)
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert plain.sampling().repetition_penalty == 1.0
+    kept = validate(raw(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5), LIMITS, tok)
+    assert kept.sampling().presence_penalty == -2.0 and kept.sampling().frequency_penalty == 2.0
+    assert kept.sampling().repetition_penalty == 0.5 and kept.params()["repetition_penalty"] == 0.5
+    bad = [
+        ("presence_penalty", 2.01),
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", -2.5),
+        ("frequency_penalty", float("inf")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
+        ("repetition_penalty", float("nan")),
+    ]
+    for name, value in bad:
+        with pytest.raises(InvalidRequest) as err:
+            validate(raw(**{name: value}), LIMITS, tok)
+        assert err.value.field == name, (name, value)

@@ -42,6 +42,7 @@ def check_submission(
     domain_hint: str,
     limits: SubmitLimits | None,
     logprobs: int = NO_LOGPROBS,
+    prompt_len: int = 0,
 ) -> None:
     """Raise :class:`RequestFailed` (kind ``invalid``, the message starting with the field's name)
     at the first field the router cannot serve."""
@@ -51,6 +52,8 @@ def check_submission(
         raise invalid("request_id", f"at most {REQUEST_ID_MAX} characters of ASCII letters, digits and -_.:")
     if not prompt:
         raise invalid("prompt_ids", "must not be empty")
+    if not 0 <= prompt_len <= len(prompt):
+        raise invalid("prompt_len", f"must be between 0 and the prompt's {len(prompt)} tokens (got {prompt_len})")
     if max_new_tokens < 1:
         raise invalid("max_new_tokens", f"must be >= 1 (got {max_new_tokens})")
     if limits is not None:

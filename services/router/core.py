@@ -365,6 +365,7 @@ class RouterCore(RoundFeedback):
                 domain=gate_domain(r) if step_lookup else "",
                 max_tokens=left if steps > 1 else 0,
                 logprobs=r.logprobs,
+                prompt_len=0 if r.verifier_synced else r.prompt_len,
             )
             for r, left, (text, corpus) in zip(batch, remaining, depths)
         ]

@@ -68,12 +68,16 @@ class RequestPool:
         stop_ids: Sequence[int] = (),
         domain_hint: str = "",
         logprobs: int = NO_LOGPROBS,
+        prompt_len: int = 0,
     ) -> Request:
         """``logprobs``: stream the target's log-probability of each token with this many
-        alternatives (``VerifyItem.logprobs``; ``NO_LOGPROBS``: none)."""
+        alternatives (``VerifyItem.logprobs``; ``NO_LOGPROBS``: none). ``prompt_len``: how many of
+        ``prompt`` are the prompt proper, the rest being output a resumed stream already has (0: all)."""
         if self._closed:
             raise RequestFailed("router shutting down", "unavailable")
-        check_submission(request_id, prompt, max_new_tokens, sampling, stop_ids, domain_hint, self.limits, logprobs)
+        check_submission(
+            request_id, prompt, max_new_tokens, sampling, stop_ids, domain_hint, self.limits, logprobs, prompt_len
+        )
         if request_id in self.requests:
             raise RequestFailed(f"request_id: request {request_id} is already running", "already_exists")
         if len(self.requests) >= self.config.max_queue:
@@ -92,6 +96,7 @@ class RequestPool:
             lookup=LookupIndex(self.config.lookup_max_ngram),
             first_accept=self.gate.start(guess),  # what drafting did for the recent requests of its domain
             logprobs=logprobs,
+            prompt_len=prompt_len or len(prompt),
         )
         self.requests[request_id] = req
         self._wakeup.set()

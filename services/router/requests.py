@@ -134,6 +134,7 @@ class Request:
     routing_ahead: bool = False  # being routed (its prompt scored by the drafters) while it decodes plainly
     plain_streak: int = 0  # its latest rounds in a row verified with nothing drafted (scheduler.plain_steps)
     logprobs: int = NO_LOGPROBS  # what its verify items ask for (VerifyItem.logprobs)
+    prompt_len: int = 0  # of ``prompt``, the prompt proper (the rest: output a resumed stream had; penalties)
 
     @property
     def sequence(self) -> list[int]:

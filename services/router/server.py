@@ -88,6 +88,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     list(request.stop_token_ids),
                     request.domain_hint,
                     submit_logprobs_from_pb(request),
+                    request.prompt_len,
                 )
             except RequestFailed as exc:
                 await context.abort(KIND_TO_STATUS.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))

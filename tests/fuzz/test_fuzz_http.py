@@ -34,6 +34,7 @@ COMPLETION_FIELDS = {
     "logprobs",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
     "logit_bias",
     "user",
     "echo",
@@ -93,7 +94,8 @@ def check(reply: Reply, fields: set[str], body: Any, model: str, stack: FuzzStac
             assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]], chunks
         else:
             out = json.loads(reply.body)
-            assert out["usage"]["completion_tokens"] <= LIMIT
+            assert out["usage"]["completion_tokens"] <= LIMIT * len(out["choices"])  # n choices
+            assert [c["index"] for c in out["choices"]] == list(range(len(out["choices"])))
             assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
     stack.assert_clean()
 
