@@ -220,7 +220,8 @@ class RouterCore(RoundFeedback):
         if not self.guarding:
             await self._run_round(batch, plain=False)
             return
-        ticket = self.guard.begin(len(self.requests))
+        sampled = 2 * sum(not r.sampling.greedy for r in self.requests.values()) > len(self.requests)
+        ticket = self.guard.begin(len(self.requests), sampled)
         self.counters.guard_plain_rounds += ticket.plain
         result = None
         try:

@@ -17,7 +17,7 @@ from common.spec.types import Verdict, VerifyItem
 from services.router.ahead import OffPathDrafting
 from services.router.drafting import extras_gain, extras_seconds
 from services.router.requests import Request
-from services.router.yield_guard import LevelRecord
+from services.router.yield_guard import Level, LevelRecord
 
 log = get_logger("router")
 
@@ -96,7 +96,7 @@ class RoundFeedback(OffPathDrafting):
         if self.rounds_in_flight == 1 and not f.waited:  # alone, and no drafter model waited for
             self.control.observe_overhead(self.clock() - t0 - f.busy_s)
 
-    def _guard_settled(self, level: int, record: LevelRecord, flip: str) -> None:
+    def _guard_settled(self, level: Level, record: LevelRecord, flip: str) -> None:
         """The yield guard measured an epoch at ``level``: its verdict to the counters and the metrics."""
         self.counters.guard_withdrawals += flip == "withdrawn"
         self.counters.guard_readmissions += flip == "readmitted"

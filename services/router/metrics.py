@@ -13,7 +13,8 @@ Counted per verdict, in the shape production engines export:
   ``cosine_router_verifier_busy_fraction``, ``cosine_router_queue_depth``,
   ``cosine_router_active_requests``, ``cosine_router_tokens_committed_total``;
 - the yield guard's figures by load level (``yield_guard.py``): ``cosine_router_yield_tokens_per_second
-  {level, arm="speculate"|"plain", basis="wall"|"verifier_busy"}``, ``cosine_router_speculation_withdrawn
+  {level, arm="speculate"|"plain", basis="wall"|"verifier_busy"}`` (``level``: ``1``, ``2``, ``3-4``, ...,
+  with `` sampled`` where most requests sample), ``cosine_router_speculation_withdrawn
   {level}`` (1 where the guard turned speculation off) and ``cosine_router_speculation_flips_total{level,
   verdict="withdrawn"|"readmitted"}``.
 """
@@ -24,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from common.platform.metrics import ServiceMetrics
 from common.spec.fusion import DraftTree
-from services.router.yield_guard import LevelRecord, level_label
+from services.router.yield_guard import Level, LevelRecord
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 
@@ -105,9 +106,9 @@ class RouterMetrics:
         if total > 0:
             self.busy.set(min(1.0, busy_s / total))
 
-    def guard(self, level: int, record: LevelRecord, flip: str) -> None:
+    def guard(self, level: Level, record: LevelRecord, flip: str) -> None:
         """One settled epoch of the yield guard at ``level``: both arms' yields and the verdict."""
-        name = level_label(level)
+        name = level.label
         for arm, y in (("speculate", record.speculate), ("plain", record.plain)):
             if y.epochs:
                 self.yields.labels(name, arm, "wall").set(y.per_s)

@@ -17,6 +17,7 @@ from services.router.yield_guard import (
     EXPLORE_MAX,
     EXPLORE_START,
     WARMUP_ROUNDS,
+    Level,
     YieldGuard,
     covered,
     level_label,
@@ -35,9 +36,11 @@ class Sim:
         )
         self.arms: list[bool] = []  # plain or not, every round
 
-    def rounds(self, n: int, pool: int, speculate: float, plain: float, round_s: float = 0.02) -> None:
+    def rounds(
+        self, n: int, pool: int, speculate: float, plain: float, round_s: float = 0.02, sampled: bool = False
+    ) -> None:
         for _ in range(n):
-            ticket = self.guard.begin(pool)
+            ticket = self.guard.begin(pool, sampled)
             self.arms.append(ticket.plain)
             self.now += round_s
             rate = plain if ticket.plain else speculate
@@ -100,13 +103,18 @@ def test_withdrawn_speculation_is_readmitted_once_its_rows_are_cheap_again():
     assert tail and sum(tail) / len(tail) <= 0.25
 
 
-def test_each_load_level_has_its_own_verdict():
+def test_each_load_level_has_its_own_verdict_and_sampling_pools_are_levels_of_their_own():
     sim = Sim()
     for _ in range(30):
         sim.rounds(4, pool=1, speculate=1300, plain=1000)
         sim.rounds(4, pool=16, speculate=700, plain=1000)
+        sim.rounds(4, pool=4, speculate=1300, plain=1000)
+        sim.rounds(4, pool=4, speculate=800, plain=1000, sampled=True)
     assert not sim.guard.record(1).withdrawn
     assert sim.guard.record(16).withdrawn
+    assert not sim.guard.record(4).withdrawn
+    assert sim.guard.record(Level(4, sampled=True)).withdrawn
+    assert Level(4, sampled=True).label == "3-4 sampled"
 
 
 def test_an_epochs_first_round_pays_for_the_switch_and_is_not_measured():

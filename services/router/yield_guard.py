@@ -19,9 +19,11 @@ tokens committed without them, plain steps waiting for their streak). Committed 
 verifier-busy second are kept beside it, for the logs and the metrics.
 
 **Levels.** Whether speculation pays depends on the load: at one client a drafted row is nearly
-free, at sixteen it competes with fifteen other requests' rows. So every figure is kept per
-*level*, the pool's size rounded up to a power of two (capped at a round's most requests), and an
-epoch ends early when the level changes (it still counts, weighted by its share of a full epoch).
+free, at sixteen it competes with fifteen other requests' rows. It depends on sampling too: a
+sampled request's drafts are accepted far less often than a greedy one's. So every figure is kept
+per *level*, the pool's size rounded up to a power of two (capped at a round's most requests) and
+whether most of its requests sample, and an epoch ends early when the level changes (it still
+counts, weighted by its share of a full epoch).
 
 **Verdict.** Each level starts with speculation on (the model is the prior) and runs one plain
 epoch early to measure the other arm. Speculation is withdrawn at a level when its measured yield
@@ -68,8 +70,20 @@ def level_of(pool: int, max_batch: int) -> int:
 
 
 def level_label(level: int) -> str:
-    """How a level is named in logs and metrics: the pool sizes it holds ("1", "2", "3-4", "5-8", ...)."""
+    """How a level's size is named in logs and metrics: the pool sizes it holds ("1", "2", "3-4", "5-8", ...)."""
     return str(level) if level <= 2 else f"{level // 2 + 1}-{level}"
+
+
+@dataclass(frozen=True)
+class Level:
+    """A load level: the pool's size (:func:`level_of`) and whether most of its requests sample."""
+
+    size: int
+    sampled: bool = False
+
+    @property
+    def label(self) -> str:
+        return level_label(self.size) + (" sampled" if self.sampled else "")
 
 
 @dataclass
@@ -146,7 +160,7 @@ class LevelRecord:
 class Epoch:
     """A run of rounds under one arm at one level (see the module docstring)."""
 
-    level: int
+    level: Level
     plain: bool
     opened_at: float
     rounds: int = 0  # rounds begun in it
@@ -192,29 +206,31 @@ class YieldGuard:
         epoch_s: float,
         max_batch: int,
         clock: Callable[[], float],
-        observer: Callable[[int, LevelRecord, str], None] | None = None,
+        observer: Callable[[Level, LevelRecord, str], None] | None = None,
     ) -> None:
         self.epoch_rounds = max(WARMUP_ROUNDS + 1, epoch_rounds)
         self.epoch_s = epoch_s
         self.max_batch = max_batch
         self.clock = clock
         self.observer = observer
-        self.levels: dict[int, LevelRecord] = {}
+        self.levels: dict[Level, LevelRecord] = {}
         self.current: Epoch | None = None
 
-    def record(self, level: int) -> LevelRecord:
-        return self.levels.setdefault(level, LevelRecord())
+    def record(self, level: Level | int) -> LevelRecord:
+        """The record of ``level`` (a pool size alone: its greedy level)."""
+        return self.levels.setdefault(level if isinstance(level, Level) else Level(level), LevelRecord())
 
     @property
     def plain_now(self) -> bool:
         """Whether the current epoch is plain (then one round is in flight)."""
         return self.current is not None and self.current.plain
 
-    def begin(self, pool: int) -> Ticket:
-        """A round begins with ``pool`` requests in the router: the epoch it belongs to (a new one
-        when the current one is full or the level moved), whose arm the round must follow."""
+    def begin(self, pool: int, sampled: bool = False) -> Ticket:
+        """A round begins with ``pool`` requests in the router (``sampled``: most of them sample):
+        the epoch it belongs to (a new one when the current one is full or the level moved), whose
+        arm the round must follow."""
         now = self.clock()
-        level = level_of(pool, self.max_batch)
+        level = Level(level_of(pool, self.max_batch), sampled)
         epoch = self.current
         if epoch is None or epoch.level != level or self._full(epoch, now):
             if epoch is not None:
@@ -263,7 +279,7 @@ class YieldGuard:
         if flip:
             log.info(
                 f"speculation {flip}",
-                level=level_label(epoch.level),
+                level=epoch.level.label,
                 speculate_tokens_per_s=round(rec.speculate.per_s, 1),
                 plain_tokens_per_s=round(rec.plain.per_s, 1),
                 speculate_tokens_per_busy_s=round(rec.speculate.per_busy_s, 1),
