@@ -1,1 +1,1 @@
-pytest_plugins = ["tests.support.testing", "tests.support.checkpoints"]
+pytest_plugins = ["tests.support.testing", "tests.support.checkpoints", "tests.support.openai_cluster"]

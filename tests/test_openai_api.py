@@ -19,27 +19,11 @@ from cosine_cli.status_metrics import scrape, total
 from cosine_client import Client
 from services.gateway.server import build_app
 from services.gateway.settings import GatewaySettings
+from tests.support.openai_cluster import KEY
 from tests.support.testing import start_service
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16
-KEY = "test-key"
-# A plain chat template for the tiny zoo's tokenizer (the default zoo's target brings its own).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tiny_zoo, tmp_path_factory):
-    from common.runtime.checkpoints import load_tokenizer
-
-    out = tmp_path_factory.mktemp("chat-tokenizer")
-    tok = load_tokenizer(str(tiny_zoo.target.path))
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
-    return out
 
 
 @pytest.fixture(scope="module")

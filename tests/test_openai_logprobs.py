@@ -11,30 +11,17 @@ import pytest
 import torch
 
 from common.runtime.checkpoints import load_causal_lm, load_tokenizer
-from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_client import Client
-from tests.test_openai_api import KEY, MAX_NEW, chat_tokenizer  # noqa: F401 (a fixture)
+from tests.support.openai_cluster import KEY
+from tests.test_openai_api import MAX_NEW
 
 pytestmark = pytest.mark.slow
 TOP = 3
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_zoo, chat_tokenizer, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-    """The tiny zoo's cluster with the verifier in float32, the dtype the reference is computed in
-    (on a CPU with AMX the verifier's default is bfloat16, whose figures are its own)."""
-    spec = ClusterSpec(
-        target=str(tiny_zoo.target.path),
-        drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
-        log_dir=str(tmp_path_factory.mktemp("logprobs-cluster") / "logs"),
-        cores=2,
-        verifier_args=("--dtype", "float32"),
-        gateway_args=("--tokenizer", str(chat_tokenizer), "--api-keys", KEY, "--served-model-name", "tiny-target"),
-    )
-    c = LocalCluster(spec)
-    c.start(progress=False)
-    yield c
-    c.stop()
+def cluster(float32_cluster):
+    return float32_cluster
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +40,7 @@ def target_lm(tiny_zoo):
 
 
 @pytest.fixture(scope="module")
-def tok(chat_tokenizer):  # noqa: F811 (the fixture imported above)
+def tok(chat_tokenizer):
     return load_tokenizer(str(chat_tokenizer))
 
 

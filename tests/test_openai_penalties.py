@@ -16,9 +16,8 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from common.runtime.checkpoints import load_causal_lm, load_tokenizer
-from cosine_cli.cluster import ClusterSpec, LocalCluster
 from cosine_client import Client, InvalidArgument
-from tests.test_openai_api import KEY, chat_tokenizer  # noqa: F401 (a fixture)
+from tests.support.openai_cluster import KEY
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24
@@ -26,19 +25,8 @@ PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_zoo, chat_tokenizer, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-    spec = ClusterSpec(
-        target=str(tiny_zoo.target.path),
-        drafters={n: str(d.path) for n, d in tiny_zoo.drafters.items()},
-        log_dir=str(tmp_path_factory.mktemp("penalties-cluster") / "logs"),
-        cores=2,
-        verifier_args=("--dtype", "float32"),
-        gateway_args=("--tokenizer", str(chat_tokenizer), "--api-keys", KEY, "--served-model-name", "tiny-target"),
-    )
-    c = LocalCluster(spec)
-    c.start(progress=False)
-    yield c
-    c.stop()
+def cluster(float32_cluster):
+    return float32_cluster
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +45,7 @@ def target_lm(tiny_zoo):
 
 
 @pytest.fixture(scope="module")
-def tok(chat_tokenizer):  # noqa: F811 (the fixture imported above)
+def tok(chat_tokenizer):
     return load_tokenizer(str(chat_tokenizer))
 
 
