@@ -8,11 +8,11 @@ where every other part lives: the package docstring. No gRPC here: drafters and 
 reached through the small :class:`DrafterPool` and :class:`VerifierBackend` protocols (gRPC stream
 clients in production, in-process engines in tests), so the whole round logic is unit-testable.
 
+A **round** for a batch of requests (see DESIGN.md):
+
 0. *guard*: the yield guard's epoch decides whether the round may speculate at all: where its
    measurements say speculation commits fewer tokens a second than plain decoding at this load, or
    while it runs plain decoding as a control group, the round drafts nothing and looks nothing up.
-A **round** for a batch of requests (see DESIGN.md):
-
 1. *gate + route*: the draft gate decides which requests the drafter models draft for (their
    first node must repay its verify row and its share of the draft step; the others decode
    plainly and are probed now and then). A drafting request without a routing vector gets one:
