@@ -10,38 +10,12 @@ import openai
 import pytest
 import torch
 
-from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from cosine_client import Client
 from tests.support.openai_cluster import KEY
 from tests.test_openai_api import MAX_NEW
 
 pytestmark = pytest.mark.slow
 TOP = 3
-
-
-@pytest.fixture(scope="module")
-def cluster(float32_cluster):
-    return float32_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_zoo):
-    return [tiny_zoo.prompts[d][0] for d in sorted(tiny_zoo.prompts)][:3]
-
-
-@pytest.fixture(scope="module")
-def target_lm(tiny_zoo):
-    return load_causal_lm(str(tiny_zoo.target.path))
-
-
-@pytest.fixture(scope="module")
-def tok(chat_tokenizer):
-    return load_tokenizer(str(chat_tokenizer))
 
 
 def target_logprobs(target_lm, prompt_ids, new_ids):
@@ -52,29 +26,29 @@ def target_logprobs(target_lm, prompt_ids, new_ids):
     return torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : len(seq) - 1]
 
 
-def grpc_generation(cluster, **kw):
-    with Client(cluster.gateway_address, timeout=120, api_key=KEY) as c:
+def grpc_generation(float32_cluster, **kw):
+    with Client(float32_cluster.gateway_address, timeout=120, api_key=KEY) as c:
         return c.generate(max_new_tokens=MAX_NEW, logprobs=TOP, **kw)
 
 
-def test_completion_logprobs_are_the_targets_own(cluster, client, prompts, tok, target_lm):
-    prompt = prompts[1]
-    gen = grpc_generation(cluster, prompt=prompt)
+def test_completion_logprobs_are_the_targets_own(float32_cluster, float32_client, zoo_prompts, chat_tok, target_lm):
+    prompt = zoo_prompts[1]
+    gen = grpc_generation(float32_cluster, prompt=prompt)
     ids = list(gen.token_ids)
-    ref = target_logprobs(target_lm, tok(prompt).input_ids, ids)
+    ref = target_logprobs(target_lm, chat_tok(prompt).input_ids, ids)
     # the SDK's figures: one per token, the target's, its top alternatives sorted and led by the chosen token
     assert [e.token for e in gen.logprobs] == ids
     for e, row in zip(gen.logprobs, ref, strict=True):
         assert e.logprob == pytest.approx(float(row[e.token]), abs=1e-4)
         assert [t for t, _ in e.top] == row.topk(TOP).indices.tolist() and e.top[0][0] == e.token
 
-    reply = client.completions.create(
+    reply = float32_client.completions.create(
         model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0, logprobs=TOP
     )
     choice = reply.choices[0]
     lp = choice.logprobs
-    assert lp.tokens == [tok.decode([i]) for i in ids] and reply.usage.completion_tokens == len(ids)
-    shown = [t for t, i in zip(lp.tokens, ids) if i not in tok.all_special_ids]
+    assert lp.tokens == [chat_tok.decode([i]) for i in ids] and reply.usage.completion_tokens == len(ids)
+    shown = [t for t, i in zip(lp.tokens, ids) if i not in chat_tok.all_special_ids]
     assert "".join(shown) == choice.text
     assert lp.text_offset == [sum(len(t) for t in shown[:k]) for k in range(len(ids))]
     for i, (token_id, row) in enumerate(zip(ids, ref)):
@@ -84,12 +58,12 @@ def test_completion_logprobs_are_the_targets_own(cluster, client, prompts, tok, 
         assert values == sorted(values, reverse=True)
         want = {}
         for t in row.topk(TOP).indices.tolist():
-            want.setdefault(tok.decode([t]), float(row[t]))
+            want.setdefault(chat_tok.decode([t]), float(row[t]))
         assert list(top) == list(want) and values == pytest.approx(list(want.values()), abs=1e-4)
         assert top[lp.tokens[i]] == lp.token_logprobs[i]  # greedy: the chosen token is among them
 
     chunks = list(
-        client.completions.create(
+        float32_client.completions.create(
             model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0, logprobs=TOP, stream=True
         )
     )
@@ -102,28 +76,28 @@ def test_completion_logprobs_are_the_targets_own(cluster, client, prompts, tok, 
     assert all(c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].text)
 
 
-def test_chat_logprobs_are_the_targets_own(cluster, client, tok, target_lm):
+def test_chat_logprobs_are_the_targets_own(float32_cluster, float32_client, chat_tok, target_lm):
     messages = [{"role": "user", "content": "Name three colours."}]
-    prompt_ids = tok(
-        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    prompt_ids = chat_tok(
+        chat_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     ).input_ids
-    ids = list(grpc_generation(cluster, prompt_ids=prompt_ids).token_ids)
+    ids = list(grpc_generation(float32_cluster, prompt_ids=prompt_ids).token_ids)
     ref = target_logprobs(target_lm, prompt_ids, ids)
-    reply = client.chat.completions.create(
+    reply = float32_client.chat.completions.create(
         model="tiny-target", messages=messages, max_tokens=MAX_NEW, temperature=0, logprobs=True, top_logprobs=TOP
     )
     content = reply.choices[0].logprobs.content
-    assert [c.token for c in content] == [tok.decode([i]) for i in ids]
+    assert [c.token for c in content] == [chat_tok.decode([i]) for i in ids]
     for c, token_id, row in zip(content, ids, ref, strict=True):
         assert c.logprob == pytest.approx(float(row[token_id]), abs=1e-4)
         assert c.bytes == list(c.token.encode("utf-8"))
         assert len(c.top_logprobs) == TOP
-        assert [a.token for a in c.top_logprobs] == [tok.decode([t]) for t in row.topk(TOP).indices.tolist()]
+        assert [a.token for a in c.top_logprobs] == [chat_tok.decode([t]) for t in row.topk(TOP).indices.tolist()]
         values = [a.logprob for a in c.top_logprobs]
         assert values == sorted(values, reverse=True) and values[0] == c.logprob  # greedy: the chosen one leads
 
     chunks = list(
-        client.chat.completions.create(
+        float32_client.chat.completions.create(
             model="tiny-target",
             messages=messages,
             max_tokens=MAX_NEW,
@@ -136,25 +110,28 @@ def test_chat_logprobs_are_the_targets_own(cluster, client, tok, target_lm):
     streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
     assert [x.model_dump() for x in streamed] == [x.model_dump() for x in content]
     # logprobs alone: the chosen tokens' figures, no alternatives; not asked: none at all
-    alone = client.chat.completions.create(
+    alone = float32_client.chat.completions.create(
         model="tiny-target", messages=messages, max_tokens=4, temperature=0, logprobs=True
     )
     assert alone.choices[0].logprobs.content and all(c.top_logprobs == [] for c in alone.choices[0].logprobs.content)
-    plain = client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=4, temperature=0)
+    plain = float32_client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
 
 
-def test_logprobs_past_the_limit_are_400_naming_the_field(client, prompts):
+def test_logprobs_past_the_limit_are_400_naming_the_field(float32_client, zoo_prompts):
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny-target", prompt=prompts[0], max_tokens=2, logprobs=21)
+        float32_client.completions.create(model="tiny-target", prompt=zoo_prompts[0], max_tokens=2, logprobs=21)
     assert err.value.status_code == 400 and err.value.param == "logprobs" and "20" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(
+        float32_client.chat.completions.create(
             model="tiny-target", messages=messages, max_tokens=2, logprobs=True, top_logprobs=21
         )
     assert err.value.param == "top_logprobs" and "20" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=2, top_logprobs=2)
+        float32_client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=2, top_logprobs=2)
     assert err.value.param == "top_logprobs" and "logprobs" in err.value.message
-    assert client.completions.create(model="tiny-target", prompt=prompts[0], max_tokens=2).choices[0].logprobs is None
+    assert (
+        float32_client.completions.create(model="tiny-target", prompt=zoo_prompts[0], max_tokens=2).choices[0].logprobs
+        is None
+    )

@@ -15,38 +15,12 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from common.runtime.checkpoints import load_causal_lm, load_tokenizer
 from cosine_client import Client, InvalidArgument
 from tests.support.openai_cluster import KEY
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24
 PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
-
-
-@pytest.fixture(scope="module")
-def cluster(float32_cluster):
-    return float32_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=KEY, max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_zoo):
-    return [tiny_zoo.prompts[d][0] for d in sorted(tiny_zoo.prompts)][:3]
-
-
-@pytest.fixture(scope="module")
-def target_lm(tiny_zoo):
-    return load_causal_lm(str(tiny_zoo.target.path))
-
-
-@pytest.fixture(scope="module")
-def tok(chat_tokenizer):
-    return load_tokenizer(str(chat_tokenizer))
 
 
 def penalised_greedy(target_lm, prompt_ids, n, presence=0.0, frequency=0.0, repetition=1.0) -> list[int]:
@@ -65,21 +39,23 @@ def penalised_greedy(target_lm, prompt_ids, n, presence=0.0, frequency=0.0, repe
 
 
 def as_generated(ids, ref, eos) -> bool:
-    """``ids`` (what the cluster returned) is ``ref`` up to where it ended: its length, or an eos."""
+    """``ids`` (what the float32_cluster returned) is ``ref`` up to where it ended: its length, or an eos."""
     if list(ids) != ref[: len(ids)]:
         return False
     return len(ids) == len(ref) or (ids and ids[-1] in eos) or ref[len(ids)] in eos
 
 
-def chat_ids(tok, messages) -> list[int]:
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tok(text, add_special_tokens=False).input_ids
+def chat_ids(chat_tok, messages) -> list[int]:
+    text = chat_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return chat_tok(text, add_special_tokens=False).input_ids
 
 
-def test_penalties_make_the_output_the_penalised_targets_own(cluster, client, prompts, tok, target_lm):
-    eos = set(tok.all_special_ids)
-    prompt = prompts[0]
-    prompt_ids = tok(prompt).input_ids
+def test_penalties_make_the_output_the_penalised_targets_own(
+    float32_cluster, float32_client, zoo_prompts, chat_tok, target_lm
+):
+    eos = set(chat_tok.all_special_ids)
+    prompt = zoo_prompts[0]
+    prompt_ids = chat_tok(prompt).input_ids
     plain = penalised_greedy(target_lm, prompt_ids, MAX_NEW)
     ref = penalised_greedy(
         target_lm,
@@ -90,7 +66,7 @@ def test_penalties_make_the_output_the_penalised_targets_own(cluster, client, pr
         PENALTIES["repetition_penalty"],
     )
     assert ref != plain  # the penalties change the target's greedy output here (else this proves nothing)
-    with Client(cluster.gateway_address, timeout=180, api_key=KEY) as c:
+    with Client(float32_cluster.gateway_address, timeout=180, api_key=KEY) as c:
         gen = c.generate(prompt=prompt, max_new_tokens=MAX_NEW, temperature=0, **PENALTIES)
         assert as_generated(gen.token_ids, ref, eos), (list(gen.token_ids), ref)
         streamed = [
@@ -102,18 +78,20 @@ def test_penalties_make_the_output_the_penalised_targets_own(cluster, client, pr
         with pytest.raises(InvalidArgument) as err:
             c.generate(prompt=prompt, max_new_tokens=4, repetition_penalty=0.0)
         assert "repetition_penalty" in str(err.value)
-    text = tok.decode(list(gen.token_ids), skip_special_tokens=True)
+    text = chat_tok.decode(list(gen.token_ids), skip_special_tokens=True)
     extra = {"repetition_penalty": PENALTIES["repetition_penalty"]}
     openai_penalties = dict(
         presence_penalty=PENALTIES["presence_penalty"], frequency_penalty=PENALTIES["frequency_penalty"]
     )
-    reply = client.completions.create(
+    reply = float32_client.completions.create(
         model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0, extra_body=extra, **openai_penalties
     )
     assert reply.choices[0].text == text and reply.usage.completion_tokens == len(gen.token_ids)
-    unpenalised = client.completions.create(model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+    unpenalised = float32_client.completions.create(
+        model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0
+    )
     assert unpenalised.choices[0].text != text
-    chunks = client.completions.create(
+    chunks = float32_client.completions.create(
         model="tiny-target",
         prompt=prompt,
         max_tokens=MAX_NEW,
@@ -125,9 +103,9 @@ def test_penalties_make_the_output_the_penalised_targets_own(cluster, client, pr
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
 
     messages = [{"role": "user", "content": "Say something again and again."}]
-    ids = chat_ids(tok, messages)
+    ids = chat_ids(chat_tok, messages)
     chat_ref = penalised_greedy(target_lm, ids, MAX_NEW, presence=1.5, frequency=1.0)
-    reply = client.chat.completions.create(
+    reply = float32_client.chat.completions.create(
         model="tiny-target",
         messages=messages,
         max_tokens=MAX_NEW,
@@ -137,8 +115,8 @@ def test_penalties_make_the_output_the_penalised_targets_own(cluster, client, pr
     )
     n = reply.usage.completion_tokens
     assert as_generated(chat_ref[:n], chat_ref, eos)
-    assert reply.choices[0].message.content == tok.decode(chat_ref[:n], skip_special_tokens=True)
-    streamed = client.chat.completions.create(
+    assert reply.choices[0].message.content == chat_tok.decode(chat_ref[:n], skip_special_tokens=True)
+    streamed = float32_client.chat.completions.create(
         model="tiny-target",
         messages=messages,
         max_tokens=MAX_NEW,
@@ -152,13 +130,13 @@ def test_penalties_make_the_output_the_penalised_targets_own(cluster, client, pr
     )
 
 
-def test_n_sampled_choices_each_their_own(client, prompts):
+def test_n_sampled_choices_each_their_own(float32_client, zoo_prompts):
     """Each choice is a whole generation of its own (its tokens counted by its logprobs), the
     choices differ, and usage counts the prompt once and every choice's tokens."""
-    prompt = prompts[1]
+    prompt = zoo_prompts[1]
     kw = dict(model="tiny-target", prompt=prompt, max_tokens=MAX_NEW, temperature=0.8, seed=11, logprobs=0)
-    single = client.completions.create(**{**kw, "seed": None})
-    reply = client.completions.create(n=3, **kw)
+    single = float32_client.completions.create(**{**kw, "seed": None})
+    reply = float32_client.completions.create(n=3, **kw)
     assert [c.index for c in reply.choices] == [0, 1, 2]
     texts = [c.text for c in reply.choices]
     counts = [len(c.logprobs.tokens) for c in reply.choices]
@@ -169,7 +147,7 @@ def test_n_sampled_choices_each_their_own(client, prompts):
     assert reply.usage.completion_tokens == sum(counts)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
 
-    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(float32_client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
     streamed, tokens, finished = ["", "", ""], [0, 0, 0], set()
     for ch in chunks:
         for c in ch.choices:
@@ -181,22 +159,22 @@ def test_n_sampled_choices_each_their_own(client, prompts):
     assert chunks[-1].usage.completion_tokens == sum(tokens)
     assert chunks[-1].usage.prompt_tokens == single.usage.prompt_tokens
 
-    unseeded = client.completions.create(n=4, **{**kw, "seed": None})
+    unseeded = float32_client.completions.create(n=4, **{**kw, "seed": None})
     assert len({c.text for c in unseeded.choices}) > 1 and [c.index for c in unseeded.choices] == [0, 1, 2, 3]
 
 
-def test_n_chat_choices_and_greedy_ones(client):
+def test_n_chat_choices_and_greedy_ones(float32_client):
     """At temperature 0 every choice is the one greedy output; sampled, streamed choices differ."""
     messages = [{"role": "user", "content": "Tell me a story."}]
     kw = dict(model="tiny-target", messages=messages, max_tokens=MAX_NEW)
-    greedy = client.chat.completions.create(n=3, temperature=0, **kw)
-    one = client.chat.completions.create(temperature=0, **kw)
+    greedy = float32_client.chat.completions.create(n=3, temperature=0, **kw)
+    one = float32_client.chat.completions.create(temperature=0, **kw)
     assert [c.message.content for c in greedy.choices] == [one.choices[0].message.content] * 3
     assert [c.index for c in greedy.choices] == [0, 1, 2]
     assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
 
-    chunks = list(client.chat.completions.create(n=2, temperature=0.8, seed=5, stream=True, **kw))
+    chunks = list(float32_client.chat.completions.create(n=2, temperature=0.8, seed=5, stream=True, **kw))
     streamed, roles, finished = ["", ""], set(), set()
     for ch in chunks:
         for c in ch.choices:
@@ -208,7 +186,7 @@ def test_n_chat_choices_and_greedy_ones(client):
     assert roles == {0, 1} and finished == {0, 1} and all(streamed) and streamed[0] != streamed[1]
 
 
-def test_bad_n_and_penalties_are_400_naming_the_field(client, prompts):
+def test_bad_n_and_penalties_are_400_naming_the_field(float32_client, zoo_prompts):
     cases = [
         (dict(n=0), "n"),
         (dict(n=9), "n"),
@@ -219,8 +197,8 @@ def test_bad_n_and_penalties_are_400_naming_the_field(client, prompts):
     ]
     for kw, field in cases:
         with pytest.raises(openai.BadRequestError) as err:
-            client.completions.create(model="tiny-target", prompt=prompts[0], max_tokens=2, **kw)
+            float32_client.completions.create(model="tiny-target", prompt=zoo_prompts[0], max_tokens=2, **kw)
         assert err.value.status_code == 400 and err.value.param == field, (kw, err.value.body)
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny-target", messages=[{"role": "user", "content": "hi"}], n=9)
+        float32_client.chat.completions.create(model="tiny-target", messages=[{"role": "user", "content": "hi"}], n=9)
     assert err.value.param == "n" and "8" in err.value.message

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from services.gateway.progress import Progress, SpecStats
 from services.gateway.requests import GenerationRequest
+
+T = TypeVar("T")
 
 SEED_SPACE = 1 << 64
 
@@ -42,10 +45,10 @@ async def _close(streams: Sequence[AsyncIterator[Progress]]) -> None:
             await s.aclose()  # type: ignore[attr-defined]
 
 
-async def first_pieces(streams: Sequence[AsyncIterator[Progress]]) -> list[Progress]:
-    """Every choice's first piece (a failure before any token still gets its status code). A
-    failure of one choice ends all of them and raises it; so does a choice that ends without output."""
-    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+async def _all_or_none(work: Sequence[Awaitable[T]], streams: Sequence[AsyncIterator[Progress]]) -> list[T]:
+    """Every one of ``work`` side by side; when one fails, the others are cancelled, every
+    choice's stream is closed, and the failure is raised."""
+    tasks = [asyncio.ensure_future(w) for w in work]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -54,6 +57,12 @@ async def first_pieces(streams: Sequence[AsyncIterator[Progress]]) -> list[Progr
         await asyncio.gather(*tasks, return_exceptions=True)
         await _close(streams)
         raise
+
+
+async def first_pieces(streams: Sequence[AsyncIterator[Progress]]) -> list[Progress]:
+    """Every choice's first piece (a failure before any token still gets its status code). A
+    failure of one choice ends all of them and raises it; so does a choice that ends without output."""
+    return await _all_or_none([anext(s) for s in streams], streams)
 
 
 @dataclass
@@ -82,15 +91,7 @@ async def collect(streams: Sequence[AsyncIterator[Progress]], firsts: Sequence[P
             got.add(piece)
         return got
 
-    tasks = [asyncio.ensure_future(one(s, f)) for s, f in zip(streams, firsts)]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await _close(streams)
-        raise
+    return await _all_or_none([one(s, f) for s, f in zip(streams, firsts)], streams)
 
 
 async def merged(

@@ -3,7 +3,9 @@ tokenizer with a chat template, and one local cluster with the verifier in float
 test module whose reference is computed in float32 (the log-probabilities' and the penalties').
 
 float32, because on a CPU with AMX the verifier's default is bfloat16, whose figures are its own;
-one cluster for the session, because starting one is the longest part of those modules."""
+one cluster for the session, because starting one is the longest part of those modules. Beside it:
+the ``openai`` client of its HTTP API, the target loaded in transformers (the reference), the chat
+tokenizer loaded, and a prompt of each of the first three domains."""
 
 from __future__ import annotations
 
@@ -50,3 +52,29 @@ def float32_cluster(tiny_zoo: Any, chat_tokenizer: Path, tmp_path_factory: pytes
     c.start(progress=False)
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def float32_client(float32_cluster: Any) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=float32_cluster.http_url + "/v1", api_key=KEY, max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="session")
+def target_lm(tiny_zoo: Any) -> Any:
+    from common.runtime.checkpoints import load_causal_lm
+
+    return load_causal_lm(str(tiny_zoo.target.path))
+
+
+@pytest.fixture(scope="session")
+def chat_tok(chat_tokenizer: Path) -> Any:
+    from common.runtime.checkpoints import load_tokenizer
+
+    return load_tokenizer(str(chat_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def zoo_prompts(tiny_zoo: Any) -> list[str]:
+    return [tiny_zoo.prompts[d][0] for d in sorted(tiny_zoo.prompts)][:3]
