@@ -244,13 +244,13 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
     assert on_disk["scenario"]["complete"] is True
     assert set(on_disk["systems"]) == {"cosine", "autoregressive", "hf_assisted", "services_plain"}
     # each service system's counters are its own router's: drafting off in one, on in the other (in
-    # a workload this short cosine's yield guard may have run it all as a plain epoch, which it counts)
-    drafted = 0.0
+    # workloads this short cosine's yield guard may run them all as plain epochs, which it counts and
+    # services_plain never does; that the drafts themselves are verified losslessly through the
+    # services is the dtype test's, with the guard off)
     for w in ("closed_c4", "open_low", "open_high"):
         plain, cos = on_disk["systems"]["services_plain"][w]["counters"], on_disk["systems"]["cosine"][w]["counters"]
         assert plain["draft_tokens"] == 0 and plain["accepted_tokens"] == 0 and plain["guard_plain_rounds"] == 0
         assert cos["draft_tokens"] > 0 or cos["guard_plain_rounds"] > 0, cos
-        drafted += cos["draft_tokens"]
         assert (
             plain["verify_batches"] > 0
             and plain["tokens_committed"] == on_disk["systems"]["services_plain"][w]["output_tokens"]
@@ -264,7 +264,6 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
             assert set(cpu) == {f"cpu_s_{p}" for p in PARTS} and cpu["cpu_s_verifier"] > 0, cpu
             assert sum(cpu.values()) <= (os.cpu_count() or 1) * (m["wall_s"] + 2.0), cpu
         assert not any(k.startswith("cpu_s_") for k in on_disk["systems"]["autoregressive"][w]["counters"])
-    assert drafted > 0
     for per in on_disk["systems"].values():
         assert set(per) == {"closed_c4", "open_low", "open_high"}
         for m in per.values():
