@@ -279,7 +279,9 @@ def test_quick_scenario_writes_a_report_following_the_schema_and_plots(tiny_zoo,
         else:  # a system or a workload this run did not measure: no ratio
             assert r[key] is None, key
     assert r["cosine_vs_autoregressive_throughput"] is not None and r["cosine_vs_hf_assisted_throughput"] is not None
-    assert s["cosine"]["open_high"]["mean_accepted_len"] > 0
+    # drafts were accepted, unless the yield guard ran plain epochs through this short workload
+    high = s["cosine"]["open_high"]
+    assert high["mean_accepted_len"] > 0 or high["counters"]["guard_plain_rounds"] > 0, high["counters"]
     for name in PLOTS:
         png = out.parent / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
