@@ -16,6 +16,7 @@ class SpecStats:
     accepted_tokens: int = 0
     drafters_used: tuple[str, ...] = ()
     accepted_by_drafter: dict[str, int] = field(default_factory=dict)
+    grammar_pruned_tokens: int = 0  # draft tokens its constraint forbade (pruned, never verified)
 
     @classmethod
     def from_pb(cls, pb: Any) -> SpecStats:
@@ -26,6 +27,7 @@ class SpecStats:
             pb.accepted_tokens,
             tuple(pb.drafters_used),
             dict(pb.accepted_by_drafter),
+            pb.grammar_pruned_tokens,
         )
 
 
@@ -79,6 +81,7 @@ class Generation:
                 "accepted_tokens": self.stats.accepted_tokens,
                 "drafters_used": list(self.stats.drafters_used),
                 "accepted_by_drafter": dict(self.stats.accepted_by_drafter),
+                "grammar_pruned_tokens": self.stats.grammar_pruned_tokens,
             },
             **({"logprobs": [e.to_dict() for e in self.logprobs]} if self.logprobs else {}),
         }

@@ -219,6 +219,7 @@ def verdict_to_pb(v: Verdict) -> verifier_pb2.Verdict:
             for s in v.step_lookups
         ],
         logprobs=logprobs_to_pb(v.logprobs),
+        grammar_pruned=v.grammar_pruned,
     )
 
 
@@ -238,6 +239,7 @@ def verdict_from_pb(pb: verifier_pb2.Verdict) -> Verdict:
         step_accepted=pb.step_accepted,
         step_lookups=tuple(StepLookup(s.source, s.match, s.tried, s.accepted) for s in pb.step_lookups),
         logprobs=logprobs_from_pb(pb.logprobs),
+        grammar_pruned=pb.grammar_pruned,
     )
 
 
@@ -375,6 +377,7 @@ def spec_stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
         accepted_tokens=pb.accepted_tokens,
         drafters_used=tuple(pb.drafters_used),
         accepted_by_drafter=dict(pb.accepted_by_drafter),
+        grammar_pruned_tokens=pb.grammar_pruned_tokens,
     )
 
 
@@ -386,6 +389,7 @@ def spec_stats_to_pb(s: SpecStats) -> common_pb2.SpecStats:
         accepted_tokens=s.accepted_tokens,
         drafters_used=s.drafters_used,
         accepted_by_drafter=s.accepted_by_drafter,
+        grammar_pruned_tokens=s.grammar_pruned_tokens,
     )
 
 

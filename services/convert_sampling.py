@@ -1,5 +1,5 @@
 """Protobuf <-> :class:`SamplingParams` (re-exported by :mod:`services.convert`, the one place
-messages and dataclasses meet): temperature, top-k, top-p, seed and the penalties.
+messages and dataclasses meet): temperature, top-k, top-p, seed, the penalties and the constraint.
 
 Unset fields take their "off" values (top_p 0 -> 1, repetition_penalty unset -> 1); a value that is
 set, however bad (NaN, a negative top_p, a repetition penalty of 0), is passed on as it is, so that
@@ -8,7 +8,7 @@ validation refuses it naming the field rather than it silently becoming the defa
 
 from __future__ import annotations
 
-from common.spec.types import SamplingParams
+from common.spec.types import Constraint, SamplingParams
 from cosine.v1 import common_pb2
 
 
@@ -24,6 +24,9 @@ def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
         pb.seed = s.seed
     if s.repetition_penalty != 1.0:
         pb.repetition_penalty = s.repetition_penalty
+    if s.constraint is not None:
+        pb.constraint.kind = s.constraint.kind
+        pb.constraint.spec = s.constraint.spec
     return pb
 
 
@@ -36,4 +39,5 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=float(pb.presence_penalty),
         frequency_penalty=float(pb.frequency_penalty),
         repetition_penalty=float(pb.repetition_penalty) if pb.HasField("repetition_penalty") else 1.0,
+        constraint=Constraint(pb.constraint.kind, pb.constraint.spec) if pb.HasField("constraint") else None,
     )

@@ -206,3 +206,20 @@ def test_penalties_and_the_prompts_length_survive_the_wire():
         zero.validate()
     submit = roundtrip(submit_to_pb("r", [1, 2, 3], 4, penalised, [], "", prompt_len=2), router_pb2.SubmitRequest)
     assert sampling_from_pb(submit.sampling) == penalised and submit.prompt_len == 2
+
+
+def test_a_constraint_and_the_grammars_pruned_nodes_survive_the_wire():
+    """A constraint reaches the router and the verifier as it was asked (none stays none), and the
+    verdict's count of nodes the grammar pruned comes back."""
+    from common.spec.types import Constraint, Verdict
+    from cosine.v1 import router_pb2
+    from services.convert import sampling_from_pb, submit_to_pb, verdict_from_pb, verdict_to_pb
+
+    constrained = SamplingParams(constraint=Constraint("json_schema", '{"type": "object"}'))
+    items = [VerifyItem("a", append_ids=(1, 2), sampling=constrained), VerifyItem("b", append_ids=(3,))]
+    back = verify_items_from_pb(roundtrip(verify_batch_to_pb(1, items), verifier_pb2.VerifyBatch))
+    assert back == items and back[1].sampling.constraint is None
+    submit = roundtrip(submit_to_pb("r", [1, 2], 4, constrained, [], ""), router_pb2.SubmitRequest)
+    assert sampling_from_pb(submit.sampling) == constrained
+    v = Verdict("a", next_token=3, grammar_pruned=5)
+    assert verdict_from_pb(roundtrip(verdict_to_pb(v), verifier_pb2.Verdict)).grammar_pruned == 5

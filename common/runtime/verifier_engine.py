@@ -19,6 +19,11 @@ After the acceptance rule has spoken, only the uncached committed tokens and the
 keep their cache entries (the rejected nodes' entries are dropped), so the invariant holds again:
 cache = ``N + len(accepted)`` tokens, committed = that + 1.
 
+Constrained requests (``SamplingParams.constraint``, structured output): before the pass the tree
+is cut to the nodes the request's grammar allows and every logit row gets the grammar's mask in
+the state after its own path (:mod:`common.spec.grammar`); the rule decides on the masked rows, and
+the verdict names the accepted nodes by their index in the tree the router sent.
+
 Plain steps (``VerifyItem.plain_steps``): after the verdicts, the engine decodes more tokens of a
 request before it answers, a pass each, the batch's other stepping requests beside it. At each step
 it may draft as the router's lookup drafter would (``step_lookup``, ``step_corpus``): what followed
@@ -49,6 +54,7 @@ from common.runtime.pass_times import measure_pass_times
 from common.runtime.runner import LMRunner, SeqInput
 from common.runtime.step_lookups import StepChain, chain_outcomes, earned_chain, held_depth
 from common.spec.acceptance import RuleFactory, default_rule_factory
+from common.spec.grammar import Constrained, Grammars, GrammarState, masked
 from common.spec.logprobs import path_rows, token_logprobs
 from common.spec.lookup_corpus import DomainCorpora
 from common.spec.lookup_index import CORPUS, TEXT, LookupIndex
@@ -83,6 +89,7 @@ class RequestState:
     verdicts: int = field(default=0)
     lookup: LookupIndex | None = None  # the n-grams its plain steps draft from (VerifyItem.step_lookup)
     prompt_len: int = 0  # where its output begins in ``tokens`` (the penalties count from there)
+    grammar: GrammarState | None = None  # its constraint's matcher (SamplingParams.constraint), if any
 
 
 @dataclass
@@ -92,6 +99,12 @@ class _Planned:
     item: VerifyItem
     uncached: list[int]
     new: bool
+    constrained: Constrained | None = None  # the tree as the request's grammar cut it, with its masks
+
+    @property
+    def tree(self) -> TokenTree:
+        """The tree the pass verifies: the item's, less the nodes its grammar forbids."""
+        return self.item.tree if self.constrained is None else self.constrained.tree
 
 
 class VerifierEngine(RequestEngine[RequestState]):
@@ -105,9 +118,11 @@ class VerifierEngine(RequestEngine[RequestState]):
         rule_factory: RuleFactory = default_rule_factory,
         seed: int | None = None,
         max_tree_nodes: int | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         super().__init__(runner, kv_token_budget, "verifier")
         self.rule_factory = rule_factory
+        self.grammars = grammars  # compiles constrained requests' grammars (None: such requests are refused)
         self.max_tree_nodes = max_tree_nodes  # a larger tree is refused (its attention mask grows with nodes^2)
         self.pass_times: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of a pass, when timed (pass_times.py)
         # sees (request id, logits [1, vocab]) of every plain position it decodes: the zoo's teacher
@@ -135,7 +150,12 @@ class VerifierEngine(RequestEngine[RequestState]):
     ) -> VerifierEngine:
         runner = LMRunner.from_checkpoint(path, dtype=dtype, device=device, backend=attention_backend)
         return cls(
-            runner, kv_token_budget=kv_token_budget, rule_factory=rule_factory, seed=seed, max_tree_nodes=max_tree_nodes
+            runner,
+            kv_token_budget=kv_token_budget,
+            rule_factory=rule_factory,
+            seed=seed,
+            max_tree_nodes=max_tree_nodes,
+            grammars=Grammars.from_checkpoint(path, runner.vocab_size),
         )
 
     # ---- introspection -----------------------------------------------------------------------
@@ -241,36 +261,45 @@ class VerifierEngine(RequestEngine[RequestState]):
                 if room < 1 or (item.stop_ids and not set(made).isdisjoint(item.stop_ids)):
                     continue
                 tree, chains = self._step_tree(state, item, room - 1)
+                constrained = None
+                if item.sampling.constraint is not None:
+                    try:
+                        constrained = self._constrain(state, item, state.tokens, tree)
+                    except SpecError:
+                        continue
+                    tree = constrained.tree
+                    chains = tuple(replace(c, tokens=c.tokens[: held_depth(tree, c.tokens)]) for c in chains)
                 try:
                     state.cache.reserve(1 + len(tree))
                 except SpecError:
                     if not len(tree):
                         continue
                     try:
+                        if constrained is not None:
+                            constrained = self._constrain(state, item, state.tokens, EMPTY_TREE)
                         tree, chains = EMPTY_TREE, ()
                         state.cache.reserve(1)
                     except SpecError:
                         continue
-                going.append((p, tree, chains))
+                going.append((p, tree, chains, constrained))
             if not going:
                 break
             t0 = time.perf_counter_ns()
             try:
-                logits = self.runner.forward([_step_input(p.state, tree) for p, tree, _ in going])
+                logits = self.runner.forward([_step_input(p.state, tree) for p, tree, _, _ in going])
             except Exception as exc:  # the verdicts so far stand; nothing of this pass is kept
                 log.error("plain_step_failed", error=repr(exc), batch=len(going), step=step)
-                for p, _, _ in going:
+                for p, _, _, _ in going:
                     p.state.cache.discard_pending()
                 break
             forward_ns += time.perf_counter_ns() - t0
-            rows += sum(1 + len(tree) for _, tree, _ in going)
-            for (p, tree, chains), lg in zip(going, logits):
+            rows += sum(1 + len(tree) for _, tree, _, _ in going)
+            for (p, tree, chains, constrained), lg in zip(going, logits):
                 state = p.state
-                decision = self.rule_factory(p.item.sampling).decide(
-                    tree,
-                    acceptance_logits(lg, tree, state.tokens, state.prompt_len, p.item.sampling),
-                    state.generator or self._generator,
-                )
+                ruled = acceptance_logits(lg, tree, state.tokens, state.prompt_len, p.item.sampling)
+                if constrained is not None:
+                    ruled = masked(ruled, constrained.allowed)
+                decision = self.rule_factory(p.item.sampling).decide(tree, ruled, state.generator or self._generator)
                 path = decision.accepted_nodes
                 accepted = [tree.tokens[a] for a in path]
                 if self.observe_logits is not None:
@@ -290,8 +319,22 @@ class VerifierEngine(RequestEngine[RequestState]):
                     step_drafted=verdict.step_drafted + len(tree),
                     step_accepted=verdict.step_accepted + len(accepted),
                     step_lookups=(*verdict.step_lookups, *chain_outcomes(chains, accepted)),
+                    grammar_pruned=verdict.grammar_pruned + (constrained.pruned if constrained is not None else 0),
                 )
         return forward_ns, rows
+
+    def _constrain(self, state: RequestState, item: VerifyItem, committed: list[int], tree: TokenTree) -> Constrained:
+        """``tree`` as the request's grammar allows it after ``committed`` (the request's committed
+        sequence, its prompt included): the request's matcher, made on first use, brought to the
+        committed output first (:mod:`common.spec.grammar`)."""
+        constraint = item.sampling.constraint
+        assert constraint is not None
+        if state.grammar is None:
+            if self.grammars is None:
+                raise InvalidInput("sampling.constraint: this verifier has no tokenizer to compile grammars with")
+            state.grammar = self.grammars.state(constraint)
+        state.grammar.sync(committed[state.prompt_len :])
+        return state.grammar.constrain(tree)
 
     def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> tuple[TokenTree, tuple[StepChain, ...]]:
         """What the lookup drafter proposes for a request's plain step (``VerifyItem.step_lookup``,
@@ -381,19 +424,22 @@ class VerifierEngine(RequestEngine[RequestState]):
                 item.request_id, [], self.pool.new_cache(), gen, prompt_len=item.prompt_len or len(item.append_ids)
             )
         uncached = state.tokens[state.cache.length :] + list(item.append_ids)
+        constrained = None
         try:
-            state.cache.reserve(len(uncached) + len(item.tree))
+            if item.sampling.constraint is not None:
+                constrained = self._constrain(state, item, [*state.tokens, *item.append_ids], item.tree)
+            state.cache.reserve(len(uncached) + len(item.tree if constrained is None else constrained.tree))
         except SpecError:
             if new:
                 state.cache.release()
             raise
         if new:
             self._requests[item.request_id] = state
-        return _Planned(index, state, item, uncached, new)
+        return _Planned(index, state, item, uncached, new, constrained)
 
     @staticmethod
     def _seq_input(p: _Planned) -> SeqInput:
-        s, tree = len(p.uncached), p.item.tree
+        s, tree = len(p.uncached), p.tree
         parents = tuple(range(-1, s - 1)) + tuple(s - 1 if q < 0 else s + q for q in tree.parents)
         return SeqInput(
             cache=p.state.cache,
@@ -404,9 +450,11 @@ class VerifierEngine(RequestEngine[RequestState]):
 
     def _decide(self, p: _Planned, logits: torch.Tensor) -> Verdict:
         """Apply the request's acceptance rule to ``logits: [n + 1, vocab]`` and commit the result."""
-        state, item, tree = p.state, p.item, p.item.tree
+        state, item, tree = p.state, p.item, p.tree
         rule = self.rule_factory(item.sampling)
         ruled = acceptance_logits(logits, tree, [*state.tokens, *item.append_ids], state.prompt_len, item.sampling)
+        if p.constrained is not None:
+            ruled = masked(ruled, p.constrained.allowed)
         decision = rule.decide(tree, ruled, state.generator or self._generator)
         s = len(p.uncached)
         # keep the uncached committed tokens and the accepted path; drop every other tree entry
@@ -414,12 +462,13 @@ class VerifierEngine(RequestEngine[RequestState]):
         accepted_tokens = tuple(tree.tokens[a] for a in decision.accepted_nodes)
         state.tokens += [*item.append_ids, *accepted_tokens, decision.next_token]
         state.verdicts += 1
-        flags = [False] * len(tree)
-        for a in decision.accepted_nodes:
+        accepted = decision.accepted_nodes if p.constrained is None else p.constrained.original(decision.accepted_nodes)
+        flags = [False] * len(item.tree)
+        for a in accepted:
             flags[a] = True
         return Verdict(
             request_id=item.request_id,
-            accepted_nodes=decision.accepted_nodes,
+            accepted_nodes=accepted,
             accepted_tokens=accepted_tokens,
             next_token=decision.next_token,
             node_accepted=tuple(flags),
@@ -429,6 +478,7 @@ class VerifierEngine(RequestEngine[RequestState]):
                     logits, path_rows(decision.accepted_nodes), [*accepted_tokens, decision.next_token], item.logprobs
                 )
             ),
+            grammar_pruned=0 if p.constrained is None else p.constrained.pruned,
         )
 
 

@@ -60,6 +60,29 @@ def error_kind(exc: BaseException) -> str:
 
 # ---- sampling ------------------------------------------------------------------------------------
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (structured output; ``common.spec.grammar`` compiles it).
+
+    ``kind`` and ``spec``: ``json_object`` (any JSON object; ``spec`` unused), ``json_schema`` (the
+    schema as JSON text), ``regex`` (the output matches it whole), ``grammar`` (a Lark or GBNF
+    grammar) or ``choice`` (a JSON list of strings: the output is one of them). The verifier masks
+    the target's distribution with the grammar at every position, so the output is constrained
+    decoding of the target's own."""
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            kinds = ", ".join(CONSTRAINT_KINDS)
+            raise InvalidInput(f"sampling.constraint.kind: must be one of {kinds}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidInput(f"sampling.constraint.spec: a {self.kind} constraint needs its {self.kind}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -72,6 +95,9 @@ class SamplingParams:
     ``frequency_penalty`` in [-2, 2] (OpenAI's, on the output's tokens), ``repetition_penalty`` > 0
     (transformers' and vLLM's, on the prompt's and the output's). The verifier applies them to the
     target's logits before acceptance, so the output is the penalised target's own.
+
+    ``constraint`` (structured output, :class:`Constraint`): the grammar's mask goes on after the
+    penalties and before temperature, top-k and top-p.
     """
 
     temperature: float = 0.0
@@ -81,6 +107,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +134,8 @@ class SamplingParams:
             raise InvalidInput(
                 f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
             )
+        if self.constraint is not None:
+            self.constraint.validate()
 
 
 GREEDY = SamplingParams()
@@ -298,6 +327,7 @@ class Verdict:
     step_accepted: int = 0
     step_lookups: tuple[StepLookup, ...] = ()  # per step and chain, for the router's lookup calibration
     logprobs: tuple[TokenLogprob, ...] = ()  # aligned with new_tokens (VerifyItem.logprobs)
+    grammar_pruned: int = 0  # draft nodes (steps' included) the request's constraint forbade: never verified
 
     @property
     def ok(self) -> bool:

@@ -16,7 +16,9 @@ Counted per verdict, in the shape production engines export:
   {level, arm="speculate"|"plain", basis="wall"|"verifier_busy"}`` (``level``: ``1``, ``2``, ``3-4``, ...,
   with `` sampled`` where most requests sample), ``cosine_router_speculation_withdrawn
   {level}`` (1 where the guard turned speculation off) and ``cosine_router_speculation_flips_total{level,
-  verdict="withdrawn"|"readmitted"}``.
+  verdict="withdrawn"|"readmitted"}``;
+- ``cosine_spec_grammar_pruned_tokens_total``: draft tokens a request's constraint forbade, pruned
+  by the verifier before its pass (structured output; not among the verified tokens above).
 """
 
 from __future__ import annotations
@@ -77,10 +79,16 @@ class RouterMetrics:
         self.flips = m.counter(
             "cosine_router_speculation_flips_total", "the yield guard's verdicts that changed", ["level", "verdict"]
         )
+        self.grammar_pruned = m.counter(
+            "cosine_spec_grammar_pruned_tokens_total",
+            "draft tokens a request's grammar forbade, pruned before the verify pass (never verified)",
+        )
         self._drafted = 0
         self._accepted = 0
 
-    def verdict(self, tree: DraftTree, accepted_nodes: Sequence[int], committed: int) -> None:
+    def verdict(self, tree: DraftTree, accepted_nodes: Sequence[int], committed: int, grammar_pruned: int = 0) -> None:
+        if grammar_pruned:
+            self.grammar_pruned.inc(grammar_pruned)
         depths = node_depths(tree)
         accepted = set(accepted_nodes)
         for node in range(len(tree)):

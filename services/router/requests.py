@@ -68,6 +68,7 @@ class RequestStats:
     accepted_tokens: int = 0
     drafters_used: set[str] = field(default_factory=set)
     accepted_by_drafter: dict[str, int] = field(default_factory=dict)
+    grammar_pruned_tokens: int = 0  # draft tokens its constraint forbade (pruned before verification)
 
     @property
     def mean_accepted_len(self) -> float:
@@ -176,6 +177,7 @@ class Counters:
     guard_plain_rounds: int = 0  # rounds the yield guard ran plain (its control groups, and where it withdrew drafting)
     guard_withdrawals: int = 0  # times the yield guard withdrew speculation at a load level
     guard_readmissions: int = 0  # times it let speculation back in at one
+    grammar_pruned: int = 0  # draft tokens constrained requests' grammars forbade (pruned, never verified)
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -214,4 +216,5 @@ class Counters:
             "guard_plain_rounds": self.guard_plain_rounds,
             "guard_withdrawals": self.guard_withdrawals,
             "guard_readmissions": self.guard_readmissions,
+            "grammar_pruned": self.grammar_pruned,
         }

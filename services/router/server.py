@@ -54,6 +54,7 @@ def stats_to_pb(stats: Any) -> common_pb2.SpecStats:
         accepted_tokens=stats.accepted_tokens,
         drafters_used=sorted(stats.drafters_used),
         accepted_by_drafter=dict(stats.accepted_by_drafter),
+        grammar_pruned_tokens=stats.grammar_pruned_tokens,
     )
 
 

@@ -127,6 +127,8 @@ class VerdictApplication:
         r.stats.rounds += 1 + verdict.step_passes  # the verify passes it was in: its plain steps' too
         self.counters.step_lookup_tokens += verdict.step_drafted
         self.counters.step_lookup_accepted += verdict.step_accepted
+        self.counters.grammar_pruned += verdict.grammar_pruned
+        r.stats.grammar_pruned_tokens += verdict.grammar_pruned
         if verdict.step_drafted:
             r.stats.credit(LOOKUP_ID, verdict.step_accepted)
         r.stats.draft_tokens += drafted
@@ -158,7 +160,7 @@ class VerdictApplication:
         r.generated.extend(new)
         self.counters.tokens_committed += len(new)
         if self.metrics is not None:
-            self.metrics.verdict(tree, verdict.accepted_nodes, len(new))
+            self.metrics.verdict(tree, verdict.accepted_nodes, len(new), verdict.grammar_pruned)
         r.events.put_nowait(Event(tokens=tuple(new), logprobs=verdict.logprobs[: len(new)], round_ns=round_ns))
         return Outcome(finish_reason=reason) if reason else GOING_ON
 
