@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -41,6 +42,11 @@ def build_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
+    json_object: bool = False,
+    json_schema: dict[str, Any] | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """``logprobs``: also return the target's log-probability of every generated token, with this
     many most probable alternatives at each position (0: the chosen token only; None: none).
@@ -48,7 +54,11 @@ def build_request(
     Penalties (None: off), applied to the target's logits so the output is the penalised target's
     own: ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (OpenAI's, on the generated
     tokens), ``repetition_penalty`` > 0 (transformers' and vLLM's, on the prompt's and the
-    generated tokens; 1: off)."""
+    generated tokens; 1: off).
+
+    Structured output, at most one (the output is the constrained target's own): ``json_object``
+    (any JSON object), ``json_schema`` (a JSON schema as a dict), ``regex`` (the output matches it
+    whole), ``grammar`` (Lark or GBNF) or ``choice`` (the output is one of these strings)."""
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt or prompt_ids")
     req = gateway_pb2.GenerateRequest(
@@ -76,6 +86,21 @@ def build_request(
         req.frequency_penalty = frequency_penalty
     if repetition_penalty is not None:
         req.repetition_penalty = repetition_penalty
+    constraints = [
+        (kind, spec)
+        for kind, spec, given in (
+            ("json_object", "", json_object),
+            ("json_schema", json.dumps(json_schema) if json_schema is not None else "", json_schema is not None),
+            ("regex", regex or "", regex is not None),
+            ("grammar", grammar or "", grammar is not None),
+            ("choice", json.dumps(list(choice or ())), choice is not None),
+        )
+        if given
+    ]
+    if len(constraints) > 1:
+        raise ValueError("give at most one of json_object, json_schema, regex, grammar or choice")
+    if constraints:
+        req.constraint.kind, req.constraint.spec = constraints[0]
     return req
 
 

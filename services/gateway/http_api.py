@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.logs import get_logger
+from common.spec.grammar import Grammars
 from common.spec.types import TokenLogprob
 from services.gateway.auth import UNAUTHENTICATED_MESSAGE, bearer_token, key_is_valid
 from services.gateway.errors import GatewayError
@@ -61,6 +62,7 @@ class HttpHost(Protocol):
     keys: frozenset[str]  # API keys; empty: none required
     model_name: str
     tokenizer: Any  # the target's (a token's text in the logprobs objects)
+    grammars: Grammars | None  # the grammar engine's view of it (a token's raw bytes); None before ready
     metrics_registry: CollectorRegistry | None  # the gateway's Prometheus registry; None: no /metrics
 
     async def ensure_ready(self) -> None: ...
@@ -218,7 +220,8 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
         except StopAsyncIteration:
             return error_response(GatewayError(grpc.StatusCode.INTERNAL, "the request ended without output"), chat)
         response_id = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
-        shapers = [shaper(gateway.tokenizer, asked_logprobs(body), chat) for _ in range(n)]
+        raw = gateway.grammars.token_bytes if gateway.grammars is not None else None
+        shapers = [shaper(gateway.tokenizer, asked_logprobs(body), chat, raw) for _ in range(n)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _stream(gen, merged(streams, firsts), response_id, model, chat, include_usage, shapers)

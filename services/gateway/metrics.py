@@ -51,6 +51,10 @@ class GatewayMetrics:
             "accepted draft tokens that were the drafter's own first choice, for the requests that ended",
             ["drafter"],
         )
+        self.spec_grammar_pruned = m.counter(
+            "cosine_spec_decode_grammar_pruned_tokens_total",
+            "draft tokens the requests' constraints forbade, pruned before verification, for the requests that ended",
+        )
 
     def start(self, prompt_tokens: int) -> RequestClock:
         self.prompt_tokens.inc(prompt_tokens)
@@ -93,3 +97,4 @@ class RequestClock:
             m.spec_accepted.inc(self.stats.accepted_tokens)
             for drafter, n in self.stats.accepted_by_drafter.items():
                 m.spec_by_drafter.labels(drafter).inc(n)
+            m.spec_grammar_pruned.inc(self.stats.grammar_pruned_tokens)

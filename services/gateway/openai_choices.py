@@ -151,4 +151,5 @@ def merged_stats(stats: Sequence[SpecStats | None]) -> SpecStats | None:
         accepted_tokens=accepted,
         drafters_used=tuple(sorted({d for s in known for d in s.drafters_used})),
         accepted_by_drafter=by_drafter,
+        grammar_pruned_tokens=sum(s.grammar_pruned_tokens for s in known),
     )

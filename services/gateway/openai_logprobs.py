@@ -7,8 +7,10 @@ chosen token when it is not among them (as OpenAI: "up to logprobs + 1 elements"
 is each token's first character in the completion's text. Chat: ``{content: [{token, logprob,
 bytes, top_logprobs: [{token, logprob, bytes}]}], refusal: null}``.
 
-A token's text is the tokenizer's decoding of that token alone, its ``bytes`` that text's UTF-8
-(a token holding part of a multi-byte character decodes to U+FFFD, as in other servers).
+A token's text is the tokenizer's decoding of that token alone (a token holding part of a
+multi-byte character decodes to U+FFFD, as in other servers), its ``bytes`` the raw bytes the token
+stands for when the gateway knows them (``token_bytes``: so a character split over tokens is whole
+again in the concatenated bytes, as OpenAI's are), else that text's UTF-8.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from common.spec.types import TokenLogprob
 class TokenTexts:
     """Token ids as text, one token at a time (cached: the same ids recur across positions)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, token_bytes: Callable[[int], bytes] | None = None):
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes
         self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         self._cache: dict[int, str] = {}
+
+    def raw(self, token: int) -> bytes:
+        """The bytes the token stands for (its text's UTF-8 when they are not known)."""
+        return self.token_bytes(token) if self.token_bytes is not None else self(token).encode("utf-8")
 
     def __call__(self, token: int) -> str:
         text = self._cache.get(token)
@@ -68,7 +75,7 @@ class CompletionLogprobs:
 
 def _entry(texts: TokenTexts, token: int, logprob: float) -> dict[str, Any]:
     text = texts(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": logprob, "bytes": list(texts.raw(token))}
 
 
 def chat_logprobs(texts: TokenTexts, entries: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
@@ -84,12 +91,12 @@ def chat_logprobs(texts: TokenTexts, entries: Sequence[TokenLogprob], top: int) 
 Shaper = Callable[[Sequence[TokenLogprob]], "dict[str, Any] | None"]
 
 
-def shaper(tokenizer: Any, top: int | None, chat: bool) -> Shaper:
+def shaper(tokenizer: Any, top: int | None, chat: bool, token_bytes: Callable[[int], bytes] | None = None) -> Shaper:
     """What one response's choices carry as ``logprobs`` for the entries of its tokens: None when
     the request asked for none (``top`` None), else the completions' or the chat's object."""
     if top is None:
         return lambda entries: None
-    texts = TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer, token_bytes)
     if chat:
         return lambda entries: chat_logprobs(texts, entries, top)
     return CompletionLogprobs(texts, top).build

@@ -10,7 +10,9 @@ so the output is the penalised target's own. ``n`` choices (at most ``--max-n``)
 independent generations (:mod:`services.gateway.openai_choices`). Log-probabilities
 (completions' ``logprobs: int``, chat's ``logprobs: true`` with ``top_logprobs: int``) are the
 target's own, at most ``--max-logprobs`` alternatives (:mod:`services.gateway.openai_logprobs`
-shapes them). Responses are plain dicts in OpenAI's shape,
+shapes them). ``response_format`` and vLLM's ``structured_outputs`` constrain the output to a JSON
+schema, a regex, a grammar or a choice (:mod:`services.gateway.openai_structured`): the output is
+the constrained target's own. Responses are plain dicts in OpenAI's shape,
 with a ``speculative_decoding`` object beside ``usage``.
 """
 
@@ -22,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.gateway.openai_structured import constraint_of
 from services.gateway.progress import FinishReason, SpecStats
 from services.gateway.requests import InvalidRequest, RawRequest
 
@@ -60,6 +63,8 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None  # an extension, as vLLM offers
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # structured output (openai_structured.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension (and guided_*, read from the extras)
 
 
 class CompletionRequest(_Common):
@@ -169,6 +174,7 @@ def _raw(
     prompt_ids: list[int] | None,
     logprobs: int | None,
 ) -> RawRequest:
+    constraint, constraint_field = constraint_of(body)
     return RawRequest(
         prompt=prompt,
         prompt_ids=prompt_ids,
@@ -184,6 +190,8 @@ def _raw(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
+        constraint=constraint,
+        constraint_field=constraint_field or "constraint",
     )
 
 
@@ -199,6 +207,7 @@ def spec_decoding(stats: SpecStats | None) -> dict[str, Any] | None:
         "acceptance_rate": round(stats.accepted_tokens / stats.draft_tokens, 4) if stats.draft_tokens else 0.0,
         "drafters_used": list(stats.drafters_used),
         "accepted_by_drafter": dict(stats.accepted_by_drafter),
+        **({"grammar_pruned_tokens": stats.grammar_pruned_tokens} if stats.grammar_pruned_tokens else {}),
     }
 
 

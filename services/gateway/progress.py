@@ -30,6 +30,7 @@ class SpecStats:
     accepted_tokens: int = 0  # draft tokens accepted over all rounds
     drafters_used: tuple[str, ...] = ()
     accepted_by_drafter: dict[str, int] = field(default_factory=dict)
+    grammar_pruned_tokens: int = 0  # draft tokens its constraint forbade (pruned before verification)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from common.spec.types import NO_LOGPROBS, SamplingParams
+from common.spec.types import NO_LOGPROBS, Constraint, InvalidInput, SamplingParams
 
 REQUEST_ID_MAX = 128
 
@@ -52,6 +52,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # penalties on the target's logits (common.spec.penalties); 0, 0, 1: off
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    constraint: Constraint | None = None  # structured output (common.spec.grammar); None: anything
 
     def sampling(self) -> SamplingParams:
         """How the target picks this request's tokens (what the router and verifier are given)."""
@@ -63,6 +64,7 @@ class GenerationRequest:
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            constraint=self.constraint,
         )
 
     def params(self) -> dict[str, Any]:
@@ -78,6 +80,7 @@ class GenerationRequest:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
+            "constraint": None if self.constraint is None else [self.constraint.kind, self.constraint.spec],
         }
 
 
@@ -101,6 +104,8 @@ class RawRequest:
     presence_penalty: float | None = None  # None: 0
     frequency_penalty: float | None = None  # None: 0
     repetition_penalty: float | None = None  # None: 1 (off)
+    constraint: Constraint | None = None  # structured output (None: anything)
+    constraint_field: str = "constraint"  # the request field the constraint came in, for errors
 
 
 def _penalties(raw: RawRequest) -> tuple[float, float, float]:
@@ -115,6 +120,17 @@ def _penalties(raw: RawRequest) -> tuple[float, float, float]:
     if not 0.0 < repetition < math.inf:
         raise InvalidRequest("repetition_penalty", f"must be a finite number > 0 (got {raw.repetition_penalty})")
     return values[0], values[1], repetition
+
+
+def _constraint(raw: RawRequest) -> Constraint | None:
+    """``raw``'s constraint, its kind and spec checked (whether it compiles: ``GatewayApp.admit``)."""
+    if raw.constraint is None:
+        return None
+    try:
+        raw.constraint.validate()
+    except InvalidInput as exc:
+        raise InvalidRequest(raw.constraint_field, str(exc).removeprefix("sampling.constraint.")) from None
+    return raw.constraint
 
 
 def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int]]) -> GenerationRequest:
@@ -202,6 +218,7 @@ def validate(raw: RawRequest, limits: Limits, tokenize: Callable[[str], list[int
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
+        constraint=_constraint(raw),
     )
 
 

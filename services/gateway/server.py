@@ -23,6 +23,8 @@ from common.platform.service import StartupError
 from common.platform.store import STORE_ERRORS, Store
 from common.platform.tls import TlsConfig, http_server_ssl, open_channel
 from common.runtime.checkpoints import CheckpointError, load_tokenizer
+from common.spec.grammar import Grammars
+from common.spec.types import Constraint, InvalidInput
 from cosine.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2_grpc
 from cosine_client.errors import GATEWAY_ANSWER
 from services.convert import finish_reason_to_pb, logprobs_to_pb, spec_stats_to_pb
@@ -69,6 +71,7 @@ def raw_from_pb(req: gateway_pb2.GenerateRequest) -> RawRequest:
         presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else None,
         frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else None,
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
+        constraint=Constraint(req.constraint.kind, req.constraint.spec) if req.HasField("constraint") else None,
     )
 
 
@@ -144,6 +147,7 @@ class GatewayApp:
         self.servicer = GatewayServicer(self)
         self.tokenizer: Any = None
         self.limits: Limits | None = None
+        self.grammars: Grammars | None = None  # constraints compiled against the tokenizer (a 400 if they fail)
         self.eos_ids: tuple[int, ...] = ()
         self.model_name = settings.served_model_name
         self.chat_template: str | None = None  # --chat-template; None: the tokenizer's own
@@ -228,6 +232,10 @@ class GatewayApp:
             )
             eos = self.tokenizer.eos_token_id
             self.eos_ids = () if eos is None else (int(eos),)
+            tokenizer = self.tokenizer
+            grammars = Grammars(lambda: tokenizer, vocab)
+            await asyncio.to_thread(grammars.warm)  # token bytes and constraints need it; about a second, once
+            self.grammars = grammars
             if not self.model_name:
                 self.model_name = Path(path.rstrip("/")).name or "cosine"
         if self.router_stub is None:
@@ -273,9 +281,18 @@ class GatewayApp:
         await self.ensure_ready()
         assert self.limits is not None
         try:
-            return validate(raw, self.limits, self.tokenize)
+            gen = validate(raw, self.limits, self.tokenize)
         except InvalidRequest as exc:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
+        if gen.constraint is not None and self.grammars is not None:
+            try:  # compiled here too (cached), so a bad one is refused before it reaches the cluster
+                await asyncio.to_thread(self.grammars.compile, gen.constraint)
+            except InvalidInput as exc:
+                reason = str(exc).removeprefix("constraint: ")
+                raise GatewayError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{raw.constraint_field}: {reason}", raw.constraint_field
+                ) from None
+        return gen
 
     async def relay(self, gen: GenerationRequest, deadline_s: float | None = None) -> AsyncIterator[Progress]:
         """Submit to the router and turn its token chunks into text pieces. Request state lives
