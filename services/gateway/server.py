@@ -221,6 +221,16 @@ class GatewayApp:
                     ) from None
             vocab = int(info.get("vocab_size") or len(self.tokenizer))
             max_context = int(info.get("max_context") or getattr(self.tokenizer, "model_max_length", 0) or 1 << 30)
+            if self.grammars is None:
+                tokenizer = self.tokenizer
+                grammars = Grammars(lambda: tokenizer, vocab)
+                await asyncio.to_thread(grammars.warm)  # token bytes and constraints need it; about a second, once
+                self.grammars = grammars
+            # no await from here on: ``limits`` set means ready, so everything else is set with it
+            if not self.model_name:
+                self.model_name = Path(path.rstrip("/")).name or "cosine"
+            eos = self.tokenizer.eos_token_id
+            self.eos_ids = () if eos is None else (int(eos),)
             self.limits = Limits(
                 self.settings.default_max_new_tokens,
                 self.settings.max_new_tokens_limit,
@@ -230,14 +240,6 @@ class GatewayApp:
                 min(max_context, 1 << 30),
                 self.settings.max_logprobs,
             )
-            eos = self.tokenizer.eos_token_id
-            self.eos_ids = () if eos is None else (int(eos),)
-            tokenizer = self.tokenizer
-            grammars = Grammars(lambda: tokenizer, vocab)
-            await asyncio.to_thread(grammars.warm)  # token bytes and constraints need it; about a second, once
-            self.grammars = grammars
-            if not self.model_name:
-                self.model_name = Path(path.rstrip("/")).name or "cosine"
         if self.router_stub is None:
             address = self.settings.router_address
             if not address:

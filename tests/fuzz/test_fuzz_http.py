@@ -40,6 +40,8 @@ COMPLETION_FIELDS = {
     "echo",
     "best_of",
     "suffix",
+    "response_format",
+    "structured_outputs",
 }
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
     "messages",
@@ -127,6 +129,17 @@ def _valid(model: str) -> dict[str, st.SearchStrategy]:
         "seed": st.integers(0, 2**32),
         "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
         "stream": st.booleans(),
+        "response_format": st.sampled_from(
+            [
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+                {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}},
+            ]
+        ),
+        "structured_outputs": st.sampled_from(
+            [{"regex": "[a-z]{1,3}"}, {"choice": ["yes", "no"]}, {"regex": "(ab"}, {"grammar": 'start: "x"'}]
+        ),
         "messages": st.lists(
             st.fixed_dictionaries(
                 {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=10)}
