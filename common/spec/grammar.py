@@ -149,21 +149,24 @@ class GrammarState:
 
     def allowed(self) -> torch.Tensor:
         """``[vocab]`` bool: the tokens the grammar allows next."""
+        return torch.from_numpy(self._allowed_bits())
+
+    def _allowed_bits(self) -> np.ndarray:
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        out = torch.from_numpy(bits[: self._vocab].astype(np.bool_))
+        out = bits[: self._vocab].astype(np.bool_)
         if out.shape[0] < self._vocab:  # ids past the tokenizer's (padding rows of the embedding)
-            out = torch.cat([out, torch.zeros(self._vocab - out.shape[0], dtype=torch.bool)])
+            out = np.concatenate([out, np.zeros(self._vocab - out.shape[0], dtype=np.bool_)])
         return out
 
     def constrain(self, tree: TokenTree) -> Constrained:
         """``tree`` cut to what the grammar allows after the consumed output, with every row's mask
         (see the module docstring). The matcher ends where it began."""
-        masks: dict[int, torch.Tensor] = {}
+        masks: dict[int, np.ndarray] = {}  # numpy, stacked once at the end (torch.stack of bool rows is slow)
         kept: list[int] = []
         children = tree.children
 
         def visit(node: int) -> None:
-            mask = masks[node] = self.allowed()
+            mask = masks[node] = self._allowed_bits()
             for c in children.get(node, ()):
                 if not bool(mask[tree.tokens[c]]) or not self._matcher.consume_token(tree.tokens[c]):
                     continue  # c and its subtree are pruned
@@ -173,7 +176,7 @@ class GrammarState:
 
         visit(-1)
         if len(kept) == len(tree):
-            allowed = torch.stack([masks[-1], *(masks[i] for i in range(len(tree)))])
+            allowed = torch.from_numpy(np.stack([masks[-1], *(masks[i] for i in range(len(tree)))]))
             return Constrained(tree, None, allowed, 0)
         kept.sort()
         index = {old: new for new, old in enumerate(kept)}
@@ -181,7 +184,7 @@ class GrammarState:
             tokens=tuple(tree.tokens[i] for i in kept),
             parents=tuple(-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in kept),
         )
-        allowed = torch.stack([masks[-1], *(masks[i] for i in kept)])
+        allowed = torch.from_numpy(np.stack([masks[-1], *(masks[i] for i in kept)]))
         return Constrained(pruned, tuple(kept), allowed, len(tree) - len(kept))
 
 
