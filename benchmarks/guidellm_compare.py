@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         cluster.start()
+        asyncio.run(seed_zoo(cluster.redis_url, "guidellm", zoo))  # once, as `cosine up` does
         urls = {"cosine": cluster.http_url}
         for name, router_args in ARMS[1:]:
             urls[name] = cluster.add_control_plane(router_args, name.replace("_", "-")).http_url
@@ -137,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
             order = ARMS if r % 2 == 0 else ARMS[::-1]
             got = {}
             for name, _ in order:
-                asyncio.run(seed_zoo(cluster.redis_url, "guidellm", zoo))
                 print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
                 got[name] = guidellm_run(
                     exe, urls[name], model, str(zoo.target.path), data, args, out / f"{name}-{r + 1}.json"

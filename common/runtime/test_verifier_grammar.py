@@ -117,7 +117,11 @@ def test_a_resumed_request_goes_on_in_its_grammar_and_a_foreign_output_is_refuse
     its grammar; an output the grammar forbids is refused naming the constraint."""
     want = Reference(hf, tok, JSON.constraint).greedy(prompt, 12)
     [v] = engine.verify(
-        [VerifyItem("r", append_ids=(*prompt, *want[:5]), prompt_len=len(prompt), sampling=JSON, plain_steps=7)]
+        [
+            VerifyItem(
+                "r", append_ids=(*prompt, *want[:5]), prompt_len=len(prompt), sampling=JSON, plain_steps=7, max_tokens=7
+            )
+        ]
     ).verdicts
     assert v.ok and v.new_tokens == tuple(want[5:12])
     [w] = engine.verify(
@@ -192,3 +196,15 @@ def test_sampled_tokens_follow_the_constrained_targets_law(target: Path, hf, tok
     plain = law(False)
     off = 0.5 * sum(abs(exact.get(k, 0.0) - plain.get(k, 0.0)) for k in set(exact) | set(plain))
     assert off > 3 * threshold, (off, threshold)
+
+
+def test_plain_steps_propose_what_the_grammar_forces(engine: VerifierEngine, hf, tok, prompt) -> None:
+    """A JSON schema forces its keys and punctuation: plain steps verify them as a proposal, so
+    they take fewer passes than tokens, and the output is still the constrained greedy decode."""
+    want = Reference(hf, tok, JSON.constraint).greedy(prompt, 40)
+    [v] = engine.verify(
+        [VerifyItem("r", append_ids=prompt, sampling=JSON, plain_steps=40, stop_ids=(tok.eos_token_id,))]
+    ).verdicts
+    assert v.ok and list(v.new_tokens) == want
+    assert v.step_accepted >= 5 and v.step_passes < len(want) - 5
+    assert v.step_lookups == ()  # the forced tokens are not a lookup chain the router calibrates

@@ -76,6 +76,7 @@ from common.spec.types import (
 log = get_logger(__name__)
 
 EMPTY_TREE = TokenTree()  # a plain decode step's tree
+FORCED_MAX = 16  # tokens a grammar forces that a plain step proposes at most (each is a row of its pass)
 
 
 @dataclass
@@ -264,7 +265,7 @@ class VerifierEngine(RequestEngine[RequestState]):
                 constrained = None
                 if item.sampling.constraint is not None:
                     try:
-                        constrained = self._constrain(state, item, state.tokens, tree)
+                        constrained = self._constrain(state, item, state.tokens, tree, forced_room=room - 1)
                     except SpecError:
                         continue
                     tree = constrained.tree
@@ -323,10 +324,16 @@ class VerifierEngine(RequestEngine[RequestState]):
                 )
         return forward_ns, rows
 
-    def _constrain(self, state: RequestState, item: VerifyItem, committed: list[int], tree: TokenTree) -> Constrained:
+    def _constrain(
+        self, state: RequestState, item: VerifyItem, committed: list[int], tree: TokenTree, forced_room: int = 0
+    ) -> Constrained:
         """``tree`` as the request's grammar allows it after ``committed`` (the request's committed
         sequence, its prompt included): the request's matcher, made on first use, brought to the
-        committed output first (:mod:`common.spec.grammar`)."""
+        committed output first (:mod:`common.spec.grammar`).
+
+        ``forced_room > 0`` (a plain step): the tokens the grammar forces next (a JSON key and its
+        punctuation, say), at most that many, join the tree as one more proposal, first: verified
+        like any draft, so the output is unchanged, and nearly always accepted."""
         constraint = item.sampling.constraint
         assert constraint is not None
         if state.grammar is None:
@@ -334,6 +341,11 @@ class VerifierEngine(RequestEngine[RequestState]):
                 raise InvalidInput("sampling.constraint: this verifier has no tokenizer to compile grammars with")
             state.grammar = self.grammars.state(constraint)
         state.grammar.sync(committed[state.prompt_len :])
+        if forced_room > 0:
+            forced = state.grammar.forced(min(forced_room, FORCED_MAX))
+            forced = forced[: next((i for i, t in enumerate(forced) if t in item.stop_ids), len(forced))]
+            if forced:
+                tree = TokenTree.merged([forced, *leaf_paths(tree)], limit=len(forced) + len(tree))
         return state.grammar.constrain(tree)
 
     def _step_tree(self, state: RequestState, item: VerifyItem, room: int) -> tuple[TokenTree, tuple[StepChain, ...]]:
@@ -480,6 +492,15 @@ class VerifierEngine(RequestEngine[RequestState]):
             ),
             grammar_pruned=0 if p.constrained is None else p.constrained.pruned,
         )
+
+
+def leaf_paths(tree: TokenTree) -> list[list[int]]:
+    """Every root-to-leaf path of ``tree`` as tokens (``TokenTree.merged`` of them is ``tree``)."""
+    paths: list[list[int]] = []
+    for i, p in enumerate(tree.parents):
+        paths.append([*(paths[p] if p >= 0 else []), tree.tokens[i]])
+    children = tree.children
+    return [paths[i] for i in range(len(tree)) if not children.get(i)]
 
 
 def _step_input(state: RequestState, tree: TokenTree) -> SeqInput:

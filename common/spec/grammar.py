@@ -147,6 +147,11 @@ class GrammarState:
             raise InvalidInput(f"constraint: the grammar engine failed: {self._matcher.get_error()}")
         self.consumed = kept
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after the consumed output (its forced text in
+        the tokenizer's canonical tokens; a model may spell it otherwise, so they are a proposal)."""
+        return list(self._matcher.compute_ff_tokens())[:limit] if limit > 0 else []
+
     def allowed(self) -> torch.Tensor:
         """``[vocab]`` bool: the tokens the grammar allows next."""
         return torch.from_numpy(self._allowed_bits())
