@@ -109,7 +109,9 @@ class KVArena:
 
     def _alloc(self, blocks: int) -> torch.Tensor:
         shape = (self.num_layers, blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        # zeros, not empty: a gathered view's padding reads slots nobody wrote, and a masked score's
+        # zero weight times a NaN left in fresh memory would still be NaN
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ---- the pool's facts (KVPool's names) -----------------------------------------------------
 

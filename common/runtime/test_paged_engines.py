@@ -1,0 +1,79 @@
+"""The engines on the paged arena: lossless greedy against transformers (mixed batches of prompts,
+trees and plain steps, the drafters' rollbacks), the budget refusing one request and no other, and
+every block back on the free list once the requests are released."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.runtime.drafter_engine import DrafterEngine
+from common.runtime.kv_arena import KVArena
+from common.runtime.sim import DrafterSource, EmptySource, RandomSource, speculative_generate
+from common.runtime.test_greedy_equality import hf_greedy, make_prompts
+from common.runtime.verifier_engine import VerifierEngine
+from common.spec.types import DraftItem, TokenTree, VerifyItem
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_paged_engines_equal_hf_greedy(family: str, request: pytest.FixtureRequest) -> None:
+    target: Path = request.getfixturevalue(f"{family}_target")
+    near: Path = request.getfixturevalue(f"{family}_near")
+    verifier = VerifierEngine.from_checkpoint(target, kv_cache="paged")
+    drafter = DrafterEngine.from_checkpoint(near, kv_cache="paged")
+    assert isinstance(verifier.pool, KVArena) and isinstance(drafter.pool, KVArena)
+    vocab = verifier.runner.vocab_size
+    sources = [
+        DrafterSource(drafter, depth=4, width=1),
+        DrafterSource(drafter, depth=3, width=3),
+        RandomSource(vocab, size=6, seed=11),
+        EmptySource(),
+    ]
+    prompts = make_prompts(8, vocab, seed=7)
+    assign = {rid: sources[i % len(sources)] for i, rid in enumerate(prompts)}
+    got = speculative_generate(verifier, prompts, assign, 32)
+    want = hf_greedy(target, prompts, 32)
+    for rid in prompts:
+        assert got[rid] == want[rid], f"{family} {rid} ({type(assign[rid]).__name__}) diverged"
+    assert verifier.active_requests == 0 and verifier.kv_reserved_tokens == 0
+    assert verifier.pool.used_blocks == 0
+
+
+def test_paged_budget_refuses_one_request_and_touches_no_other(llama_target: Path) -> None:
+    engine = VerifierEngine.from_checkpoint(
+        llama_target, attention_backend="sdpa", kv_cache="paged", kv_token_budget=64
+    )
+    [a] = engine.verify([VerifyItem("a", append_ids=tuple(range(40)))]).verdicts
+    assert a.ok
+    blocks_a, len_a = list(engine._state("a").cache.blocks), engine.cache_len("a")
+    verdicts = engine.verify(
+        [VerifyItem("b", append_ids=tuple(range(30))), VerifyItem("a", tree=TokenTree.chain([1, 2]))]
+    ).verdicts
+    b, a2 = verdicts
+    assert "KV cache budget exceeded" in b.error and not engine.holds("b")
+    assert a2.ok and engine.cache_len("a") > len_a
+    assert engine._state("a").cache.blocks[: len(blocks_a)] == blocks_a
+    assert engine.kv_reserved_tokens <= 64
+    engine.release("a")
+    assert engine.kv_reserved_tokens == 0 and engine.pool.used_blocks == 0
+
+
+def test_paged_drafter_rolls_back_and_refuses_past_the_budget(llama_target: Path) -> None:
+    engine = DrafterEngine.from_checkpoint(llama_target, attention_backend="sdpa", kv_cache="paged", kv_token_budget=48)
+    contiguous = DrafterEngine.from_checkpoint(llama_target, attention_backend="sdpa", kv_cache="contiguous")
+    for e in (engine, contiguous):
+        e.prefill("a", list(range(20)))
+        e.append("a", [5, 6, 7])
+        e.rollback("a", 18)
+    [p], [q] = (
+        e.run_step([DraftItem("a", append_ids=(9,), top_n=3)]).results for e in (engine, contiguous)
+    )  # the same candidates after the same rollback
+    assert p.ok and q.ok and p.token_ids == q.token_ids and p.cache_len == 19
+    [big, a] = engine.run_step(
+        [DraftItem("b", append_ids=tuple(range(40)), top_n=1), DraftItem("a", append_ids=(4,), top_n=1)]
+    ).results
+    assert not big.ok and "budget" in big.error and not engine.holds("b")
+    assert a.ok and a.cache_len == 20
+    assert engine.cache_len("a") == 20
