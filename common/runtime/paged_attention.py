@@ -75,11 +75,12 @@ def plan_paged(layout: BatchLayout, caches: Sequence[PagedCache], arena: KVArena
     allowed = cols[None, None, :] < past_t[:, None, None]  # [B, 1, S]: the committed entries
     allowed = allowed.expand(B, T, S).clone()
     tree_cols = (past_t[:, None] + torch.arange(T, device=dev)[None, :])[:, None, :].expand(B, T, T)
-    wide = torch.zeros((B, T, S + T), dtype=torch.bool, device=dev)
+    # full, not zeros: zeros dispatches small and large tensors differently, which a count of ops would see
+    wide = torch.full((B, T, S + T), False, dtype=torch.bool, device=dev)
     wide.scatter_(2, tree_cols, torch.tensor(anc, dtype=torch.bool, device=dev).view(B, T, T))
     allowed |= wide[:, :, :S]
     allowed[:, :, 0] |= ~allowed.any(-1)  # padding rows: see entry 0, dropped afterwards
-    mask = torch.zeros((B, 1, T, S), dtype=dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
+    mask = torch.full((B, 1, T, S), float("-inf"), dtype=dtype, device=dev).masked_fill_(allowed[:, None], 0.0)
     return PagedPlan(slot_mapping, block_table, seq_lens, kv_index, long(q_rows).view(B, T), long(out_rows), mask)
 
 

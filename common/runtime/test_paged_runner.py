@@ -12,7 +12,7 @@ import torch
 
 from common.runtime.checkpoints import load_causal_lm
 from common.runtime.kv_arena import KVArena, PagedCache
-from common.runtime.op_count import aten_ops, kernel_ops
+from common.runtime.op_count import forward_ops
 from common.runtime.runner import LMRunner, SeqInput
 from cosine_zoo.random_checkpoints import make_checkpoint
 
@@ -180,17 +180,8 @@ def verify_pass_ops(runner: LMRunner, batch: int) -> int:
     pool = runner.new_pool(None)
     caches, _ = prefill(runner, pool, prompts(*(20 + 3 * i for i in range(batch)), seed=batch))
     tokens, parents = TREE
-    seqs = [SeqInput(c, (1, *tokens), (-1, *(0 if p < 0 else p + 1 for p in parents)), tuple(range(6))) for c in caches]
-
-    def one_pass() -> None:
-        for c in caches:
-            c.reserve(6)
-        runner.forward(seqs)
-        for c in caches:
-            c.discard_pending()
-
-    one_pass()  # warm: lazily built state is not part of a pass
-    return kernel_ops(aten_ops(one_pass))
+    par = (-1, *(0 if p < 0 else p + 1 for p in parents))
+    return forward_ops(runner, [SeqInput(c, (1, *tokens), par, tuple(range(6))) for c in caches])
 
 
 def test_a_paged_verify_pass_runs_as_many_tensor_ops_at_batch_1_8_and_32(llama) -> None:
