@@ -77,3 +77,13 @@ def test_paged_drafter_rolls_back_and_refuses_past_the_budget(llama_target: Path
     assert not big.ok and "budget" in big.error and not engine.holds("b")
     assert a.ok and a.cache_len == 20
     assert engine.cache_len("a") == 20
+
+
+def test_pass_times_on_the_arena(llama_target: Path) -> None:
+    """The pass-time curve reserves room before every pass (a paged cache returns its pending blocks)."""
+    from common.runtime.pass_times import measure_pass_times
+
+    engine = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa", kv_cache="paged")
+    times = measure_pass_times(engine.runner, rows=(1, 20, 40), context=8, tries=1)
+    assert [r for r, _ in times] == [1, 20, 40] and all(s > 0 for _, s in times)
+    assert engine.pool.used_blocks == 0
