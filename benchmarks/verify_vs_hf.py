@@ -102,8 +102,6 @@ class Shapes:
             SeqInput(c, tuple(self.ids[b, self.context : self.context + t].tolist()), tuple(parents), tuple(range(t)))
             for b, c in enumerate(self.caches)
         ]
-        for c in self.caches:
-            c.reserve(t)  # a paged cache gives its pending blocks back on discard: room again each pass
         logits = self.runner.forward(seqs)
         for c in self.caches:
             c.discard_pending()

@@ -16,13 +16,16 @@ It keeps the contract of :class:`~common.runtime.kv_cache.KVCache` and
 - a pass writes its new tokens into the **pending** entries ``[length, length + pending)`` (the
   runner does that, all sequences of a layer in one indexed write: :meth:`PagedCache.slots` gives
   the slot mapping);
-- ``commit``, ``truncate`` and ``discard_pending`` edit ``length`` and the block table; committing
-  a tree's accepted path moves only the accepted nodes' rows into place (one gather and one scatter
-  across every layer), and the blocks no entry needs any more (a rejected branch's) go back to the
-  free list in the same call.
+- ``commit``, ``truncate`` and ``discard_pending`` edit ``length`` and the block table, never
+  copying a cache; committing a tree's accepted path (kept indices) moves only the accepted nodes'
+  rows into place (one gather and one scatter across every layer), and the blocks no kept entry
+  needs (a rejected branch's) go back to the free list in the same call.
 
-Invariant between passes: a cache holds ``ceil(max(length, promised) / block_size)`` blocks, where
-``promised`` is what its last ``reserve`` asked for until the next commit, discard or release.
+Invariant after every commit and truncate: a cache holds ``ceil(max(length, promised) /
+block_size)`` blocks. ``promised`` is the entry count its last ``reserve`` made room for, kept as today's caches keep
+their capacity (a caller may reserve once and commit chains of tokens into that room, or repeat a
+pass after ``discard_pending``) until it is used up (``length`` reaches it), a tree's commit ends
+it, or the cache is released; ``truncate`` frees the blocks beyond it and the new length.
 
 The arena's tensor grows geometrically (one copy of the arena, never during a pass: only ``reserve``
 grows it) up to the budget, or is allocated whole up front (``preallocate``: what a GPU's CUDA graphs
@@ -188,7 +191,7 @@ class PagedCache:
         self.blocks: list[int] = []
         self.length = 0
         self.pending = 0
-        self.promised = 0  # entries the last reserve made room for, until the next commit/discard
+        self.promised = 0  # entries the last reserve made room for (module docstring)
         self.released = False
 
     @property
@@ -206,7 +209,7 @@ class PagedCache:
         more = _blocks_for(needed, self.arena.block_size) - len(self.blocks)
         if more > 0:
             self.blocks += self.arena._take(more, needed)
-        self.promised = max(self.promised, needed)
+        self.promised = needed
 
     def slots(self, start: int, end: int) -> list[int]:
         """Arena slots of the logical entries ``[start, end)`` (the slot mapping of a pass)."""
@@ -223,33 +226,37 @@ class PagedCache:
 
     def commit(self, keep: int | Sequence[int]) -> None:
         """Keep pending entries and make them committed (as :meth:`KVCache.commit
-        <common.runtime.kv_cache.KVCache.commit>`): a count keeps the first ``keep`` in place;
-        increasing indices move only those entries whose slot is not already theirs. The blocks
-        no kept entry needs go back to the arena."""
+        <common.runtime.kv_cache.KVCache.commit>`): a count keeps the first ``keep`` in place (the
+        reserved room after them stays); increasing indices (a tree's accepted path) move only the
+        entries whose slot is not already theirs, end the reserve's promise and give every block
+        no kept entry needs back to the arena."""
         if isinstance(keep, int):
             if not 0 <= keep <= self.pending:
                 raise ValueError(f"cannot keep {keep} of {self.pending} pending slots")
             self.length += keep
-        else:
-            idx = list(keep)
-            if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and not 0 <= idx[0] <= idx[-1] < self.pending):
-                raise ValueError(f"keep indices must be increasing within [0, {self.pending}): {idx}")
-            moved = [(j, i) for j, i in enumerate(idx) if i != j]  # the prefix already in place stays
-            if moved:
-                base = self.length
-                self.arena.move(
-                    [self._slot(base + i) for _, i in moved],
-                    [self._slot(base + j) for j, _ in moved],
-                )
-            self.length += len(idx)
-        self._settle()
+            self.pending = 0
+            if self.length >= self.promised:  # the reserved room is used up
+                self.promised = 0
+            self._trim(max(self.length, self.promised))
+            return
+        idx = list(keep)
+        if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and not 0 <= idx[0] <= idx[-1] < self.pending):
+            raise ValueError(f"keep indices must be increasing within [0, {self.pending}): {idx}")
+        moved = [(j, i) for j, i in enumerate(idx) if i != j]  # the prefix already in place stays
+        if moved:
+            base = self.length
+            self.arena.move([self._slot(base + i) for _, i in moved], [self._slot(base + j) for j, _ in moved])
+        self.length += len(idx)
+        self.pending = self.promised = 0
+        self._trim(self.length)
 
     def discard_pending(self) -> None:
-        self._settle()
+        """Drop the pending entries; the reserved room stays (the same pass may run again)."""
+        self.pending = 0
 
     def truncate(self, length: int) -> None:
-        """Roll back to the first ``length`` committed entries (the block table shrinks; no copy).
-        Room promised by a reserve made before stays."""
+        """Roll back to the first ``length`` committed entries: the blocks beyond them and beyond the
+        room the last reserve promised go back (no copy)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
@@ -267,11 +274,6 @@ class PagedCache:
     def _slot(self, i: int) -> int:
         bs = self.arena.block_size
         return self.blocks[i // bs] * bs + i % bs
-
-    def _settle(self) -> None:
-        self.pending = 0
-        self.promised = 0
-        self._trim(self.length)
 
     def _trim(self, entries: int) -> None:
         keep = _blocks_for(entries, self.arena.block_size)

@@ -54,7 +54,6 @@ def measure_pass_times(
         for _ in range(max(1, tries)):
             for r in rows:
                 seq = SeqInput(cache, tuple(ids[context : context + r]), None, tuple(range(r)))
-                cache.reserve(r)  # a paged cache gives its pending blocks back on discard (a contiguous one keeps them)
                 t0 = time.perf_counter()
                 runner.forward([seq])
                 if runner.device.type == "cuda":

@@ -106,17 +106,34 @@ def test_commit_rejects_bad_indices(bad: list[int]) -> None:
         c.commit(bad)
 
 
-def test_discard_pending_gives_back_the_reserved_blocks() -> None:
+def test_discard_keeps_the_reserved_room_and_a_tree_commit_gives_it_back() -> None:
     a = arena(block=4)
     c = a.new_cache()
     c.reserve(4)
     fill(c, [1, 2, 3, 4])
     c.commit(4)
     c.reserve(5)
+    for _ in range(2):  # the same pass again after a discard, as a contiguous cache allows
+        fill(c, [5, 6, 7, 8, 9])
+        c.discard_pending()
+        assert c.length == 4 and c.pending == 0 and a.used_blocks == 3 and keys(c) == [1, 2, 3, 4]
     fill(c, [5, 6, 7, 8, 9])
-    assert a.used_blocks == 3
-    c.discard_pending()
-    assert c.length == 4 and c.pending == 0 and a.used_blocks == 1 and keys(c) == [1, 2, 3, 4]
+    c.commit([0])
+    assert c.length == 5 and a.used_blocks == 2 and keys(c) == [1, 2, 3, 4, 5]
+
+
+def test_reserve_once_then_commit_chains_into_that_room() -> None:
+    """Today's contract: room reserved stays until used, whatever the commits in between."""
+    a = arena(block=4)
+    c = a.new_cache()
+    c.reserve(10)
+    for i in range(10):
+        fill(c, [float(i)])
+        c.commit(1)
+        assert len(c.blocks) == 3
+    assert keys(c) == [float(i) for i in range(10)] and c.promised == 0  # used up
+    c.truncate(2)
+    assert len(c.blocks) == 1
 
 
 def test_reserve_after_a_truncation_point_keeps_its_room_through_the_truncate() -> None:

@@ -80,7 +80,7 @@ def test_paged_drafter_rolls_back_and_refuses_past_the_budget(llama_target: Path
 
 
 def test_pass_times_on_the_arena(llama_target: Path) -> None:
-    """The pass-time curve reserves room before every pass (a paged cache returns its pending blocks)."""
+    """The pass-time curve on the arena: one reserve, then passes discarded one after the other."""
     from common.runtime.pass_times import measure_pass_times
 
     engine = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa", kv_cache="paged")
