@@ -7,9 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.runtime.drafter_engine import DrafterEngine
 from common.runtime.kv_arena import KVArena
+from common.runtime.runner import SeqInput
 from common.runtime.sim import DrafterSource, EmptySource, RandomSource, speculative_generate
 from common.runtime.test_greedy_equality import hf_greedy, make_prompts
 from common.runtime.verifier_engine import VerifierEngine
@@ -87,3 +89,46 @@ def test_pass_times_on_the_arena(llama_target: Path) -> None:
     times = measure_pass_times(engine.runner, rows=(1, 20, 40), context=8, tries=1)
     assert [r for r, _ in times] == [1, 20, 40] and all(s > 0 for _, s in times)
     assert engine.pool.used_blocks == 0
+
+
+def test_paged_rollback_keeps_exactly_the_accepted_path(llama_target: Path) -> None:
+    """After verdicts that drop rejected siblings (a tree across a block boundary), the arena holds,
+    slot by block-table slot, what a fresh prefill of the committed sequence minus its last token holds."""
+    engine = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa", kv_cache="paged")
+    prompt = tuple(range(3, 17))  # 14 tokens: the first tree's nodes cross into a second block
+    right = hf_greedy(llama_target, {"a": list(prompt)}, 2)["a"]
+    trees = [
+        TokenTree(tokens=(9, right[0], 8, right[1], 7), parents=(-1, -1, 1, 1, 3)),  # nodes 1, 3 accepted: moved
+        TokenTree(tokens=(1, 2, 3), parents=(-1, -1, -1)),
+        TokenTree(),
+    ]
+    engine.verify([VerifyItem("a", append_ids=prompt, tree=trees[0])])
+    for t in trees[1:]:
+        engine.verify([VerifyItem("a", tree=t)])
+    committed = engine.committed("a")
+    assert list(committed[len(prompt) : len(prompt) + 2]) == right
+    cache = engine._state("a").cache
+    fresh = engine.pool.new_cache()
+    n = len(committed) - 1
+    fresh.reserve(n)
+    engine.runner.forward([SeqInput(fresh, committed[:-1])])
+    fresh.commit(n)
+    assert cache.length == n and len(cache.blocks) == -(-n // engine.pool.block_size)
+    arena = engine.pool
+    for store in (arena.k, arena.v):
+        got, want = store[:, torch.tensor(cache.slots(0, n))], store[:, torch.tensor(fresh.slots(0, n))]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_resumed_request_continues_as_the_running_one(llama_target: Path) -> None:
+    """Resume: a request re-prefilled with another's committed tokens (as a replacement verifier
+    does), in one pass beside the running request's plain step, decodes the same next token."""
+    engine = VerifierEngine.from_checkpoint(llama_target, attention_backend="sdpa", kv_cache="paged")
+    engine.verify([VerifyItem("a", append_ids=tuple(range(5, 25)), tree=TokenTree.chain([1, 2, 3]))])
+    engine.verify([VerifyItem("a", tree=TokenTree((4, 5, 6), (-1, 0, -1)))])
+    committed = engine.committed("a")
+    a, b = engine.verify([VerifyItem("a"), VerifyItem("b", append_ids=committed)]).verdicts
+    assert a.ok and b.ok and a.next_token == b.next_token
+    assert engine.committed("a") == engine.committed("b")
+    want = hf_greedy(llama_target, {"a": list(committed)}, 1)["a"]
+    assert [a.next_token] == want
