@@ -144,9 +144,14 @@ def main(argv: list[str] | None = None) -> None:
         runner = LMRunner.from_checkpoint(
             path, dtype=args.dtype, device=args.device, backend=args.backend, kv_cache=args.kv_cache
         )
-        other = "contiguous" if runner.kv_cache == "paged" else "paged"
-        alt = LMRunner.from_checkpoint(path, dtype=args.dtype, device=args.device, backend=args.backend, kv_cache=other)
-    paged, contiguous = (runner, alt) if runner.kv_cache == "paged" else (alt, runner)
+        sections = {int(x) for x in args.sections.split(",") if x.strip()}
+        paged = contiguous = runner
+        if args.op_count or 4 in sections:  # the other kind of cache too, to compare
+            contiguous = LMRunner.from_checkpoint(
+                path, dtype=args.dtype, device=args.device, backend=args.backend, kv_cache="contiguous"
+            )
+            # the arena attends with its own sdpa whatever --backend names
+            paged = LMRunner.from_checkpoint(path, dtype=args.dtype, device=args.device, kv_cache="paged")
     if args.op_count:
         section_op_count(paged, contiguous, args)
         return
@@ -159,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
         f"context={args.context}"
     )
     bench = Bench(runner, args.context, args.repeats)
-    sections = {int(x) for x in args.sections.split(",") if x.strip()}
     if 1 in sections:
         section_chain(bench, args)
     if 2 in sections:

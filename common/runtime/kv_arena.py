@@ -46,21 +46,43 @@ log = get_logger(__name__)
 KV_CACHES = ("auto", "paged", "contiguous")
 
 
-def select_kv_cache(name: str, device: torch.device | str) -> tuple[str, str]:
-    """``(mode, reason)``: ``paged`` or ``contiguous`` for the setting ``name`` on ``device``.
+def select_kv_cache(
+    name: str, device: torch.device | str, attention: str = "auto", dtype: str = "float32"
+) -> tuple[str, str]:
+    """``(mode, reason)``: ``paged`` or ``contiguous`` for the setting ``name`` on ``device``, with
+    the attention backend setting ``attention`` and the resolved weight ``dtype``.
 
     ``auto`` is ``paged`` on CUDA (one batched write and one attention call a layer whatever the
-    batch) and ``contiguous`` on a CPU, where the per-request caches with the project's CPU kernel
-    (one call a layer too) stay faster than the paged path's SDPA over a per-pass gathered view.
-    Raises ``ValueError`` for an unknown name.
+    batch) unless an attention backend other than ``sdpa`` is asked for by name (those run on
+    per-request caches), and ``contiguous`` on a CPU, where the per-request caches with the
+    project's CPU kernel (one call a layer too) are faster than the paged path's ``sdpa`` over a
+    per-pass gathered view (``benchmarks.verify_micro``, section 4). Raises ``ValueError`` for an
+    unknown name, for ``paged`` with a named attention backend other than ``sdpa`` (the arena
+    attends with its own), and for ``paged`` in bfloat16 on a CPU (exact there only with the
+    row-invariant attention of per-request caches: :mod:`common.runtime.invariant_bf16`).
     """
     if name not in KV_CACHES:
         raise ValueError(f"unknown kv cache {name!r} (choose {', '.join(KV_CACHES)})")
-    if name != "auto":
-        return name, "asked for by name"
-    if torch.device(device).type == "cuda":
-        return "paged", "auto on CUDA: paged arena, one batched write and one attention call a layer"
-    return "contiguous", "auto on a CPU: per-request caches and the CPU kernel are faster there than the paged path"
+    on_cpu = torch.device(device).type == "cpu"
+    if name == "paged":
+        if attention not in ("auto", "sdpa"):
+            raise ValueError(
+                f"kv cache paged attends with sdpa over the arena; attention backend {attention} runs on "
+                "contiguous caches (use --kv-cache contiguous or --attention auto)"
+            )
+        if on_cpu and dtype == "bfloat16":
+            raise ValueError(
+                "kv cache paged computes attention in bfloat16, which on a CPU is not row-invariant "
+                "(a token could depend on its batch); use --kv-cache contiguous or float32"
+            )
+        return "paged", "asked for by name"
+    if name == "contiguous":
+        return "contiguous", "asked for by name"
+    if on_cpu:
+        return "contiguous", "auto on a CPU: per-request caches and the CPU kernel are faster there than the paged path"
+    if attention not in ("auto", "sdpa"):
+        return "contiguous", f"auto with attention backend {attention} asked for by name: it runs on contiguous caches"
+    return "paged", "auto off the CPU: paged arena, one batched write and one attention call a layer"
 
 
 def _blocks_for(tokens: int, block: int) -> int:

@@ -189,8 +189,8 @@ class LMRunner:
         Raises :class:`CheckpointError` (or :class:`UnsupportedArchitecture`) with the path in the
         message, and ``ValueError`` for an unknown dtype/backend/kv cache.
         """
-        kv_mode, kv_reason = select_kv_cache(kv_cache, device)
         dtype = resolve_dtype(dtype, device)
+        kv_mode, kv_reason = select_kv_cache(kv_cache, device, backend, dtype)
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r} (choose {', '.join(DTYPES)})")
         config = read_config(path)

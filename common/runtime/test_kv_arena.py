@@ -219,7 +219,13 @@ def test_overflow_without_reserve_is_an_error() -> None:
 def test_selection() -> None:
     assert select_kv_cache("auto", "cpu")[0] == "contiguous"
     assert select_kv_cache("auto", "cuda")[0] == "paged"
+    assert select_kv_cache("auto", "cuda", "sdpa", "bfloat16")[0] == "paged"
+    assert select_kv_cache("auto", "cuda", "flash_attn", "bfloat16")[0] == "contiguous"  # that backend's caches
     assert select_kv_cache("paged", "cpu")[0] == "paged"
     assert select_kv_cache("contiguous", "cuda")[0] == "contiguous"
     with pytest.raises(ValueError, match="unknown kv cache"):
         select_kv_cache("ring", "cpu")
+    with pytest.raises(ValueError, match="flash_attn runs on contiguous caches"):
+        select_kv_cache("paged", "cuda", "flash_attn")
+    with pytest.raises(ValueError, match="row-invariant"):
+        select_kv_cache("paged", "cpu", "auto", "bfloat16")
