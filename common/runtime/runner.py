@@ -250,7 +250,9 @@ class LMRunner:
         return "paged_sdpa" if self.kv_cache == "paged" else self.backend.name
 
     def new_pool(self, token_budget: int | None) -> KVPool | KVArena:
-        """The caches' pool: a :class:`KVArena` (paged) or a :class:`KVPool` (contiguous)."""
+        """The caches' pool: a :class:`KVPool` (contiguous) or a :class:`KVArena` (paged), which on
+        a GPU is allocated whole at start-up (fixed addresses, and an arena that does not fit fails
+        then rather than under load)."""
         if self.kv_cache == "paged":
             return KVArena(
                 num_layers=self.num_layers,
@@ -259,6 +261,7 @@ class LMRunner:
                 dtype=self.dtype,
                 device=self.device,
                 token_budget=token_budget,
+                preallocate=self.device.type == "cuda",
             )
         return KVPool(
             num_layers=self.num_layers,
