@@ -132,3 +132,32 @@ def test_a_resumed_request_continues_as_the_running_one(llama_target: Path) -> N
     assert engine.committed("a") == engine.committed("b")
     want = hf_greedy(llama_target, {"a": list(committed)}, 1)["a"]
     assert [a.next_token] == want
+
+
+@pytest.mark.slow
+def test_paged_sampling_keeps_the_target_s_law(llama_target: Path) -> None:
+    """Sampling on the arena: the next two tokens' law over 2000 verdicts on a good tree is the target's."""
+    from collections import Counter
+
+    from common.runtime.checkpoints import load_causal_lm
+    from common.runtime.test_sampling_distribution import PROMPT, exact_law, good_tree
+    from common.spec.types import SamplingParams
+    from tests.support.stats import tv_check
+
+    params = SamplingParams(temperature=1.0)
+    model = load_causal_lm(llama_target)
+    tree = good_tree(model, params)
+    engine = VerifierEngine.from_checkpoint(llama_target, kv_cache="paged", seed=99)
+    counts: Counter = Counter()
+    for start in range(0, 2000, 500):
+        items = [
+            VerifyItem(f"q{i}", append_ids=tuple(PROMPT), tree=tree, sampling=params) for i in range(start, start + 500)
+        ]
+        for v in engine.verify(items).verdicts:
+            assert v.ok, v.error
+            toks = v.new_tokens
+            counts[(toks[0], toks[1]) if v.accepted_nodes else (toks[0], None)] += 1
+            engine.release(v.request_id)
+    tv, threshold = tv_check(counts, exact_law(model, tree, params), seed=5)
+    assert tv <= threshold, (tv, threshold)
+    assert engine.pool.used_blocks == 0
