@@ -13,6 +13,12 @@ sequence's committed cache entries and to its new-token ancestors (tree mask). P
 embedding module, so every RoPE variant transformers implements (default, llama3, linear,
 dynamic, yarn, ...) is computed by the same code as in ``generate``.
 
+The caches are either per-request (:mod:`common.runtime.kv_cache`, attended by the backend) or
+blocks of one paged arena (:mod:`common.runtime.kv_arena`): a pass whose caches are
+:class:`~common.runtime.kv_arena.PagedCache` s runs :func:`~common.runtime.paged_runner.forward_paged`,
+with one batched write and one attention call a layer and its metadata built once. Which one a
+runner makes (``new_pool``) is its ``kv_cache`` (``--kv-cache``).
+
 The runner reuses the checkpoint's modules (embedding, RMSNorm, q/k/v/o projections with or
 without bias, gated MLP, final norm, lm_head, tied or not) and replaces only the attention and
 cache plumbing; on a CPU in float32 a layer's q/k/v and its gate/up are each one product over
