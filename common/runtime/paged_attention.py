@@ -13,7 +13,8 @@ entries (committed + new) per sequence:
   paged prefill and vLLM's paged attention take exactly these, with the tree mask);
 - ``kv_index [B, S]``: the slots of every sequence's entries in logical order (padding: slot 0),
   the gathered view that ``sdpa`` reads on backends without a paged kernel (the fallback used
-  here: ``flex_attention`` runs on a CPU only eagerly, and far slower than ``sdpa``);
+  here: on a CPU ``flex_attention`` is far slower eagerly, and compiled it takes tens of seconds
+  per shape to build and is still slower than ``sdpa`` at a verify pass's shapes);
 - ``q_index [B, T]`` and ``out_index [N]``: packed rows to padded ``[B, T]`` and back;
 - ``mask [B, 1, T, S]`` additive (0 / -inf): committed entries, then the tree's ancestor masks at
   columns ``L_b + j``. A padding query row sees entry 0 (its output is dropped; no NaN).
