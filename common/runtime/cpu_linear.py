@@ -43,10 +43,11 @@ summation order differs), as any change of batch size already does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -294,3 +295,24 @@ def measure_kernels(
                         m.product(inputs[n][m.in_features], kernel)
                     best[n, kernel] = min(best[n, kernel], time.perf_counter() - t0)
     return KernelTable(tuple(rows), tuple(min(kernels, key=lambda k: best[n, k]) for n in rows))
+
+
+@contextlib.contextmanager
+def one_kernel(modules: Iterable[nn.Module], rows: int = 1) -> Iterator[None]:
+    """Within the block, every :class:`CpuLinear` among ``modules`` uses the kernel its table picks
+    at ``rows`` rows, whatever its input's row count (the tables are put back after). For counting a
+    pass's tensor operations at different batch sizes: which kernel is fastest at a row count is the
+    CPU's choice, and some kernels run an operation more than others."""
+    fixed = [m for m in modules if isinstance(m, CpuLinear)]
+    before = [m.__dict__.get("table") for m in fixed]
+    for m in fixed:
+        kernel = m.table.pick(rows)
+        m.table = KernelTable((rows,), (kernel,))
+    try:
+        yield
+    finally:
+        for m, table in zip(fixed, before):
+            if table is None:
+                del m.table
+            else:
+                m.table = table

@@ -21,7 +21,8 @@ class RequestEngine(Generic[S]):
         log.info(
             f"{kind}_engine_ready",
             model=runner.name,
-            attention_backend=runner.backend.name,
+            attention_backend=runner.attention_name,
+            kv_cache=runner.kv_cache,
             kv_token_budget=kv_token_budget,
             max_context=runner.max_context,
         )

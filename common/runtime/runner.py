@@ -13,6 +13,12 @@ sequence's committed cache entries and to its new-token ancestors (tree mask). P
 embedding module, so every RoPE variant transformers implements (default, llama3, linear,
 dynamic, yarn, ...) is computed by the same code as in ``generate``.
 
+The caches are either per-request (:mod:`common.runtime.kv_cache`, attended by the backend) or
+blocks of one paged arena (:mod:`common.runtime.kv_arena`): a pass whose caches are
+:class:`~common.runtime.kv_arena.PagedCache` s runs :func:`~common.runtime.paged_runner.forward_paged`,
+with one batched write and one attention call a layer and its metadata built once. Which one a
+runner makes (``new_pool``) is its ``kv_cache`` (``--kv-cache``).
+
 The runner reuses the checkpoint's modules (embedding, RMSNorm, q/k/v/o projections with or
 without bias, gated MLP, final norm, lm_head, tied or not) and replaces only the attention and
 cache plumbing; on a CPU in float32 a layer's q/k/v and its gate/up are each one product over
@@ -48,6 +54,7 @@ from common.runtime.cpu_linear import use_cpu_linears
 from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
 from common.runtime.fused_projections import LayerProducts, stack_layers
 from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
+from common.runtime.kv_arena import KVArena, PagedCache, select_kv_cache
 from common.runtime.kv_cache import KVCache, KVPool
 from common.spec.types import ModelInfo
 
@@ -117,7 +124,7 @@ class SeqInput:
     commits what it keeps (``cache.commit``).
     """
 
-    cache: KVCache
+    cache: KVCache | PagedCache
     token_ids: tuple[int, ...]
     parents: tuple[int, ...] | None = None
     logit_rows: tuple[int, ...] | None = None
@@ -134,7 +141,10 @@ class LMRunner:
         name: str = "",
         tokenizer_fp: str = "",
         draft_vocab: DraftVocab | None = None,
+        kv_cache: str = "contiguous",
     ) -> None:
+        if kv_cache not in ("paged", "contiguous"):
+            raise ValueError(f"kv_cache must be paged or contiguous, got {kv_cache!r}")
         cfg = model.config
         check_architecture(cfg.to_dict(), name or cfg.model_type)
         param = next(model.parameters())
@@ -151,6 +161,7 @@ class LMRunner:
         self.model = model
         self.config = cfg
         self.backend = backend
+        self.kv_cache = kv_cache  # paged: KVArena caches, forward_paged; contiguous: KVPool caches and backend
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fp
         inner = model.model
@@ -170,14 +181,22 @@ class LMRunner:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, *, dtype: str = "float32", device: str = "cpu", backend: str = "auto"
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        backend: str = "auto",
+        kv_cache: str = "auto",
     ) -> LMRunner:
-        """Load a checkpoint directory (weights + tokenizer) and pick the attention backend.
+        """Load a checkpoint directory (weights + tokenizer), pick the attention backend and the KV
+        cache (:func:`~common.runtime.kv_arena.select_kv_cache`: ``auto``, ``paged`` or ``contiguous``).
 
         Raises :class:`CheckpointError` (or :class:`UnsupportedArchitecture`) with the path in the
-        message, and ``ValueError`` for an unknown dtype/backend.
+        message, and ``ValueError`` for an unknown dtype/backend/kv cache.
         """
         dtype = resolve_dtype(dtype, device)
+        kv_mode, kv_reason = select_kv_cache(kv_cache, device, backend, dtype)
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r} (choose {', '.join(DTYPES)})")
         config = read_config(path)
@@ -188,7 +207,12 @@ class LMRunner:
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
         runner = cls(
-            model, attention, name=str(path), tokenizer_fp=tokenizer_fingerprint(tokenizer), draft_vocab=draft_vocab
+            model,
+            attention,
+            name=str(path),
+            tokenizer_fp=tokenizer_fingerprint(tokenizer),
+            draft_vocab=draft_vocab,
+            kv_cache=kv_mode,
         )
         log.info(
             "model_loaded",
@@ -196,8 +220,10 @@ class LMRunner:
             architecture=arch,
             dtype=dtype,
             device=device,
-            attention_backend=attention.name,
+            attention_backend=runner.attention_name,
             requested_backend=backend,
+            kv_cache=kv_mode,
+            kv_cache_reason=kv_reason,
         )
         return runner
 
@@ -224,7 +250,25 @@ class LMRunner:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def new_pool(self, token_budget: int | None) -> KVPool:
+    @property
+    def attention_name(self) -> str:
+        """What attends: the backend's name, or ``paged_sdpa`` on the paged arena."""
+        return "paged_sdpa" if self.kv_cache == "paged" else self.backend.name
+
+    def new_pool(self, token_budget: int | None) -> KVPool | KVArena:
+        """The caches' pool: a :class:`KVPool` (contiguous) or a :class:`KVArena` (paged), which on
+        a GPU is allocated whole at start-up (fixed addresses, and an arena that does not fit fails
+        then rather than under load)."""
+        if self.kv_cache == "paged":
+            return KVArena(
+                num_layers=self.num_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+                token_budget=token_budget,
+                preallocate=self.device.type == "cuda",
+            )
         return KVPool(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
@@ -243,21 +287,18 @@ class LMRunner:
             num_parameters=self.num_parameters,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            attention_backend=self.backend.name,
+            attention_backend=self.attention_name,
             max_context=self.max_context,
         )
 
     # ---- forward -----------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
-        """One forward pass for the batch.
-
-        Returns per sequence the float32 logits ``[len(logit_rows), vocab]`` of its requested rows.
-        Every cache must have room for its new tokens (``cache.reserve(t)`` beforehand).
-        """
-        if not seqs:
-            return []
+    def prepare(
+        self, seqs: Sequence[SeqInput]
+    ) -> tuple[BatchLayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pass's layout, its packed token ids ``[N]`` (in the model's id space), their embeddings
+        ``[N, hidden]`` and the rotary ``cos, sin: [N, 1, D]`` at positions ``cache length + depth``;
+        raises ``ValueError`` for a sequence without new tokens or with parents that do not match them."""
         parents = []
         for s in seqs:
             t = len(s.token_ids)
@@ -273,11 +314,26 @@ class LMRunner:
         if self.draft_vocab is not None:
             ids = self.draft_vocab.to_draft[ids]
         pos = torch.tensor([p for b in range(layout.batch) for p in layout.positions(b)], dtype=torch.long, device=dev)
-        N, H, Hkv, D = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-
         h = self.embed(ids)  # [N, hidden]
         cos, sin = self.rotary(h.unsqueeze(0), pos.unsqueeze(0))  # [1, N, D]
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
+        return layout, ids, h, cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
+        """One forward pass for the batch.
+
+        Returns per sequence the float32 logits ``[len(logit_rows), vocab]`` of its requested rows.
+        Every cache must have room for its new tokens (``cache.reserve(t)`` beforehand).
+        """
+        if not seqs:
+            return []
+        if isinstance(seqs[0].cache, PagedCache):
+            from common.runtime.paged_runner import forward_paged
+
+            return forward_paged(self, seqs)
+        layout, ids, h, cos, sin = self.prepare(seqs)
+        dev = self.device
+        N, H, Hkv, D = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         plan = self.backend.plan(layout, dev)
         offsets, lens = layout.offsets, layout.new_lens
         if self.backend.writes_new_kv:
@@ -312,13 +368,17 @@ class LMRunner:
                 h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             else:
                 h = h + layer.mlp(x)
+        return self.logits(h, seqs, layout)
 
+    def logits(self, h: torch.Tensor, seqs: Sequence[SeqInput], layout: BatchLayout) -> list[torch.Tensor]:
+        """Per sequence the float32 logits ``[len(logit_rows), vocab]`` of its wanted rows of the
+        final hidden states ``h: [N, hidden]``."""
         rows, counts = [], []
-        for s, off, t in zip(seqs, offsets, lens):
+        for s, off, t in zip(seqs, layout.offsets, layout.new_lens):
             want = (t - 1,) if s.logit_rows is None else s.logit_rows
             rows += [off + r for r in want]
             counts.append(len(want))
-        logits = self.lm_head(self.norm(h[torch.tensor(rows, dtype=torch.long, device=dev)])).float()
+        logits = self.lm_head(self.norm(h[torch.tensor(rows, dtype=torch.long, device=self.device)])).float()
         if self.draft_vocab is not None:
             logits = self.draft_vocab.full_logits(logits)
         return list(torch.split(logits, counts))

@@ -16,6 +16,7 @@ from common.runtime.cpu_linear import (
     CpuLinear,
     KernelTable,
     measure_kernels,
+    one_kernel,
     onednn_ready,
     use_cpu_linears,
 )
@@ -211,3 +212,14 @@ def test_switch_keeps_weights_and_names_and_only_touches_linears() -> None:
 def test_a_model_off_the_cpu_or_not_float32_is_left_alone(model: nn.Linear) -> None:
     assert use_cpu_linears(model) == 0
     assert type(model) is nn.Linear
+
+
+def test_one_kernel_fixes_the_kernel_and_puts_the_tables_back() -> None:
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+    use_cpu_linears(model, measure=False)
+    first, second = model
+    first.table = KernelTable((2, 3), ("transposed", "packed"))
+    with one_kernel(model.modules()):
+        assert first.table.pick(1) == first.table.pick(64) == "transposed"
+        assert second.table.pick(64) == second.table.pick(1)
+    assert first.table.pick(64) == "packed" and "table" not in second.__dict__

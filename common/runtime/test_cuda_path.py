@@ -52,13 +52,17 @@ def mixed_batch(runner: LMRunner) -> list[SeqInput]:
     return seqs
 
 
+CACHES = [("sdpa", "contiguous"), ("eager", "contiguous"), ("sdpa", "paged")]  # (attention, kv cache)
+
+
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("backend, kv_cache", CACHES)
 def test_a_mixed_pass_on_cuda_gives_the_cpu_logits(
-    llama_target: Path, backend: str, dtype: str, tolerance: float
+    llama_target: Path, backend: str, kv_cache: str, dtype: str, tolerance: float
 ) -> None:
     cpu = LMRunner.from_checkpoint(llama_target, backend="eager")
-    gpu = LMRunner.from_checkpoint(llama_target, device=DEVICE, dtype=dtype, backend=backend)
+    gpu = LMRunner.from_checkpoint(llama_target, device=DEVICE, dtype=dtype, backend=backend, kv_cache=kv_cache)
+    assert gpu.kv_cache == kv_cache
     assert gpu.device.type == "cuda"
     want = cpu.forward(mixed_batch(cpu))
     got = gpu.forward(mixed_batch(gpu))
@@ -69,13 +73,13 @@ def test_a_mixed_pass_on_cuda_gives_the_cpu_logits(
         assert error < tolerance, f"relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("backend, kv_cache", CACHES)
 def test_speculative_greedy_on_cuda_equals_plain_decoding_on_cuda(
-    llama_target: Path, llama_near: Path, backend: str
+    llama_target: Path, llama_near: Path, backend: str, kv_cache: str
 ) -> None:
     """Chains and wide trees from a near drafter, the target as its own drafter, random trees and
     empty drafts, in one batch on the GPU: the output is the GPU target's own greedy decode."""
-    verifier = VerifierEngine.from_checkpoint(llama_target, device=DEVICE, attention_backend=backend)
+    verifier = VerifierEngine.from_checkpoint(llama_target, device=DEVICE, attention_backend=backend, kv_cache=kv_cache)
     vocab = verifier.runner.vocab_size
     sources = mixed_sources(llama_target, llama_near, vocab)  # drafters on the CPU: drafts are token ids
     prompts = make_prompts(12, vocab, seed=7)
@@ -91,7 +95,9 @@ def test_speculative_greedy_on_cuda_equals_plain_decoding_on_cuda(
     reason="needs flash-attn on a CUDA device",
 )
 def test_flash_attn_gives_the_sdpa_logits(llama_target: Path) -> None:
-    sdpa = LMRunner.from_checkpoint(llama_target, device=DEVICE, dtype="bfloat16", backend="sdpa")
+    sdpa = LMRunner.from_checkpoint(
+        llama_target, device=DEVICE, dtype="bfloat16", backend="sdpa", kv_cache="contiguous"
+    )
     flash = LMRunner.from_checkpoint(llama_target, device=DEVICE, dtype="bfloat16", backend="flash_attn")
     for g, w in zip(flash.forward(mixed_batch(flash)), sdpa.forward(mixed_batch(sdpa))):
         assert ((g - w).norm() / w.norm()) < 2e-2

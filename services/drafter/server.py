@@ -347,6 +347,7 @@ async def build_app(settings: DrafterSettings, store: Store) -> DrafterApp:
                 path,
                 device=settings.device,
                 dtype=settings.dtype,
+                kv_cache=settings.kv_cache,
                 kv_token_budget=settings.kv_budget_tokens,
                 domains=_domains_of(path, name),
                 max_top_n=settings.max_top_n,

@@ -181,6 +181,7 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
                 device=settings.device,
                 dtype=settings.dtype,
                 attention_backend=settings.attention,
+                kv_cache=settings.kv_cache,
                 kv_token_budget=settings.kv_budget_tokens,
                 max_tree_nodes=settings.max_tree_nodes,
             )
