@@ -1,6 +1,6 @@
 """The flags of `cosine up` that go through to the services: what the API serves (model name,
-chat template, API keys) to the gateway, where and in what dtype the models run to the verifier
-and the drafters. A flag left unset passes nothing, so every service keeps its own default.
+chat template, API keys) to the gateway, where, in what dtype and on which KV cache the models
+run to the verifier and the drafters. A flag left unset passes nothing, so every service keeps its own default.
 
 Also the lines `cosine up` prints for every ``/metrics`` endpoint of the cluster it started."""
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHES = ("auto", "paged", "contiguous")
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,13 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         help="dtype of the target and the drafters (default: the services' own, auto for the target and "
         "float32 for the drafters)",
     )
+    p.add_argument(
+        "--kv-cache",
+        default="",
+        choices=KV_CACHES,
+        help="KV cache of the target and the drafters: paged (the arena), contiguous (a cache per request) "
+        "or auto (paged on CUDA; default)",
+    )
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,8 @@ def service_args(args: argparse.Namespace) -> ServiceArgs:
         models += ["--device", args.device]
     if args.dtype:
         models += ["--dtype", args.dtype]
+    if args.kv_cache:
+        models += ["--kv-cache", args.kv_cache]
     return ServiceArgs(verifier=tuple(models), drafter=tuple(models), gateway=tuple(gateway))
 
 

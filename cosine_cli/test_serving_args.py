@@ -36,6 +36,8 @@ def test_serving_flags_become_the_services_settings(tmp_path):
         "cuda:1",
         "--dtype",
         "bfloat16",
+        "--kv-cache",
+        "paged",
     )
     gateway = load_settings(GatewaySettings, list(spec.gateway_args), {})
     assert gateway.served_model_name == "my-model" and gateway.chat_template == str(template)
@@ -43,7 +45,7 @@ def test_serving_flags_become_the_services_settings(tmp_path):
     verifier = load_settings(VerifierSettings, ["--target", spec.target, *spec.verifier_args], {})
     drafter = load_settings(DrafterSettings, ["--drafters", "a=/models/a", *spec.drafter_args], {})
     for s in (verifier, drafter):
-        assert (s.device, s.dtype) == ("cuda:1", "bfloat16")
+        assert (s.device, s.dtype, s.kv_cache) == ("cuda:1", "bfloat16", "paged")
 
 
 def test_unset_flags_pass_nothing_and_keep_the_services_defaults():
