@@ -208,3 +208,16 @@ def test_plain_steps_propose_what_the_grammar_forces(engine: VerifierEngine, hf,
     assert v.ok and list(v.new_tokens) == want
     assert v.step_accepted >= 5 and v.step_passes < len(want) - 5
     assert v.step_lookups == ()  # the forced tokens are not a lookup chain the router calibrates
+
+
+def test_a_constrained_request_on_the_paged_arena(target: Path, hf, tok, prompt) -> None:
+    """The grammar cuts the tree before the cache is reserved: on the arena, pruned nodes take no
+    slot and the output is the same constrained decode."""
+    engine = VerifierEngine.from_checkpoint(target, attention_backend="sdpa", kv_cache="paged")
+    ref = Reference(hf, tok, JSON.constraint)
+    want = ref.greedy(prompt, 40)
+    tree = TokenTree.merged([want[:4], [223, 223, 223], [*want[:2], ref.forbidden(want[:2])]])
+    [v] = engine.verify([VerifyItem("r", append_ids=prompt, tree=tree, sampling=JSON)]).verdicts
+    assert v.ok and v.grammar_pruned == 4 and list(v.new_tokens) == want[:5]
+    [w] = engine.verify([VerifyItem("r", sampling=JSON, plain_steps=40, stop_ids=(tok.eos_token_id,))]).verdicts
+    assert list(v.new_tokens + w.new_tokens) == want
