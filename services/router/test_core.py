@@ -68,6 +68,14 @@ CONFIGS = {
     # tiny test models a drafter step can cost more than a verify pass, so on a loaded machine the gate
     # may rightly turn drafting off and leave nothing speculative to check: here it prices rows only
     "no-lookup": RouterSettings(drafters_per_request=2, tree_width=3, lookup_drafts=False, draft_pricing=False),
+    # verification frontiers (frontiers.py): drafts verified chunk by chunk, the next drafted beside the pass
+    "chunks-2-no-cost-control": RouterSettings(
+        drafters_per_request=2, fusion="chunk", cost_control=False, adaptive_k=False, initial_k=6, verify_chunks="2"
+    ),
+    "chunks-1-token-fusion-no-cost-control": RouterSettings(
+        fusion="token", tree_width=2, cost_control=False, adaptive_k=False, initial_k=5, verify_chunks="1"
+    ),
+    "chunks-auto": RouterSettings(drafters_per_request=2, tree_width=3, max_k=8, verify_chunks="auto"),
 }
 
 
