@@ -26,6 +26,9 @@ A **round** for a batch of requests (see DESIGN.md):
    text and from the lookup corpus to every tree, for free.
 3. *plan + verify*: the batch's nodes are cut to the count that maximises expected tokens per
    second of the pass on the measured pass-time curve; all trees go to the verifier in one message.
+   With ``--verify-chunks`` a draft goes by chunks (``frontiers.py``): the round drafts and verifies
+   its first chunk, the drafters draft the next beside the pass, and the verdict keeps it for the
+   next pass or prunes it unverified.
 4. *apply*: committed tokens grow by the accepted path + the next token; drafters that proposed
    accepted tokens are credited; routing vectors, speculation length, calibrations and the Redis
    profiles are updated; the tokens are streamed to the request's submitter.
