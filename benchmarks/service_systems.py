@@ -361,6 +361,17 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "cosine without the yield guard: the cost control's prices alone decide where it speculates",
     ),
     "cosine_one_drafter": (("--drafters-per-request", "1"), (), "cosine with one drafter per request"),
+    "cosine_no_chunks": (
+        ("--verify-chunks", "off"),
+        (),
+        "cosine verifying each draft whole in one pass (no verification frontiers), whatever the default",
+    ),
+    "cosine_chunks": (
+        ("--verify-chunks", "auto"),
+        (),
+        "cosine verifying drafts chunk by chunk, each request's chunk depth from its acceptance, the next "
+        "chunk drafted beside the pass and pruned unverified after a rejection",
+    ),
     "services_plain": (
         ("--no-speculate",),
         (),
