@@ -13,13 +13,25 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from common.platform.metrics import ServiceMetrics
 from common.spec.acceptance import SamplingRule, target_probs
 from common.spec.fusion import DraftTree
-from common.spec.types import SamplingParams, TokenTree
+from common.spec.types import SamplingParams, TokenTree, Verdict
 from services.router.conftest import MAX_NEW
 from services.router.core import RouterCore
-from services.router.frontiers import DraftWait, below, beyond_rejection, chunk_depth, main_path, survivor
+from services.router.frontiers import (
+    DraftWait,
+    Frontiers,
+    NextChunk,
+    below,
+    beyond_rejection,
+    chunk_depth,
+    main_path,
+    survivor,
+)
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
+from services.router.metrics import RouterMetrics
+from services.router.requests import Counters, Request
 from services.router.settings import RouterSettings, check_verify_chunks
 from services.router.test_core import generate_all
 from tests.support.stats import tv_check
@@ -108,6 +120,27 @@ def test_the_verifier_waits_only_while_a_round_drafts_and_no_verify_call_is_in_f
     with wait.drafting(False):
         now[0] = 9.0  # a round that drafts nothing
     assert wait.seconds == pytest.approx(3.0)
+
+
+def test_the_rows_reach_the_counters_and_the_prometheus_families():
+    now = [0.0]
+    registry = ServiceMetrics("router")
+    counters = Counters()
+    frontiers = Frontiers("2", counters, lambda: now[0], RouterMetrics(registry, lambda: 0, lambda: 0))
+    with frontiers.wait.drafting():
+        now[0] = 1.5
+    tree = DraftTree(drafter_ids=["a", "b"])
+    tree.add_chain([1, 2], [0.9, 0.9], "a", width=3)
+    tree.add_chain([3, 4], [0.5, 0.5], "b", width=3)  # 1 -> 2, 3 -> 4
+    frontiers.count({"r": tree}, {"r": Verdict("r", accepted_nodes=(0,), accepted_tokens=(1,), next_token=5)})
+    r = Request("r", prompt=(7,), max_new_tokens=8, sampling=SamplingParams(), stop_ids=frozenset(), generated=[1, 5])
+    frontiers.settle([r], {"r": NextChunk(chain([2, 6, 8]), ("a",), (7, 1, 2), 0)})  # drafted on 1, 2: 2 was rejected
+    assert (counters.rows_verified, counters.rows_accepted, counters.rows_beyond_rejection) == (4, 1, 1)
+    assert (counters.rows_pruned, counters.verifier_wait_s, r.ahead) == (3, 1.5, None)
+    value = registry.registry.get_sample_value
+    assert [value("cosine_router_draft_rows_total", {"outcome": o}) for o in ("verified", "accepted")] == [4, 1]
+    assert [value("cosine_router_draft_rows_total", {"outcome": o}) for o in ("beyond_rejection", "pruned")] == [1, 3]
+    assert value("cosine_router_verifier_wait_seconds_total") == 1.5
 
 
 # ---- the sampled law ------------------------------------------------------------------------------
