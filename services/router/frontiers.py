@@ -60,23 +60,35 @@ MIN_NEXT = 2  # a later chunk drafts at least two tokens: its first only guesses
 DraftFn = Callable[[list[Request], dict[str, int]], Awaitable[tuple[dict[str, DraftTree], dict[str, list[str]]]]]
 
 
-def chunk_depth(setting: str, k: int, acceptance: float | None) -> int:
-    """The depth of the first chunk of a draft of depth ``k``; ``k`` where the draft is not cut.
+def chunk_size(setting: str, acceptance: float | None) -> int | None:
+    """The depth of a request's chunks; None where its drafts are not cut.
 
     ``setting``: ``off``, ``auto`` or a fixed depth. ``auto`` follows the request's recent acceptance
-    rate ``a`` per drafted token (as its ``k`` does): the chunk ends at the first depth where the
-    whole prefix is more likely rejected than accepted, ``a^c < 1/2``, so the tail it defers is more
-    likely pruned than verified; a request with no record, or one that accepts everything, is not
-    cut. A cut leaves at least ``MIN_NEXT`` tokens for the next chunk, or none is made."""
-    if setting == OFF or k <= 0:
-        return k
-    if setting == AUTO:
-        if acceptance is None or acceptance >= 1.0:
-            return k
-        c = 1 if acceptance <= 0.0 else max(1, math.ceil(math.log(KEEP_ODDS) / math.log(acceptance)))
-    else:
-        c = int(setting)
-    return c if k - c >= MIN_NEXT else k
+    rate ``a`` per drafted token (as its ``k`` does): a chunk ends at the first depth where the
+    whole prefix is more likely rejected than accepted, ``a^c <= 1/2``, so the tail it defers is
+    more likely pruned than verified; a request with no record, or one that accepts everything, is
+    not cut."""
+    if setting == OFF:
+        return None
+    if setting != AUTO:
+        return int(setting)
+    if acceptance is None or acceptance >= 1.0:
+        return None
+    return 1 if acceptance <= 0.0 else max(1, math.ceil(math.log(KEEP_ODDS) / math.log(acceptance)))
+
+
+def chunk_depth(setting: str, k: int, acceptance: float | None) -> int:
+    """The depth of the first chunk of a draft of depth ``k`` (:func:`chunk_size`); ``k`` where the
+    draft is not cut. A cut leaves at least ``MIN_NEXT`` tokens for the next chunk, or none is made."""
+    c = chunk_size(setting, acceptance)
+    return k if c is None or k - c < MIN_NEXT else c
+
+
+def next_depth(size: int, left: int) -> int:
+    """The depth of a later chunk of a draft with ``left`` tokens to go: ``size`` (at least
+    ``MIN_NEXT``), or all of them where fewer than ``MIN_NEXT`` would be left after it."""
+    depth = max(MIN_NEXT, size)
+    return left if left - depth < MIN_NEXT else depth
 
 
 def main_path(tree: DraftTree) -> list[int]:
@@ -219,8 +231,8 @@ class Frontiers:
         for r in batch:
             depth_left, tree = left.get(r.request_id, 0), trees[r.request_id]
             path = [tree.tokens[n] for n in main_path(tree)]
-            room = r.max_new_tokens - len(r.generated) - len(path)
-            depth = min(max(MIN_NEXT, len(path)), depth_left, room)
+            size = chunk_size(self.setting, r.routing.recent_acceptance()) or depth_left
+            depth = min(next_depth(size, depth_left), r.max_new_tokens - len(r.generated) - len(path))
             if not path or depth < MIN_NEXT or r.drafting_ahead or r.routing_ahead:
                 continue
             hypothesis = replace(r, generated=[*r.generated, *path])  # shares the drafter-cache mirror and routing

@@ -27,6 +27,7 @@ from services.router.frontiers import (
     beyond_rejection,
     chunk_depth,
     main_path,
+    next_depth,
     survivor,
 )
 from services.router.inprocess import LocalDrafterPool, LocalVerifier
@@ -60,6 +61,9 @@ def test_chunk_depth_follows_the_setting_and_the_request_s_acceptance():
     assert chunk_depth("auto", 6, 0.5) == 1  # 0.5^1 is not above a half: the tail is more likely pruned
     assert chunk_depth("auto", 6, 0.75) == 3  # 0.75^2 > 1/2 >= 0.75^3
     assert chunk_depth("auto", 8, 0.95) == 8  # the cut would come too late to leave a next chunk
+    # later chunks: the request's chunk depth, at least two, the draft's rest where too little would be left
+    assert [next_depth(2, left) for left in (6, 4, 3, 2)] == [2, 2, 3, 2]
+    assert [next_depth(1, 5), next_depth(3, 4)] == [2, 4]
 
 
 def test_the_main_path_is_the_first_child_at_each_level():
