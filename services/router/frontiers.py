@@ -45,6 +45,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 from common.logs import get_logger
 from common.spec.fusion import DraftTree
@@ -64,7 +65,8 @@ def chunk_size(setting: str, acceptance: float | None) -> int | None:
     """The depth of a request's chunks; None where its drafts are not cut.
 
     ``setting``: ``off``, ``auto`` or a fixed depth. ``auto`` follows the request's recent acceptance
-    rate ``a`` per drafted token (as its ``k`` does): a chunk ends at the first depth where the
+    (its accepted tokens per drafted depth, ``RoutingVector.recent_acceptance``, as its ``k`` follows
+    them), taken as a per-token rate ``a``: a chunk ends at the first depth where the
     whole prefix is more likely rejected than accepted, ``a^c <= 1/2``, so the tail it defers is
     more likely pruned than verified; a request with no record, or one that accepts everything, is
     not cut."""
@@ -199,7 +201,7 @@ class Frontiers:
     :meth:`cut` the first chunk's depth, :meth:`start` the next chunks beside the pass,
     :meth:`count` the rows of the verdicts, :meth:`settle` what the verdicts left of the chunks."""
 
-    def __init__(self, setting: str, counters: Counters, clock: Callable[[], float], metrics: object = None) -> None:
+    def __init__(self, setting: str, counters: Counters, clock: Callable[[], float], metrics: Any = None) -> None:
         self.setting = setting
         self.counters = counters
         self.metrics = metrics  # services.router.metrics.RouterMetrics, or None
