@@ -39,6 +39,8 @@ STYLE = {
     "cosine_no_corpus": ("#9edae5", "4", "--"),
     "services_plain": ("#c49c94", "x", ":"),
     "cosine_no_guard": ("#ffbb78", "+", "--"),
+    "cosine_no_chunks": ("#393b79", "|", "--"),
+    "cosine_chunks": ("#637939", "_", "--"),
 }
 
 

@@ -76,6 +76,10 @@ HEADLINE = (
     ("cosine_vs_cosine_no_guard_throughput_c1", "cosine", "cosine_no_guard", "tokens_per_s", "c1"),
     ("cosine_vs_cosine_no_guard_throughput_c16", "cosine", "cosine_no_guard", "tokens_per_s", "c16"),
     ("cosine_vs_cosine_no_guard_throughput", "cosine", "cosine_no_guard", "tokens_per_s", "high"),
+    ("cosine_vs_cosine_no_chunks_latency", "cosine", "cosine_no_chunks", "latency_mean_s", "low"),
+    ("cosine_vs_cosine_no_chunks_throughput", "cosine", "cosine_no_chunks", "tokens_per_s", "high"),
+    ("cosine_vs_cosine_chunks_latency", "cosine", "cosine_chunks", "latency_mean_s", "low"),
+    ("cosine_vs_cosine_chunks_throughput", "cosine", "cosine_chunks", "tokens_per_s", "high"),
 )
 # systems every other one is compared against in ratios.by_workload
 BASELINES = ("vanilla_sd", "autoregressive", "hf_assisted", "hf_generate", "specinfer_tree")

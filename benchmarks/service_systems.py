@@ -250,10 +250,24 @@ class ServiceSystem:
             "guard_plain_rounds": diff.get("guard_plain_rounds", 0.0),
             "guard_withdrawals": diff.get("guard_withdrawals", 0.0),
             "guard_readmissions": diff.get("guard_readmissions", 0.0),
+            # verification frontiers: drafted rows by what became of them, and the verifier's wait for drafts
+            **{k: diff.get(k, 0.0) for k in FRONTIER_COUNTERS},
             **cpu_counters(cpu_before, cpu_after),
         }
         rounds = {d: d_after.get(d, 0.0) - d_before.get(d, 0.0) for d in d_after}
         return RunResult(records, wall, counters, {d: n for d, n in rounds.items() if n})
+
+
+# the router's counters of verification frontiers (services/router/frontiers.py) the report carries as they are
+FRONTIER_COUNTERS = (
+    "rows_verified",
+    "rows_accepted",
+    "rows_beyond_rejection",
+    "rows_pruned",
+    "frontier_chunks",
+    "frontier_chunks_kept",
+    "verifier_wait_s",
+)
 
 
 async def drive(workload: Workload, serve: Callable[[BenchRequest, RequestRecord, float], Any]) -> list[RequestRecord]:
@@ -361,6 +375,17 @@ SERVICE_SYSTEMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         "cosine without the yield guard: the cost control's prices alone decide where it speculates",
     ),
     "cosine_one_drafter": (("--drafters-per-request", "1"), (), "cosine with one drafter per request"),
+    "cosine_no_chunks": (
+        ("--verify-chunks", "off"),
+        (),
+        "cosine verifying each draft whole in one pass (no verification frontiers), whatever the default",
+    ),
+    "cosine_chunks": (
+        ("--verify-chunks", "auto"),
+        (),
+        "cosine verifying drafts chunk by chunk, each request's chunk depth from its acceptance, the next "
+        "chunk drafted beside the pass and pruned unverified after a rejection",
+    ),
     "services_plain": (
         ("--no-speculate",),
         (),

@@ -58,6 +58,10 @@ GOALS = (
     ("cosine_vs_cosine_no_guard_throughput_c1", "cosine / cosine without the yield guard, tokens/s, 1 client", ""),
     ("cosine_vs_cosine_no_guard_throughput_c16", "cosine / cosine without the yield guard, tokens/s, 16 clients", ""),
     ("cosine_vs_cosine_no_guard_throughput", "cosine / cosine without the yield guard, tokens/s, high load", ""),
+    ("cosine_vs_cosine_no_chunks_latency", "cosine / cosine verifying drafts whole, mean latency, low load", ""),
+    ("cosine_vs_cosine_no_chunks_throughput", "cosine / cosine verifying drafts whole, tokens/s, high load", ""),
+    ("cosine_vs_cosine_chunks_latency", "cosine / cosine verifying drafts by chunks, mean latency, low load", ""),
+    ("cosine_vs_cosine_chunks_throughput", "cosine / cosine verifying drafts by chunks, tokens/s, high load", ""),
 )
 
 

@@ -203,6 +203,8 @@ ALL_SYSTEMS = (
     "services_plain",
     "cosine_one_drafter",
     "cosine_no_guard",
+    "cosine_no_chunks",
+    "cosine_chunks",
 )
 # what a plain `cosine bench` runs: the baselines the goals are stated against and the ablations that
 # explain them, sized to finish within 25 minutes on 2 cores with the smol zoo (--systems all: every one)

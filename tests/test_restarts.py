@@ -9,15 +9,22 @@ import time
 import pytest
 
 from cosine_cli.cluster import LocalCluster
+from cosine_cli.status_metrics import scrape
 from cosine_cli.supervisor import Backoff
 from tests.test_cluster import generate_while_killing, reference, spec_for, workload  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
 
-def test_killed_verifier_is_restarted_and_requests_resume(tiny_zoo, tmp_path, workload, reference):  # noqa: F811
+# with chunks: drafts verified by chunks of 2, every node verified (no cost control, no yield guard), so
+# that the verifier dies in the middle of chunked drafts, with next chunks being drafted beside its passes
+CHUNKED = ("--verify-chunks", "2", "--no-cost-control", "--initial-k", "6", "--no-adaptive-k")
+
+
+@pytest.mark.parametrize("router_args", [(), CHUNKED], ids=["whole", "chunks"])
+def test_killed_verifier_is_restarted_and_requests_resume(tiny_zoo, tmp_path, workload, reference, router_args):  # noqa: F811
     lines: list[str] = []
-    c = LocalCluster(spec_for(tiny_zoo, tmp_path))
+    c = LocalCluster(spec_for(tiny_zoo, tmp_path, router_args=router_args))
     c.start(progress=False)
     sup = c.supervise(backoff=Backoff(initial_s=0.2), say=lines.append)
     try:
@@ -31,6 +38,11 @@ def test_killed_verifier_is_restarted_and_requests_resume(tiny_zoo, tmp_path, wo
             time.sleep(0.1)
         assert sup.restarts.get("verifier") == 1
         assert any("verifier restarted" in line for line in lines)
+        if router_args:  # the drafts went by chunks: later chunks were verified next or pruned unverified
+            rows = {
+                lab["outcome"]: v for lab, v in scrape(c.state()["metrics"]["router"])["cosine_router_draft_rows_total"]
+            }
+            assert rows.get("verified", 0) > 0 and rows.get("pruned", 0) > 0, rows
     finally:
         c.stop()
 

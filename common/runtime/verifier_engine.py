@@ -32,9 +32,11 @@ the longest earlier match of the request's suffix in its own text and in the loo
 differ. The step's pass verifies that small tree on top of the last committed token with the same
 acceptance rule, so the tokens stay the target's own; a round trip then carries several drafted passes.
 
-FASER-style early pruning (dropping clearly-rejected nodes after the first layers) is not
-implemented: a node's acceptance depends on its parent's *final* logits, so pruning on
-early-layer evidence cannot be guaranteed never to change the output without a re-run fallback.
+FASER's verification frontiers need nothing more from the engine: the router verifies a draft
+chunk by chunk and sends a later chunk (the nodes below the token this verdict's next token
+confirmed) as the next item's tree, on the cache the invariant leaves, or prunes it unverified
+after a rejection (``services/router/frontiers.py``). A layer-level early exit (dropping nodes on
+early-layer evidence) is not built: a node's acceptance depends on its parent's *final* logits.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
   same core driven in one process.
 - ``core.py``: the rounds (gate, route, draft, plan, verify, apply), pipelined; ``ahead.py`` the
   drafter work they start off the verifier's path (drafting ahead, routing ahead); ``feedback.py``
-  what a round teaches the router (pass times, counters, metrics).
+  what a round teaches the router (pass times, counters, metrics); ``frontiers.py`` a draft verified
+  chunk by chunk, the next chunk drafted beside the pass and pruned unverified after a rejection.
 - ``yield_guard.py``: speculation only where it is measured to commit more tokens a second than
   plain decoding, per load level (epochs of either arm; the losing one as a control group).
 - ``pool.py``: the request pool (submission, cancellation, hand-back after a round, finishing);

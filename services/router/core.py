@@ -26,6 +26,9 @@ A **round** for a batch of requests (see DESIGN.md):
    text and from the lookup corpus to every tree, for free.
 3. *plan + verify*: the batch's nodes are cut to the count that maximises expected tokens per
    second of the pass on the measured pass-time curve; all trees go to the verifier in one message.
+   With ``--verify-chunks`` a draft goes by chunks (``frontiers.py``): the round drafts and verifies
+   its first chunk, the drafters draft the next beside the pass, and the verdict keeps it for the
+   next pass or prunes it unverified.
 4. *apply*: committed tokens grow by the accepted path + the next token; drafters that proposed
    accepted tokens are credited; routing vectors, speculation length, calibrations and the Redis
    profiles are updated; the tokens are streamed to the request's submitter.
@@ -57,6 +60,7 @@ from services.router.control import SpeculationControl
 from services.router.domain import RequestRouting, SharedLexicon, infer_domain
 from services.router.drafting import Drafting, common_prefix, sync_item, unread_tokens
 from services.router.feedback import RoundFacts, RoundFeedback
+from services.router.frontiers import Frontiers
 from services.router.gate import DraftGate, gate_domain, probe_order
 from services.router.lexicon import DomainLexicon
 from services.router.lookup import LookupNodes
@@ -150,6 +154,7 @@ class RouterCore(RoundFeedback):
         )
         self.routing = RequestRouting(config, self.drafting, DomainLexicon(), self.counters, profiles, shared, clock)
         self.verdicts = VerdictApplication(self.control, self.gate, self.lookups.calibration, self.counters, metrics)
+        self.frontiers = Frontiers(config.verify_chunks, self.counters, clock, metrics)
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
@@ -294,10 +299,13 @@ class RouterCore(RoundFeedback):
             self._off_path(self._draft_ahead(drafting, {r.request_id: ks[r.request_id] for r in drafting}))
             batch = [r for r in batch if not r.drafting_ahead]
             ks = {r.request_id: 0 for r in batch}
-        trees, selected = await self._draft(batch, ks)
+        left = self.frontiers.cut(batch, ks)  # a draft verified by chunks drafts its first now (frontiers.py)
+        with self.frontiers.wait.drafting(any(ks.values())):
+            trees, selected = await self._draft(batch, ks)
         waited = any(selected.values())  # a drafter model was asked, and this round waited for it
         for rid, got in ahead.items():
             trees[rid], selected[rid] = got.tree, list(got.selected)
+            left[rid] = got.depth_left  # a chunk's: its draft's next chunk is drafted beside this pass
         lookups = (
             {r.request_id: self.lookups.chains(r, trees[r.request_id]) for r in batch}
             if self.config.lookup_drafts and self.config.speculate and not plain
@@ -372,12 +380,21 @@ class RouterCore(RoundFeedback):
         ]
         # drafter work off the path runs beside this pass if it was running or started meanwhile
         busy_before, started_before = bool(self._off_path_tasks), self._off_path_started
+        chunks = self.frontiers.start(self._draft, batch, trees, left)  # the next chunks, beside this pass
+        self._off_path_started += chunks is not None
         try:
-            verdicts, busy_ns = await self.verifier.verify(items)
+            with self.frontiers.wait.verifying():
+                verdicts, busy_ns = await self.verifier.verify(items)
+        except asyncio.CancelledError:
+            if chunks is not None:
+                chunks.cancel()
+            raise
         except Exception as exc:  # broken stream: the verifier may be restarting; resume on it
+            await self.frontiers.finish(chunks)  # drafted on a hypothesis no verdict confirmed: dropped
             await self._verifier_failed(batch, exc)
             return None
         t2 = self.clock()
+        next_chunks = await self.frontiers.finish(chunks)
         updates: list[ProfileUpdate] = []
         committed_before = self.counters.tokens_committed
         matched = match_verdicts([(r.request_id, len(r.prompt) + len(r.generated)) for r in batch], verdicts)
@@ -395,6 +412,8 @@ class RouterCore(RoundFeedback):
         for r in batch:
             r.plain_streak = 0 if self.lookups.forfeits_steps([r], trees, lookups) else r.plain_streak + 1
         self._observe_extras(batch, trees, selected, matched, set(ahead), t1 - t0)
+        self.frontiers.count(trees, matched)
+        self.frontiers.settle(batch, next_chunks)
         facts = RoundFacts(
             batch=batch,
             items=items,
@@ -403,7 +422,7 @@ class RouterCore(RoundFeedback):
             busy_s=busy_ns / 1e9,
             times=(t0, t1, t2),
             plain=plain,
-            waited=waited,
+            waited=waited or chunks is not None,
             beside=busy_before or self._off_path_started != started_before,
             drafted_ahead=drafted_ahead,
             routed_ahead=routed_ahead,

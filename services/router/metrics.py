@@ -18,7 +18,12 @@ Counted per verdict, in the shape production engines export:
   {level}`` (1 where the guard turned speculation off) and ``cosine_router_speculation_flips_total{level,
   verdict="withdrawn"|"readmitted"}``;
 - ``cosine_spec_grammar_pruned_tokens_total``: draft tokens a request's constraint forbade, pruned
-  by the verifier before its pass (structured output; not among the verified tokens above).
+  by the verifier before its pass (structured output; not among the verified tokens above);
+- the verification frontiers' rows (``frontiers.py``): ``cosine_router_draft_rows_total{outcome=
+  "verified"|"accepted"|"beyond_rejection"|"pruned"}`` (drafted tree nodes the verifier checked, those it
+  accepted, those it checked under a node it had rejected, and later chunks' nodes dropped unverified
+  after a rejection) and ``cosine_router_verifier_wait_seconds_total`` (time the verifier had no verify
+  call of this router while a round drafted).
 """
 
 from __future__ import annotations
@@ -83,6 +88,15 @@ class RouterMetrics:
             "cosine_spec_grammar_pruned_tokens_total",
             "draft tokens a request's grammar forbade, pruned before the verify pass (never verified)",
         )
+        self.draft_rows = m.counter(
+            "cosine_router_draft_rows_total",
+            "drafted tree nodes by outcome: verified, accepted, verified beyond a rejection, pruned unverified",
+            ["outcome"],
+        )
+        self.wait = m.counter(
+            "cosine_router_verifier_wait_seconds_total", "seconds the verifier waited for drafts (no verify call)"
+        )
+        self._waited = 0.0
         self._drafted = 0
         self._accepted = 0
 
@@ -103,6 +117,23 @@ class RouterMetrics:
         if self._drafted:
             self.rate.set(self._accepted / self._drafted)
         self.committed.inc(committed)
+
+    def rows(self, verified: int = 0, accepted: int = 0, beyond_rejection: int = 0, pruned: int = 0) -> None:
+        """Drafted rows of a round by outcome (``frontiers.py``)."""
+        for outcome, n in (
+            ("verified", verified),
+            ("accepted", accepted),
+            ("beyond_rejection", beyond_rejection),
+            ("pruned", pruned),
+        ):
+            if n:
+                self.draft_rows.labels(outcome).inc(n)
+
+    def verifier_wait(self, total_s: float) -> None:
+        """The verifier's wait for drafts so far (a running total: the counter takes the increase)."""
+        if total_s > self._waited:
+            self.wait.inc(total_s - self._waited)
+            self._waited = total_s
 
     def round(self, requests: int, draft_s: float, verify_s: float, other_s: float, busy_s: float) -> None:
         self.rounds.inc()

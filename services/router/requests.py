@@ -96,12 +96,14 @@ class Event:
 
 @dataclass(frozen=True)
 class AheadDraft:
-    """A request's tree drafted while the rest of its round was verified (``RouterCore._round``);
+    """A request's tree drafted while the rest of its round was verified (``RouterCore._round``), or
+    the part of a chunk drafted beside its pass that the verdict left standing (``frontiers.py``);
     it is verified in the request's next round, which finds the committed sequence unchanged."""
 
     tree: DraftTree
     selected: tuple[str, ...]  # the drafters that drafted it
-    committed: int  # len(sequence) it was drafted from
+    committed: int  # len(sequence) it was drafted from (or is rooted on)
+    depth_left: int = 0  # a chunk's: the depth its draft has left, drafted beside its pass (frontiers.py)
 
 
 @dataclass
@@ -178,6 +180,14 @@ class Counters:
     guard_withdrawals: int = 0  # times the yield guard withdrew speculation at a load level
     guard_readmissions: int = 0  # times it let speculation back in at one
     grammar_pruned: int = 0  # draft tokens constrained requests' grammars forbade (pruned, never verified)
+    # verification frontiers (frontiers.py): drafted rows by what became of them, and the verifier's wait
+    rows_verified: int = 0  # drafted tree nodes the verifier checked (plain steps' lookup drafts aside)
+    rows_accepted: int = 0  # of them, accepted
+    rows_beyond_rejection: int = 0  # of them, under a node that was not accepted (they could commit nothing)
+    rows_pruned: int = 0  # drafted nodes of later chunks dropped unverified after a rejection before them
+    frontier_chunks: int = 0  # later chunks drafted beside a pass
+    frontier_chunks_kept: int = 0  # of them, verified next (the verdict ran through their first token)
+    verifier_wait_s: float = 0.0  # seconds the verifier waited for drafts (no verify call while a round drafted)
     started_at: float = field(default_factory=time.monotonic)
     by_drafter: dict[str, list[float]] = field(default_factory=dict)  # id -> [rounds, accepted]
 
@@ -217,4 +227,11 @@ class Counters:
             "guard_withdrawals": self.guard_withdrawals,
             "guard_readmissions": self.guard_readmissions,
             "grammar_pruned": self.grammar_pruned,
+            "rows_verified": self.rows_verified,
+            "rows_accepted": self.rows_accepted,
+            "rows_beyond_rejection": self.rows_beyond_rejection,
+            "rows_pruned": self.rows_pruned,
+            "frontier_chunks": self.frontier_chunks,
+            "frontier_chunks_kept": self.frontier_chunks_kept,
+            "verifier_wait_s": self.verifier_wait_s,
         }

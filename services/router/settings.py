@@ -8,6 +8,13 @@ from common.platform.service import ServiceSettings
 from common.platform.settings import in_range, non_negative, port_check, positive, setting
 
 
+def check_verify_chunks(value: str) -> str | None:
+    """``--verify-chunks``: ``auto``, ``off`` or a chunk depth of at least 1 (``frontiers.chunk_depth``)."""
+    if value in ("off", "auto") or (value.isdigit() and int(value) >= 1):
+        return None
+    return "must be auto, off or a chunk depth (a whole number of at least 1)"
+
+
 @dataclass(frozen=True)
 class RouterSettings(ServiceSettings):
     port: int = setting(50052, help="port to listen on (0 picks a free port)", check=port_check)
@@ -118,6 +125,15 @@ class RouterSettings(ServiceSettings):
         help="the lookup drafter also proposes from the lookup corpus in Redis (what the target wrote for "
         "the zoo's training prompts, seeded by `cosine up` / `cosine profile`): the tokens that followed "
         "the longest occurrence of the request's suffix there, from its domain's text when it has one",
+    )
+    verify_chunks: str = setting(
+        "off",
+        help="verification frontiers: verify a request's draft chunk by chunk, its first chunk while the drafters "
+        "draft the next on the same hypothesis, and drop a later chunk unverified once a token before it is "
+        "rejected; auto: each request's chunk depth from its acceptance, N: chunks of depth N, off: the whole "
+        "draft in one pass",
+        check=check_verify_chunks,
+        metavar="auto|off|N",
     )
     explore_threshold: float = setting(
         0.5,

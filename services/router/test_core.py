@@ -68,6 +68,14 @@ CONFIGS = {
     # tiny test models a drafter step can cost more than a verify pass, so on a loaded machine the gate
     # may rightly turn drafting off and leave nothing speculative to check: here it prices rows only
     "no-lookup": RouterSettings(drafters_per_request=2, tree_width=3, lookup_drafts=False, draft_pricing=False),
+    # verification frontiers (frontiers.py): drafts verified chunk by chunk, the next drafted beside the pass
+    "chunks-2-no-cost-control": RouterSettings(
+        drafters_per_request=2, fusion="chunk", cost_control=False, adaptive_k=False, initial_k=6, verify_chunks="2"
+    ),
+    "chunks-1-token-fusion-no-cost-control": RouterSettings(
+        fusion="token", tree_width=2, cost_control=False, adaptive_k=False, initial_k=5, verify_chunks="1"
+    ),
+    "chunks-auto": RouterSettings(drafters_per_request=2, tree_width=3, max_k=8, verify_chunks="auto"),
 }
 
 
@@ -634,10 +642,16 @@ def test_verifier_restart_resumes_every_request_with_identical_output(engines, r
     assert verifier.active_requests == 0 and all(e.active_requests == 0 for e in drafters.values())
 
 
-def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(engines, reference):
+# chunks: drafts of 6 verified by chunks of 2, every node verified (frontiers.py)
+@pytest.mark.parametrize(
+    "chunks",
+    [{}, dict(verify_chunks="2", cost_control=False, adaptive_k=False, initial_k=6)],
+    ids=["whole", "chunks"],
+)
+def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(engines, reference, chunks):
     """Greedy and sampled requests drafted in the same rounds (token fusion groups them by pricing):
     the greedy outputs still equal the target's own, the sampled ones finish, and each kind's verdicts
-    feed its own calibration of drafter nodes."""
+    feed its own calibration of drafter nodes; so with drafts verified by chunks (frontiers.py)."""
     verifier, drafters = engines
     prompts, expected = reference
     rids = sorted(prompts)
@@ -651,6 +665,7 @@ def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(en
         lookup_drafts=False,
         probe_share=1.0,
         plain_steps=1,
+        **chunks,
     )
     core = RouterCore(config, LocalDrafterPool(drafters), LocalVerifier(verifier))
     prior = sum(core.control.sampled_calibration.seen)
@@ -669,3 +684,5 @@ def test_greedy_and_sampled_requests_in_one_batch_feed_their_own_calibrations(en
     assert all(len(got[rid]) == MAX_NEW for rid in sampled)
     assert sum(core.control.sampled_calibration.seen) > prior
     assert sum(core.control.calibration.seen) > prior
+    if chunks:  # later chunks were drafted beside passes, and some verified next
+        assert core.counters.frontier_chunks_kept > 0
