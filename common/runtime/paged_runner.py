@@ -19,7 +19,6 @@ import torch
 
 from common.runtime.kv_arena import PagedCache
 from common.runtime.paged_attention import paged_attend, plan_paged, write_kv
-from common.runtime.runner import _rope
 
 if TYPE_CHECKING:
     from common.runtime.runner import LMRunner, SeqInput
@@ -36,25 +35,12 @@ def forward_paged(runner: LMRunner, seqs: Sequence[SeqInput]) -> list[torch.Tens
     for c, t in zip(caches, layout.new_lens):
         c.will_write(t)  # checks the room the slot mapping needs
     plan = plan_paged(layout, caches, arena, h.dtype)  # type: ignore[arg-type]
-    N, H, Hkv, D = ids.shape[0], runner.num_heads, runner.num_kv_heads, runner.head_dim
+    N, H, D = ids.shape[0], runner.num_heads, runner.head_dim
     for li, layer in enumerate(runner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        if runner.products is not None:  # one product and one rotation for q and k together
-            qkv = runner.products[li].qkv.linear(x)
-            qk = _rope(qkv[:, : (H + Hkv) * D].view(N, H + Hkv, D), cos, sin)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(N, Hkv, D)
-        else:
-            q = _rope(attn.q_proj(x).view(N, H, D), cos, sin)
-            k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
-            v = attn.v_proj(x).view(N, Hkv, D)
+        q, k, v = runner.qkv(li, x, cos, sin)
         write_kv(arena, li, k, v, plan)
         o = paged_attend(q, arena, li, plan, runner.scale)  # [N, H, D]
-        h = h + attn.o_proj(o.reshape(N, H * D))
-        x = layer.post_attention_layernorm(h)
-        if runner.products is not None:
-            gate, up = runner.products[li].gate_up(x)
-            h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        else:
-            h = h + layer.mlp(x)
+        h = runner.mlp(li, h + attn.o_proj(o.reshape(N, H * D)))
     return runner.logits(h, seqs, layout)

@@ -293,6 +293,21 @@ class LMRunner:
 
     # ---- forward -----------------------------------------------------------------------------
 
+    def qkv(
+        self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``li``'s rotated queries and keys and its values for ``x`` (:func:`_qkv_of`)."""
+        return _qkv_of(self, li, x, cos, sin)
+
+    def mlp(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        """``h`` plus layer ``li``'s MLP of its normed ``h`` (the fused gate and up product when built)."""
+        layer = self.layers[li]
+        x = layer.post_attention_layernorm(h)
+        if self.products is not None:
+            gate, up = self.products[li].gate_up(x)
+            return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return h + layer.mlp(x)
+
     def prepare(
         self, seqs: Sequence[SeqInput]
     ) -> tuple[BatchLayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -333,7 +348,7 @@ class LMRunner:
             return forward_paged(self, seqs)
         layout, ids, h, cos, sin = self.prepare(seqs)
         dev = self.device
-        N, H, Hkv, D = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        N, H, D = ids.shape[0], self.num_heads, self.head_dim
         plan = self.backend.plan(layout, dev)
         offsets, lens = layout.offsets, layout.new_lens
         if self.backend.writes_new_kv:
@@ -343,14 +358,7 @@ class LMRunner:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            if self.products is not None:  # one product and one rotation for q and k together
-                qkv = self.products[li].qkv.linear(x)
-                qk = _rope(qkv[:, : (H + Hkv) * D].view(N, H + Hkv, D), cos, sin)
-                q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(N, Hkv, D)
-            else:
-                q = _rope(attn.q_proj(x).view(N, H, D), cos, sin)
-                k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
-                v = attn.v_proj(x).view(N, Hkv, D)
+            q, k, v = self.qkv(li, x, cos, sin)
             if self.backend.writes_new_kv:  # the backend writes the new keys/values itself, all sequences at once
                 o = self.backend.attend_writing(
                     q, k, v, [s.cache.view(li, t) for s, t in zip(seqs, lens)], plan, self.scale
@@ -361,13 +369,7 @@ class LMRunner:
                     s.cache.write(li, k[off : off + t].transpose(0, 1), v[off : off + t].transpose(0, 1))
                     kvs.append(s.cache.view(li, t))
                 o = self.backend.attend(q, kvs, plan, self.scale)  # [N, H, D]
-            h = h + attn.o_proj(o.reshape(N, H * D))
-            x = layer.post_attention_layernorm(h)
-            if self.products is not None:
-                gate, up = self.products[li].gate_up(x)
-                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            else:
-                h = h + layer.mlp(x)
+            h = self.mlp(li, h + attn.o_proj(o.reshape(N, H * D)))
         return self.logits(h, seqs, layout)
 
     def logits(self, h: torch.Tensor, seqs: Sequence[SeqInput], layout: BatchLayout) -> list[torch.Tensor]:
@@ -382,6 +384,21 @@ class LMRunner:
         if self.draft_vocab is not None:
             logits = self.draft_vocab.full_logits(logits)
         return list(torch.split(logits, counts))
+
+
+def _qkv_of(runner: LMRunner, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Layer ``li``'s queries ``[N, H, D]`` and keys ``[N, Hkv, D]`` (rotated) and values ``[N, Hkv, D]``
+    of the normed hidden states ``x: [N, hidden]``: with fused projections one product and one
+    rotation for q and k together, else the model's own three."""
+    N, H, Hkv, D = x.shape[0], runner.num_heads, runner.num_kv_heads, runner.head_dim
+    if runner.products is not None:
+        qkv = runner.products[li].qkv.linear(x)
+        qk = _rope(qkv[:, : (H + Hkv) * D].view(N, H + Hkv, D), cos, sin)
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(N, Hkv, D)
+    attn = runner.layers[li].self_attn
+    q = _rope(attn.q_proj(x).view(N, H, D), cos, sin)
+    k = _rope(attn.k_proj(x).view(N, Hkv, D), cos, sin)
+    return q, k, attn.v_proj(x).view(N, Hkv, D)
 
 
 def _pass_order(model: Any, products: Sequence[LayerProducts]) -> torch.nn.ModuleList:
