@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from common.logs import get_logger
+from common.runtime.kv_cache import KVStore
 from common.spec.types import KVBudgetExceeded
 
 log = get_logger(__name__)
@@ -89,7 +90,7 @@ def _blocks_for(tokens: int, block: int) -> int:
     return -(-tokens // block)
 
 
-class KVArena:
+class KVArena(KVStore):
     """Blocks of ``block_size`` tokens in ``k, v: [num_layers, num_blocks * block_size, Hkv, D]``
     and their free list; the pool of :class:`PagedCache` s (``new_cache``).
 
@@ -97,30 +98,11 @@ class KVArena:
     allocation (default: the budget when ``preallocate``, else the smaller of the budget and 64 blocks).
     """
 
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        token_budget: int | None,
-        block_size: int = 16,
-        preallocate: bool = False,
-        initial_tokens: int | None = None,
-    ) -> None:
-        if token_budget is not None and token_budget <= 0:
-            raise ValueError(f"token_budget must be positive or None, got {token_budget}")
+    def __init__(self, *, preallocate: bool = False, initial_tokens: int | None = None, **shape) -> None:
+        super().__init__(**shape)
+        token_budget, block_size = self.token_budget, self.block_size
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.token_budget = token_budget
-        self.block_size = block_size
         self.max_blocks = None if token_budget is None else token_budget // block_size
         if initial_tokens is None:
             initial_tokens = token_budget if preallocate and token_budget is not None else 64 * block_size
@@ -148,14 +130,6 @@ class KVArena:
     def reserved_tokens(self) -> int:
         """Tokens of the blocks live caches hold."""
         return self.used_blocks * self.block_size
-
-    @property
-    def free_tokens(self) -> int | None:
-        return None if self.token_budget is None else self.token_budget - self.reserved_tokens
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
 
     def new_cache(self) -> PagedCache:
         return PagedCache(self)

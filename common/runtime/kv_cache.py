@@ -27,12 +27,16 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-class KVPool:
-    """Allocates per-request caches and accounts their capacity against ``token_budget``.
+class KVStore:
+    """What a KV store holds per token and the budget it keeps (the base of :class:`KVPool` and of
+    the paged :class:`~common.runtime.kv_arena.KVArena`).
 
     ``token_budget=None`` means unbounded (tests, benchmarks). One token costs
-    ``2 * num_layers * num_kv_heads * head_dim * itemsize`` bytes (:attr:`bytes_per_token`).
+    ``2 * num_layers * num_kv_heads * head_dim * itemsize`` bytes (:attr:`bytes_per_token`); the
+    store's tokens are counted in ``reserved_tokens``.
     """
+
+    reserved_tokens: int
 
     def __init__(
         self,
@@ -54,7 +58,6 @@ class KVPool:
         self.device = torch.device(device)
         self.token_budget = token_budget
         self.block_size = block_size
-        self.reserved_tokens = 0  # sum of the capacities of live caches
 
     @property
     def bytes_per_token(self) -> int:
@@ -65,6 +68,15 @@ class KVPool:
     @property
     def free_tokens(self) -> int | None:
         return None if self.token_budget is None else self.token_budget - self.reserved_tokens
+
+
+class KVPool(KVStore):
+    """Allocates per-request caches and accounts their capacity against ``token_budget``
+    (:class:`KVStore`)."""
+
+    def __init__(self, **shape) -> None:
+        super().__init__(**shape)
+        self.reserved_tokens = 0  # sum of the capacities of live caches
 
     def new_cache(self) -> KVCache:
         return KVCache(self)
