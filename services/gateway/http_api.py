@@ -220,8 +220,11 @@ def create_http_app(gateway: HttpHost) -> FastAPI:
         except StopAsyncIteration:
             return error_response(GatewayError(grpc.StatusCode.INTERNAL, "the request ended without output"), chat)
         response_id = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
-        raw = gateway.grammars.token_bytes if gateway.grammars is not None else None
-        shapers = [shaper(gateway.tokenizer, asked_logprobs(body), chat, raw) for _ in range(n)]
+        token_bytes = None
+        if chat and asked_logprobs(body) is not None and gateway.grammars is not None:
+            await asyncio.to_thread(gateway.grammars.warm)  # its tokenizer view, built once (about a second)
+            token_bytes = gateway.grammars.token_bytes
+        shapers = [shaper(gateway.tokenizer, asked_logprobs(body), chat, token_bytes) for _ in range(n)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _stream(gen, merged(streams, firsts), response_id, model, chat, include_usage, shapers)

@@ -221,12 +221,10 @@ class GatewayApp:
                     ) from None
             vocab = int(info.get("vocab_size") or len(self.tokenizer))
             max_context = int(info.get("max_context") or getattr(self.tokenizer, "model_max_length", 0) or 1 << 30)
-            if self.grammars is None:
-                tokenizer = self.tokenizer
-                grammars = Grammars(lambda: tokenizer, vocab)
-                await asyncio.to_thread(grammars.warm)  # token bytes and constraints need it; about a second, once
-                self.grammars = grammars
+            tokenizer = self.tokenizer
             # no await from here on: ``limits`` set means ready, so everything else is set with it
+            # (the grammar engine builds its view of the tokenizer on first use, in a worker thread)
+            self.grammars = Grammars(lambda: tokenizer, vocab)
             if not self.model_name:
                 self.model_name = Path(path.rstrip("/")).name or "cosine"
             eos = self.tokenizer.eos_token_id
