@@ -26,7 +26,7 @@ from common.spec.grammar import Constrained, Grammars, masked
 from common.spec.logprobs import path_rows, token_logprobs
 from common.spec.lookup_corpus import DomainCorpora
 from common.spec.lookup_index import CORPUS, TEXT, LookupIndex
-from common.spec.penalties import acceptance_logits
+from common.spec.penalties import acceptance_logits, path_tokens
 from common.spec.types import InvalidInput, SpecError, TokenTree, Verdict, VerifyItem
 
 log = get_logger("common.runtime.verifier_engine")
@@ -207,11 +207,8 @@ class PlainSteps:
 
 def leaf_paths(tree: TokenTree) -> list[list[int]]:
     """Every root-to-leaf path of ``tree`` as tokens (``TokenTree.merged`` of them is ``tree``)."""
-    paths: list[list[int]] = []
-    for i, p in enumerate(tree.parents):
-        paths.append([*(paths[p] if p >= 0 else []), tree.tokens[i]])
-    children = tree.children
-    return [paths[i] for i in range(len(tree)) if not children.get(i)]
+    paths, children = path_tokens(tree), tree.children  # paths[1 + i]: node i's path
+    return [paths[1 + i] for i in range(len(tree)) if not children.get(i)]
 
 
 def _step_input(state: RequestState, tree: TokenTree) -> SeqInput:
