@@ -246,14 +246,9 @@ class Grammars:
             if template is not None:
                 self._compiled.move_to_end(constraint)
                 return template
-            text = grammar_text(constraint)
-            tokenizer = self._lltokenizer()
-            is_error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
-            if is_error:
-                raise InvalidInput(f"constraint: {messages[0] if messages else 'the grammar does not compile'}")
-            template = LLMatcher(tokenizer, text, log_level=0)
-            if template.is_error():
-                raise InvalidInput(f"constraint: {template.get_error()}")
+            template = LLMatcher(self._lltokenizer(), grammar_text(constraint), log_level=0)
+            if template.is_error():  # the matcher never raises: a grammar that does not compile is its error state
+                raise InvalidInput(f"constraint: {template.get_error() or 'the grammar does not compile'}")
             self._compiled[constraint] = template
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
