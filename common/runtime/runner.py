@@ -15,9 +15,10 @@ dynamic, yarn, ...) is computed by the same code as in ``generate``.
 
 The caches are either per-request (:mod:`common.runtime.kv_cache`, attended by the backend) or
 blocks of one paged arena (:mod:`common.runtime.kv_arena`): a pass whose caches are
-:class:`~common.runtime.kv_arena.PagedCache` s runs :func:`~common.runtime.paged_runner.forward_paged`,
-with one batched write and one attention call a layer and its metadata built once. Which one a
-runner makes (``new_pool``) is its ``kv_cache`` (``--kv-cache``).
+:class:`~common.runtime.kv_arena.PagedCache` s runs the same layers with
+:class:`~common.runtime.paged_runner.PagedPass` for their attention, with one batched write and
+one attention call a layer and its metadata built once. Which one a runner makes (``new_pool``) is
+its ``kv_cache`` (``--kv-cache``).
 
 The runner reuses the checkpoint's modules (embedding, RMSNorm, q/k/v/o projections with or
 without bias, gated MLP, final norm, lm_head, tied or not) and replaces only the attention and
@@ -32,7 +33,7 @@ past that context); anything else, a narrower window included, is refused at loa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from common.runtime.fused_projections import LayerProducts, stack_layers
 from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
 from common.runtime.kv_arena import KVArena, PagedCache, select_kv_cache
 from common.runtime.kv_cache import KVCache, KVPool
+from common.runtime.paged_runner import PagedPass
 from common.spec.types import ModelInfo
 
 log = get_logger(__name__)
@@ -161,7 +163,7 @@ class LMRunner:
         self.model = model
         self.config = cfg
         self.backend = backend
-        self.kv_cache = kv_cache  # paged: KVArena caches, forward_paged; contiguous: KVPool caches and backend
+        self.kv_cache = kv_cache  # paged: KVArena caches, PagedPass; contiguous: KVPool caches and backend
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fp
         inner = model.model
@@ -342,35 +344,44 @@ class LMRunner:
         """
         if not seqs:
             return []
-        if isinstance(seqs[0].cache, PagedCache):
-            from common.runtime.paged_runner import forward_paged
-
-            return forward_paged(self, seqs)
         layout, ids, h, cos, sin = self.prepare(seqs)
-        dev = self.device
         N, H, D = ids.shape[0], self.num_heads, self.head_dim
-        plan = self.backend.plan(layout, dev)
+        if isinstance(seqs[0].cache, PagedCache):
+            paged = PagedPass([s.cache for s in seqs], layout, h.dtype)  # type: ignore[misc]
+
+            def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return paged.attend(li, q, k, v, self.scale)
+
+        else:
+            attend = self._cache_attention(seqs, layout)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.qkv(li, layer.input_layernorm(h), cos, sin)
+            h = self.mlp(li, h + layer.self_attn.o_proj(attend(li, q, k, v).reshape(N, H * D)))
+        return self.logits(h, seqs, layout)
+
+    def _cache_attention(
+        self, seqs: Sequence[SeqInput], layout: BatchLayout
+    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Each layer's attention over the requests' own caches through the backend: its plan built
+        once for the pass; then per layer the new keys/values written (by the backend itself, all
+        sequences at once, where it can) and attended, ``q: [N, H, D]`` -> ``[N, H, D]``."""
+        plan = self.backend.plan(layout, self.device)
         offsets, lens = layout.offsets, layout.new_lens
         if self.backend.writes_new_kv:
             for s, t in zip(seqs, lens):
                 s.cache.will_write(t)  # checks the room the views below need
 
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = self.qkv(li, x, cos, sin)
-            if self.backend.writes_new_kv:  # the backend writes the new keys/values itself, all sequences at once
-                o = self.backend.attend_writing(
-                    q, k, v, [s.cache.view(li, t) for s, t in zip(seqs, lens)], plan, self.scale
-                )
-            else:
-                kvs = []
-                for s, off, t in zip(seqs, offsets, lens):
-                    s.cache.write(li, k[off : off + t].transpose(0, 1), v[off : off + t].transpose(0, 1))
-                    kvs.append(s.cache.view(li, t))
-                o = self.backend.attend(q, kvs, plan, self.scale)  # [N, H, D]
-            h = self.mlp(li, h + attn.o_proj(o.reshape(N, H * D)))
-        return self.logits(h, seqs, layout)
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if self.backend.writes_new_kv:
+                views = [s.cache.view(li, t) for s, t in zip(seqs, lens)]
+                return self.backend.attend_writing(q, k, v, views, plan, self.scale)
+            kvs = []
+            for s, off, t in zip(seqs, offsets, lens):
+                s.cache.write(li, k[off : off + t].transpose(0, 1), v[off : off + t].transpose(0, 1))
+                kvs.append(s.cache.view(li, t))
+            return self.backend.attend(q, kvs, plan, self.scale)
+
+        return attend
 
     def logits(self, h: torch.Tensor, seqs: Sequence[SeqInput], layout: BatchLayout) -> list[torch.Tensor]:
         """Per sequence the float32 logits ``[len(logit_rows), vocab]`` of its wanted rows of the
