@@ -70,20 +70,12 @@ def _response_format(value: Any) -> Constraint | None:
 
 
 def _extension(key: str, value: Any, field_name: str) -> Constraint:
+    """A vLLM-style field as a constraint: a schema or a list of choices given as JSON is written
+    out as JSON text; whether it is a schema, a list of strings, a regex that parses is the
+    grammar's compile to say (``common.spec.grammar``, at admission, naming ``field_name``)."""
     kind = KINDS[key]
-    if kind == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise InvalidRequest(field_name, f"the JSON schema is not JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise InvalidRequest(field_name, "must be a JSON schema (an object)")
-        return Constraint(kind, json.dumps(value))
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise InvalidRequest(field_name, "must be a non-empty list of non-empty strings")
-        return Constraint(kind, json.dumps(value))
+    if kind in ("json_schema", "choice") and not isinstance(value, str):
+        value = json.dumps(value)
     if not isinstance(value, str) or not value:
-        raise InvalidRequest(field_name, f"must be a non-empty {key} string")
+        raise InvalidRequest(field_name, f"must be a non-empty {key}")
     return Constraint(kind, value)
