@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.kv_cache_flag import KV_CACHE_HELP, KV_CACHES
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHES = ("auto", "paged", "contiguous")
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
@@ -52,8 +53,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache",
         default="",
         choices=KV_CACHES,
-        help="KV cache of the target and the drafters: paged (the arena), contiguous (a cache per request) "
-        "or auto (paged on CUDA; default)",
+        help=f"of the target and the drafters (default: the services' own, auto). {KV_CACHE_HELP}",
     )
 
 

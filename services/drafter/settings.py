@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.platform.service import ServiceSettings
 from common.platform.settings import non_negative, port_check, positive, setting
+from services.kv_cache_flag import KV_CACHE_HELP, KV_CACHES
 
 
 def drafter_spec_check(value: str) -> str | None:
@@ -36,14 +37,7 @@ class DrafterSettings(ServiceSettings):
         help="weight dtype (auto: as the verifier's auto; a drafter's rounding never changes an output)",
         choices=("auto", "float32", "float16", "bfloat16"),
     )
-    kv_cache: str = setting(
-        "auto",
-        help="KV cache: paged (every request's keys/values in blocks of one arena, a block table each; one "
-        "batched write and one attention call a layer), contiguous (a growable cache per request, with the attention "
-        "backend's own kernels); auto picks paged on CUDA and contiguous on a CPU, where the CPU kernel on "
-        "per-request caches is faster",
-        choices=("auto", "paged", "contiguous"),
-    )
+    kv_cache: str = setting("auto", help=KV_CACHE_HELP, choices=KV_CACHES)
     torch_threads: int = setting(
         0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative
     )

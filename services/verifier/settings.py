@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.platform.service import ServiceSettings
 from common.platform.settings import non_negative, port_check, positive, setting
+from services.kv_cache_flag import KV_CACHE_HELP, KV_CACHES
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,7 @@ class VerifierSettings(ServiceSettings):
         "importable, else sdpa",
         choices=("auto", "flash_attn", "cpu_kernel", "sdpa", "eager", "invariant"),
     )
-    kv_cache: str = setting(
-        "auto",
-        help="KV cache: paged (every request's keys/values in blocks of one arena, a block table each; one "
-        "batched write and one attention call a layer), contiguous (a growable cache per request, with the attention "
-        "backend's own kernels); auto picks paged on CUDA and contiguous on a CPU, where the CPU kernel on "
-        "per-request caches is faster",
-        choices=("auto", "paged", "contiguous"),
-    )
+    kv_cache: str = setting("auto", help=KV_CACHE_HELP, choices=KV_CACHES)
     torch_threads: int = setting(
         0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative
     )
