@@ -32,7 +32,7 @@ from cosine_zoo.build_distilled import run_distilled_build
 from cosine_zoo.corpus import Corpus, build_corpus, make_prompts, take_chars
 from cosine_zoo.manifest import FORMAT, MANIFEST, PROMPTS, Zoo, load_zoo, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile, Profile
-from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
+from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, resolve_device, seed_for, stage_key, write_stage
 from cosine_zoo.tokenizer import check_conventions, encode_documents, save_tokenizer, train_tokenizer
 from cosine_zoo.train import ModelSpec, TrainResult, TrainSpec, count_params, make_llama, train_lm
 
@@ -174,14 +174,6 @@ def keep_freed_memory() -> None:
         libc.mallopt(-3, 32 * 1024 * 1024)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("profile wants a CUDA device but torch sees none")
-    return device
 
 
 def clear_zoo(out: Path) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -36,12 +35,13 @@ from common.runtime.checkpoints import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
-from cosine_zoo import distill, evaluate, instructions
+from cosine_zoo import distill, instructions
 from cosine_zoo.corpus import DOMAINS, build_corpus, make_prompts, prompt_from
 from cosine_zoo.manifest import FORMAT, Zoo, load_zoo, write_lexicon, write_lookup_corpus, write_manifest, write_prompts
 from cosine_zoo.profiles import DistillProfile
-from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, seed_for, stage_key, write_stage
+from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, resolve_device, seed_for, stage_key, write_stage
 from cosine_zoo.train import count_params
+from cosine_zoo.zoo_figures import evaluate_distilled, step_costs
 
 log = get_logger("cosine_zoo.build")
 
@@ -52,6 +52,7 @@ TEACHER_FILE = "teacher.pt"
 
 def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
     started = time.perf_counter()
+    device = resolve_device(profile.device)  # a missing GPU is refused before anything is written
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -62,13 +63,13 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
     tokenizer = load_tokenizer(target_path)
     shutil.rmtree(out / "tokenizer", ignore_errors=True)
     tokenizer.save_pretrained(str(out / "tokenizer"))
-    target = load_causal_lm(target_path)
+    target = load_causal_lm(target_path, device=device)
     timings["target"] = time.perf_counter() - t0
     stages.update(1)
 
     t0 = time.perf_counter()
     train_prompts, heldout_prompts = domain_prompts(profile, tokenizer, opts.seed)
-    teacher = teacher_stage(out, opts, profile, target, target_path, tokenizer, train_prompts, heldout_prompts)
+    teacher = teacher_stage(out, opts, profile, target, target_path, tokenizer, train_prompts, heldout_prompts, device)
     timings["teacher"] = time.perf_counter() - t0
     stages.update(1)
 
@@ -93,6 +94,7 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
         everything,
         start=lambda: distill.init_drafter(target, vocab, profile.drafter_layers, seed_for(opts.seed, GENERALIST)),
         spec=profile.generalist_train,
+        device=device,
     )
     for d in DISTILL_DOMAINS:
         drafters[d], info[d] = drafter_stage(
@@ -106,12 +108,13 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
             teacher["train"][d],
             start=lambda: load_causal_lm(out / "drafters" / GENERALIST),
             spec=profile.specialist_train,
+            device=device,
         )
     timings["drafters"] = time.perf_counter() - t0
     stages.update(1)
 
     t0 = time.perf_counter()
-    evaluation = evaluate_distilled(target, drafters, vocab, teacher["heldout"], profile)
+    evaluation = evaluate_distilled(target, drafters, vocab, teacher["heldout"], profile, device)
     evaluation["step_cost"] = step_costs(target_path, {n: out / "drafters" / n for n in drafters}, profile)
     timings["evaluation"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - started
@@ -160,7 +163,7 @@ def run_distilled_build(opts: BuildOptions, profile: DistillProfile) -> Zoo:
         "prompts": {"path": "prompts.jsonl", "per_domain": profile.evaluation.prompts_per_domain},
         "evaluation": evaluation,
         "profile_spec": profile.as_dict(),
-        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
+        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": device},
         "timings": {k: round(v, 2) for k, v in timings.items()},
     }
     write_manifest(out, manifest)
@@ -232,6 +235,7 @@ def teacher_stage(
     tokenizer: Any,
     train: dict[str, list[str]],
     heldout: dict[str, list[str]],
+    device: str = "cpu",
 ) -> dict[str, dict[str, list[distill.Example]]]:
     path = out / "teacher"
     key = stage_key(opts, "teacher") + tokenizer_fingerprint(tokenizer)
@@ -249,7 +253,7 @@ def teacher_stage(
     )
     data: dict[str, dict[str, list[distill.Example]]] = {"train": {}, "heldout": {}}
     corpus = build_corpus(profile.corpus, opts.seed) if spec.text_windows_per_domain else None
-    writer = teacher_engine(target_path, profile.device) or target
+    writer = teacher_engine(target_path, device) or target
     for d in DISTILL_DOMAINS:
         data["train"][d] = distill.teacher_examples(
             writer,
@@ -260,6 +264,7 @@ def teacher_stage(
             spec.batch_size,
             f"teacher {d}",
             opts.progress,
+            device=device,
             top_k=spec.soft_top_k,
         )
         if corpus is not None and d in corpus.domains:
@@ -267,7 +272,14 @@ def teacher_stage(
                 tokenizer, corpus.domains[d].train, spec.text_windows_per_domain, spec.window
             )
             data["train"][d] += distill.teacher_forced_examples(
-                target, windows, spec.window_context, 8, f"teacher-forced {d}", opts.progress, top_k=spec.soft_top_k
+                target,
+                windows,
+                spec.window_context,
+                8,
+                f"teacher-forced {d}",
+                opts.progress,
+                device=device,
+                top_k=spec.soft_top_k,
             )
         data["heldout"][d] = distill.teacher_examples(
             writer,
@@ -278,6 +290,7 @@ def teacher_stage(
             spec.batch_size,
             f"held-out {d}",
             opts.progress,
+            device=device,
         )
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
@@ -311,6 +324,7 @@ def drafter_stage(
     examples: list[distill.Example],
     start: Any,
     spec: distill.DistillTrain,
+    device: str = "cpu",
 ) -> tuple[Any, dict[str, Any]]:
     path = out / "drafters" / name
     key = stage_key(opts, "drafter/" + name)
@@ -319,12 +333,19 @@ def drafter_stage(
         try:
             check_checkpoint_dir(path, need_weights=True, need_tokenizer=True)
             log.info("drafter up to date, skipped", drafter=name, path=str(path))
-            return load_causal_lm(path), record["info"]
+            return load_causal_lm(path, device=device), record["info"]
         except CheckpointError as exc:
             log.warning("retraining drafter", drafter=name, reason=str(exc))
     drafter = start()
     result = distill.train_drafter(
-        drafter, examples, vocab, spec, seed_for(opts.seed, name + "/data"), f"drafter {name}", opts.progress
+        drafter,
+        examples,
+        vocab,
+        spec,
+        seed_for(opts.seed, name + "/data"),
+        f"drafter {name}",
+        opts.progress,
+        device=device,
     )
     info = {
         "params": count_params(drafter),
@@ -339,7 +360,8 @@ def drafter_stage(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     vocab.save(tmp, drafter.config)
-    drafter.save_pretrained(str(tmp), safe_serialization=True)
+    drafter.to("cpu").save_pretrained(str(tmp), safe_serialization=True)
+    drafter.to(device)
     tokenizer.save_pretrained(str(tmp))
     shutil.rmtree(path, ignore_errors=True)
     tmp.replace(path)
@@ -356,80 +378,4 @@ def drafter_entry(name: str, info: dict[str, Any], profile: DistillProfile) -> d
         "init": "target layers " + ",".join(map(str, profile.drafter_layers)),
         "draft_vocab": profile.draft_vocab,
         "training": {k: info[k] for k in ("steps", "tokens", "final_loss")},
-    }
-
-
-# ---- evaluation ------------------------------------------------------------------------------
-
-
-def evaluate_distilled(
-    target: Any,
-    drafters: dict[str, Any],
-    vocab: Any,
-    heldout: dict[str, list[distill.Example]],
-    profile: DistillProfile,
-) -> dict[str, Any]:
-    spec = profile.evaluation
-    matrix = {name: {} for name in drafters}
-    rounds = {name: {} for name in drafters}
-    for d in DISTILL_DOMAINS:
-        for name, drafter in drafters.items():
-            stats = evaluate.acceptance(distill.draft_matches(drafter, vocab, heldout[d]), spec.k)
-            matrix[name][d] = round(stats.mean_accepted, 4)
-            rounds[name][d] = stats.rounds
-    # perplexity on the held-out prompt text plus the target's own continuation of it
-    perplexity = {}
-    for d in DISTILL_DOMAINS:
-        stream = torch.tensor([t for ex in heldout[d] for t in ex.prompt])
-        perplexity[d] = round(
-            evaluate.perplexity(target, stream, min(spec.ppl_seq_len, len(stream) - 1), spec.ppl_windows), 4
-        )
-    log.info("evaluated", acceptance=matrix)
-    return {
-        "k": spec.k,
-        "new_tokens": spec.new_tokens,
-        "prompts_per_domain": spec.prompts_per_domain,
-        "target_perplexity": perplexity,
-        "acceptance": matrix,
-        "rounds": rounds,
-    }
-
-
-def step_costs(target_path: Path, drafter_paths: dict[str, Path], profile: DistillProfile) -> dict[str, Any]:
-    """Milliseconds of one decode step at batch 1 on one thread, target and each drafter (the project's runner)."""
-    from common.runtime.runner import LMRunner, SeqInput
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-
-        def step_ms(path: Path) -> float:
-            runner = LMRunner.from_checkpoint(path, backend="sdpa")
-            pool = runner.new_pool(None)
-            cache = pool.new_cache()
-            ctx = profile.step_cost_context
-            cache.reserve(ctx + 40)
-            runner.forward([SeqInput(cache, tuple(range(1, ctx + 1)))])
-            cache.commit(ctx)
-            times = []
-            for i in range(25):
-                t0 = time.perf_counter()
-                runner.forward([SeqInput(cache, (1 + i % 50,))])
-                times.append(time.perf_counter() - t0)
-                cache.commit(1)
-            cache.release()
-            return statistics.median(times[5:]) * 1000
-
-        target_ms = step_ms(target_path)
-        drafter_ms = {name: round(step_ms(p), 3) for name, p in drafter_paths.items()}
-    finally:
-        torch.set_num_threads(saved)
-    worst = max(drafter_ms.values())
-    return {
-        "context": profile.step_cost_context,
-        "threads": 1,
-        "batch": 1,
-        "target_ms": round(target_ms, 3),
-        "drafter_ms": drafter_ms,
-        "worst_ratio": round(worst / target_ms, 4),
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--force", action="store_true", help="rebuild everything, even stages already done")
     build.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     build.add_argument("--quiet", action="store_true", help="no progress bars")
+    build.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default=None,
+        help="where the target writes the teacher data and the models train and are evaluated "
+        "(default: the profile's own, cpu for smol; auto: cuda where torch sees one). The same profile "
+        "on a GPU takes minutes instead of tens of minutes; its figures are recorded under "
+        "environment.device in zoo.json",
+    )
     build.add_argument(
         "--target",
         type=Path,
@@ -61,9 +71,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     from cosine_zoo.profiles import get_profile
 
     configure_logging("info")
+    profile = get_profile(args.profile)
+    if args.device is not None:
+        profile = dataclasses.replace(profile, device=args.device)
     opts = BuildOptions(
         out=args.out,
-        profile=get_profile(args.profile),
+        profile=profile,
         seed=args.seed,
         force=args.force,
         progress=not args.quiet,
@@ -105,6 +118,11 @@ def print_report(manifest: Mapping, out: TextIO) -> None:
         f"{ev['prompts_per_domain']} held-out prompts x {ev['new_tokens']} new tokens per domain)\n\n"
     )
     out.write(format_matrix(ev["acceptance"], manifest["domains"], manifest["drafters"]) + "\n\n")
+    rows = specialist_ratios(ev["acceptance"], manifest["domains"])
+    if rows:
+        out.write("Specialists against the generalist, each on its own domain\n\n")
+        table = [[d, f"{g:.2f}", f"{sp:.2f}", f"{r:.2f}x"] for d, g, sp, r in rows]
+        out.write(format_table(["domain", "generalist", "specialist", "ratio"], table) + "\n\n")
     out.write("Target perplexity (held-out)\n\n")
     out.write(
         format_table(["domain", "perplexity"], [[d, f"{v:.2f}"] for d, v in ev["target_perplexity"].items()]) + "\n"
@@ -120,6 +138,22 @@ def print_report(manifest: Mapping, out: TextIO) -> None:
     timings = manifest.get("timings")
     if timings:
         out.write("\nBuild time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + "\n")
+
+
+def specialist_ratios(
+    matrix: Mapping[str, Mapping[str, float]], domains: list[str], generalist: str = "generalist"
+) -> list[tuple[str, float, float, float]]:
+    """``(domain, generalist, specialist, specialist / generalist)`` for every domain with a
+    drafter named after it: what routing by expertise has to exploit (empty without a generalist)."""
+    base = matrix.get(generalist)
+    if base is None:
+        return []
+    out = []
+    for d in domains:
+        if d in matrix and d in base and d in matrix[d]:
+            g, sp = base[d], matrix[d][d]
+            out.append((d, g, sp, sp / g if g > 0 else float("inf")))
+    return out
 
 
 def format_matrix(matrix: Mapping[str, Mapping[str, float]], domains: list[str], drafters: Mapping) -> str:

@@ -51,6 +51,23 @@ def write_stage(path: Path, key: str, info: dict[str, Any]) -> None:
     (path / STAGE_FILE).write_text(json.dumps({"key": key, **info}, indent=2) + "\n")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: ``cuda`` where torch sees a CUDA device, else ``cpu``. ``ValueError`` for ``cuda``
+    without one (before any stage runs), or a name that is neither."""
+    import torch
+
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r} (choose {', '.join(DEVICES)})")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here (a CUDA build of torch and a GPU are needed)")
+    return device
+
+
 def seed_for(seed: int, name: str) -> int:
     """Independent, stable seeds per model, so that skipping one stage never shifts another's."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:4], "little")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
 import pytest
+import torch
 
 from cosine_zoo.build import BuildOptions, build_zoo
 from cosine_zoo.build_distilled import DISTILL_DOMAINS
@@ -21,6 +23,7 @@ from cosine_zoo.manifest import (
     write_lookup_corpus,
 )
 from cosine_zoo.profiles import tiny_distill
+from cosine_zoo.stages import resolve_device
 
 
 def test_distilled_zoo_has_every_drafter_and_figure(tiny_distilled_zoo, tiny_zoo):
@@ -268,3 +271,58 @@ def test_zoo_carries_the_target_s_continuations_of_its_training_prompts_as_looku
     (tmp_path / LOOKUP_CORPUS).write_text('{"format": "cosine-lookup-corpus/1", "domains": {"code": [["x"]]}}')
     with pytest.raises(ZooError, match="lookup corpus"):
         read_lookup_corpus(tmp_path / LOOKUP_CORPUS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA device")
+def test_device_cuda_without_a_gpu_is_refused_before_any_stage(tmp_path):
+    from cosine_zoo.cli import cmd_build, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "z"
+    args = parser.parse_args(
+        [
+            "models",
+            "build",
+            "--profile",
+            "tiny-distill",
+            "--target",
+            str(tmp_path),
+            "--out",
+            str(out),
+            "--device",
+            "cuda",
+        ]
+    )
+    assert args.device == "cuda"
+    assert cmd_build(args) == 1
+    assert not out.exists()  # refused before the target stage made the directory
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("tpu")
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+
+
+def test_zoo_records_the_device_it_was_built_on(tiny_distilled_zoo):
+    assert tiny_distilled_zoo.manifest["environment"]["device"] == "cpu"
+
+
+def test_report_shows_each_specialist_against_the_generalist_on_its_own_domain(tiny_distilled_zoo):
+    import io
+
+    from cosine_zoo.cli import print_report, specialist_ratios
+
+    manifest = tiny_distilled_zoo.manifest
+    matrix = manifest["evaluation"]["acceptance"]
+    for d, ratio in manifest["evaluation"]["specialist_ratio"].items():
+        g = matrix["generalist"][d]
+        assert ratio is None if g == 0 else ratio == pytest.approx(matrix[d][d] / g, abs=1e-4)
+    rows = specialist_ratios({"generalist": {"code": 0.5, "chat": 0.4}, "code": {"code": 0.8}}, ["code", "chat"])
+    assert rows == [("code", 0.5, 0.8, pytest.approx(1.6))]  # chat has no specialist: no row
+    assert specialist_ratios({"code": {"code": 1.0}}, ["code"]) == []
+    buf = io.StringIO()
+    print_report(manifest, buf)
+    text = buf.getvalue()
+    assert "Specialists against the generalist" in text
+    assert all(f"| {d} " in text.split("Specialists against")[1] for d in manifest["domains"])
