@@ -30,7 +30,16 @@ from common.runtime.checkpoints import (
 from cosine_zoo import evaluate
 from cosine_zoo.build_distilled import run_distilled_build
 from cosine_zoo.corpus import Corpus, build_corpus, make_prompts, take_chars
-from cosine_zoo.manifest import FORMAT, MANIFEST, PROMPTS, Zoo, load_zoo, write_manifest, write_prompts
+from cosine_zoo.manifest import (
+    FORMAT,
+    MANIFEST,
+    PROMPTS,
+    Zoo,
+    evaluation_record,
+    load_zoo,
+    write_manifest,
+    write_prompts,
+)
 from cosine_zoo.profiles import DistillProfile, Profile
 from cosine_zoo.stages import GENERALIST, BuildOptions, read_stage, resolve_device, seed_for, stage_key, write_stage
 from cosine_zoo.tokenizer import check_conventions, encode_documents, save_tokenizer, train_tokenizer
@@ -310,11 +319,4 @@ def evaluate_zoo(
             matrix[name][domain] = round(stats.mean_accepted, 4)
             rounds[name][domain] = stats.rounds
     log.info("evaluated", perplexity=perplexity, acceptance=matrix)
-    return {
-        "k": spec.k,
-        "new_tokens": spec.new_tokens,
-        "prompts_per_domain": spec.prompts_per_domain,
-        "target_perplexity": perplexity,
-        "acceptance": matrix,
-        "rounds": rounds,
-    }
+    return evaluation_record(spec, perplexity, matrix, rounds)

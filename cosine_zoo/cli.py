@@ -118,6 +118,8 @@ def print_report(manifest: Mapping, out: TextIO) -> None:
         f"{ev['prompts_per_domain']} held-out prompts x {ev['new_tokens']} new tokens per domain)\n\n"
     )
     out.write(format_matrix(ev["acceptance"], manifest["domains"], manifest["drafters"]) + "\n\n")
+    from cosine_zoo.manifest import specialist_ratios
+
     rows = specialist_ratios(ev["acceptance"], manifest["domains"])
     if rows:
         out.write("Specialists against the generalist, each on its own domain\n\n")
@@ -138,22 +140,6 @@ def print_report(manifest: Mapping, out: TextIO) -> None:
     timings = manifest.get("timings")
     if timings:
         out.write("\nBuild time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + "\n")
-
-
-def specialist_ratios(
-    matrix: Mapping[str, Mapping[str, float]], domains: list[str], generalist: str = "generalist"
-) -> list[tuple[str, float, float, float]]:
-    """``(domain, generalist, specialist, specialist / generalist)`` for every domain with a
-    drafter named after it: what routing by expertise has to exploit (empty without a generalist)."""
-    base = matrix.get(generalist)
-    if base is None:
-        return []
-    out = []
-    for d in domains:
-        if d in matrix and d in base and d in matrix[d]:
-            g, sp = base[d], matrix[d][d]
-            out.append((d, g, sp, sp / g if g > 0 else float("inf")))
-    return out
 
 
 def format_matrix(matrix: Mapping[str, Mapping[str, float]], domains: list[str], drafters: Mapping) -> str:

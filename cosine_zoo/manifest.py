@@ -242,3 +242,38 @@ def check_fingerprints(zoo: Zoo) -> None:
                 f"{entry_path}: tokenizer fingerprint {got} does not match the zoo's {zoo.tokenizer_fingerprint} "
                 "(mismatched tokenizer; rebuild with `cosine models build --force`)"
             )
+
+
+def specialist_ratios(
+    matrix: Mapping[str, Mapping[str, float]], domains: list[str], generalist: str = "generalist"
+) -> list[tuple[str, float, float, float]]:
+    """``(domain, generalist, specialist, specialist / generalist)`` for every domain with a
+    drafter named after it: what routing by expertise has to exploit (empty without a generalist)."""
+    base = matrix.get(generalist)
+    if base is None:
+        return []
+    out = []
+    for d in domains:
+        if d in matrix and d in base and d in matrix[d]:
+            g, sp = base[d], matrix[d][d]
+            out.append((d, g, sp, sp / g if g > 0 else float("inf")))
+    return out
+
+
+def evaluation_record(
+    spec: Any, perplexity: dict[str, float], matrix: dict[str, dict[str, float]], rounds: dict[str, dict[str, int]]
+) -> dict[str, Any]:
+    """``zoo.json``'s ``evaluation``: the settings the figures were measured with (an ``EvalSpec``),
+    the target's held-out perplexity, the acceptance matrix, the rounds behind each cell, and each
+    specialist's acceptance on its own domain over the generalist's (``None`` where that is 0)."""
+    return {
+        "k": spec.k,
+        "new_tokens": spec.new_tokens,
+        "prompts_per_domain": spec.prompts_per_domain,
+        "target_perplexity": perplexity,
+        "acceptance": matrix,
+        "rounds": rounds,
+        "specialist_ratio": {
+            d: round(r, 4) if g > 0 else None for d, g, _, r in specialist_ratios(matrix, list(perplexity))
+        },
+    }

@@ -311,7 +311,8 @@ def test_zoo_records_the_device_it_was_built_on(tiny_distilled_zoo):
 def test_report_shows_each_specialist_against_the_generalist_on_its_own_domain(tiny_distilled_zoo):
     import io
 
-    from cosine_zoo.cli import print_report, specialist_ratios
+    from cosine_zoo.cli import print_report
+    from cosine_zoo.manifest import specialist_ratios
 
     manifest = tiny_distilled_zoo.manifest
     matrix = manifest["evaluation"]["acceptance"]

@@ -16,8 +16,8 @@ import torch
 
 from common.logs import get_logger
 from cosine_zoo import distill, evaluate
+from cosine_zoo.manifest import evaluation_record
 from cosine_zoo.profiles import DistillProfile
-from cosine_zoo.stages import GENERALIST
 
 log = get_logger("cosine_zoo.build")
 
@@ -49,20 +49,7 @@ def evaluate_distilled(
             evaluate.perplexity(target, stream, min(spec.ppl_seq_len, len(stream) - 1), spec.ppl_windows, device), 4
         )
     log.info("evaluated", acceptance=matrix)
-    return {
-        "k": spec.k,
-        "new_tokens": spec.new_tokens,
-        "prompts_per_domain": spec.prompts_per_domain,
-        "target_perplexity": perplexity,
-        "acceptance": matrix,
-        "rounds": rounds,
-        # each specialist's acceptance on its own domain over the generalist's there
-        "specialist_ratio": {
-            d: round(matrix[d][d] / matrix[GENERALIST][d], 4) if matrix[GENERALIST][d] > 0 else None
-            for d in heldout
-            if d in matrix
-        },
-    }
+    return evaluation_record(spec, perplexity, matrix, rounds)
 
 
 def step_costs(target_path: Path, drafter_paths: dict[str, Path], profile: DistillProfile) -> dict[str, Any]:
