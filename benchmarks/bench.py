@@ -47,6 +47,7 @@ class BenchOptions:
     cores: int = 0
     threads: int = 0  # torch intra-op threads of the in-process systems (0: one per core)
     dtype: str = "auto"  # the target's, in every system (auto: bfloat16 on a CPU with AMX, else float32)
+    device: str = "cpu"  # the verifier's and drafters' (and the target alone's) torch device
     plots: bool = True
     progress: bool = True
     log_dir: str = ""
@@ -85,6 +86,8 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     if opts.requests:
         specs = [replace(w, requests=opts.requests) for w in specs]
     system_names = list(ALL_SYSTEMS if list(opts.systems) == ["all"] else opts.systems or DEFAULT_SYSTEMS)
+    if opts.device != "cpu" and not opts.systems:  # transformers' systems are CPU-only here
+        system_names = [n for n in system_names if not n.startswith("hf_")]
     cores = opts.cores or os.cpu_count() or 1
     threads = max(1, min(cores, opts.threads or cores))
     torch.set_num_threads(threads)
@@ -108,7 +111,9 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
     warm = build_workload(
         WorkloadSpec("warm-up", "closed", min(4, len(items)), concurrency=4), items, min(8, scenario.max_new_tokens)
     )
-    ref_sys = AutoregressiveSystem(str(zoo.target.path), eos_id, threads, name="reference", dtype=opts.dtype)
+    ref_sys = AutoregressiveSystem(
+        str(zoo.target.path), eos_id, threads, name="reference", dtype=opts.dtype, device=opts.device
+    )
     ref_sys.start()
     ref_sys.warm_up(warm)
     ref_run = ref_sys.run(ref_wl)
@@ -148,7 +153,9 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
         )
 
     if system_factory is None:
-        systems, plane = make_systems(ordered, zoo, eos_id, pad_id, cores, log_dir, threads, dtype=opts.dtype)
+        systems, plane = make_systems(
+            ordered, zoo, eos_id, pad_id, cores, log_dir, threads, dtype=opts.dtype, device=opts.device
+        )
     else:
         systems, plane = system_factory(ordered, zoo, eos_id, pad_id, cores, log_dir, threads)
     results: dict[str, dict[str, Any]] = {}
@@ -180,6 +187,7 @@ def run_bench(opts: BenchOptions, system_factory: Any = None) -> dict[str, Any]:
                 "max_new_tokens": scenario.max_new_tokens,
                 "seed": scenario.seed,
                 "target_dtype": ref_sys.dtype,
+                "device": opts.device,
                 "zoo": {
                     "profile": zoo.profile,
                     "target_params": zoo.target.params,
@@ -359,6 +367,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the target's dtype in every system (default auto: bfloat16 on a CPU with AMX, row-invariant, float32 "
         "elsewhere; transformers' systems are not held to greedy equality in bfloat16, their kernels round by shape)",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the verifier, the drafters and the target alone: cpu, cuda, cuda:1 ... (default cpu; "
+        "on another device transformers' systems are left out)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_bench)
 
@@ -382,6 +396,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         plots=not args.no_plots,
         dtype=args.dtype,
+        device=args.device,
     )
     t0 = time.perf_counter()
     # SIGTERM unwinds like Ctrl-C, so the service processes the run started are stopped too

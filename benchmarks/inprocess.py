@@ -75,9 +75,10 @@ def target_alone(
     return Run(outputs, time.perf_counter() - t0, passes)
 
 
-async def _cosine(
+async def cosine_run(
     core: Any, prompts: Mapping[str, Sequence[int]], max_new: int, eos: int | None, concurrency: int
 ) -> Run:
+    """The router ``core`` serving ``prompts`` greedy from ``concurrency`` clients (started and stopped here)."""
     queue = list(prompts)
     out: dict[str, list[int]] = {}
 
@@ -188,7 +189,7 @@ def compare(
     round_trip_s: float = 0.0,
 ) -> dict[str, Any]:
     alone = target_alone(setup.verifier, prompts, max_new, eos, concurrency, round_trip_s)
-    cosine = asyncio.run(_cosine(setup.core(round_trip_s=round_trip_s), prompts, max_new, eos, concurrency))
+    cosine = asyncio.run(cosine_run(setup.core(round_trip_s=round_trip_s), prompts, max_new, eos, concurrency))
     equal = sum(cosine.outputs.get(r) == alone.outputs[r] for r in prompts)
     return {
         "concurrency": concurrency,

@@ -72,7 +72,16 @@ def _quick() -> Scenario:
     return Scenario("quick", 8, w, {"high": "open_high", "low": "open_low", "c1": "closed_c1"})
 
 
-SCENARIOS = {"default": _default, "quick": _quick}
+def _suite() -> Scenario:
+    # the end-to-end part of ``benchmarks.gpu_suite``: one client and sixteen, greedy
+    w = (
+        WorkloadSpec("closed_c1", "closed", 8, concurrency=1, label="closed loop, 1 client"),
+        WorkloadSpec("closed_c16", "closed", 32, concurrency=16, label="closed loop, 16 clients"),
+    )
+    return Scenario("suite", 64, w, {"c1": "closed_c1", "c16": "closed_c16"})
+
+
+SCENARIOS = {"default": _default, "quick": _quick, "suite": _suite}
 
 
 def loaded(spec: WorkloadSpec, roles: dict[str, str]) -> bool:

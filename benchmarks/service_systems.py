@@ -40,6 +40,7 @@ class ServicePlane:
         lexicon: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
         corpus: Mapping[str, Sequence[Sequence[int]]] | None = None,
         verifier_args: Sequence[str] = (),
+        drafter_args: Sequence[str] = (),
     ):
         from cosine_cli.cluster import ClusterSpec, LocalCluster
 
@@ -56,6 +57,7 @@ class ServicePlane:
                 log_dir=log_dir,
                 prefix="bench",
                 verifier_args=tuple(verifier_args),
+                drafter_args=tuple(drafter_args),
             )
         )
         self.started = False

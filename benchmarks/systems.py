@@ -35,12 +35,12 @@ __all__ = [
 ]
 
 
-def target_dtype(dtype: str) -> str:
-    """The dtype the verifier service resolves its ``--dtype`` to on this machine (``auto``:
+def target_dtype(dtype: str, device: str = "cpu") -> str:
+    """The dtype the verifier service resolves its ``--dtype`` to on ``device`` (``auto``:
     bfloat16 on a CPU with AMX), so that the in-process systems run the same model."""
     from common.runtime.runner import resolve_dtype
 
-    return resolve_dtype(dtype, "cpu")
+    return resolve_dtype(dtype, device)
 
 
 # ---- in-process: autoregressive decoding through the verifier engine ---------------------------
@@ -60,8 +60,10 @@ class AutoregressiveSystem:
         max_batch: int = 16,
         name: str = "autoregressive",
         dtype: str = "float32",
+        device: str = "cpu",
     ):
-        self.dtype = target_dtype(dtype)
+        self.dtype = target_dtype(dtype, device)
+        self.device = device
         self.name = name
         self.description = (
             f"target alone, batched plain decoding (up to {max_batch} requests per pass) in our verifier engine"
@@ -76,6 +78,7 @@ class AutoregressiveSystem:
             "torch_threads": self.threads,
             "max_batch": self.max_batch,
             "dtype": self.dtype,
+            "device": self.device,
         }
 
     def start(self) -> None:
@@ -84,7 +87,7 @@ class AutoregressiveSystem:
         from common.runtime.verifier_engine import VerifierEngine
 
         torch.set_num_threads(self.threads)
-        self.engine = VerifierEngine.from_checkpoint(self.target, seed=0, dtype=self.dtype)
+        self.engine = VerifierEngine.from_checkpoint(self.target, seed=0, dtype=self.dtype, device=self.device)
 
     def stop(self) -> None:
         self.engine = None
@@ -231,10 +234,14 @@ def make_systems(
     log_dir: str,
     threads: int = 1,
     dtype: str = "float32",
+    device: str = "cpu",
 ) -> tuple[list[Any], ServicePlane | None]:
     """The systems named, in that order. In-process systems run ``threads`` torch threads; the
     service processes split ``cores`` (see :func:`cosine_cli.cluster.thread_budget`). Every
-    system's target runs in ``dtype`` (the verifier's ``--dtype``; the drafters stay float32)."""
+    system's target runs in ``dtype`` (the verifier's ``--dtype``; the drafters stay float32), and
+    the verifier's and drafters' models on ``device`` (transformers' systems: on the CPU only)."""
+    if device != "cpu" and any(n.startswith("hf_") for n in names):
+        raise ValueError(f"transformers' systems run on the CPU only, not on {device}")
     unknown = [n for n in names if n not in ALL_SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)} (choose from {', '.join(ALL_SYSTEMS)})")
@@ -250,12 +257,13 @@ def make_systems(
             log_dir,
             lexicon=zoo.lexicon,
             corpus=zoo.lookup_corpus,
-            verifier_args=("--dtype", dtype),
+            verifier_args=("--dtype", dtype, "--device", device),
+            drafter_args=("--device", device),
         )
     out: list[Any] = []
     for n in names:
         if n == "autoregressive":
-            out.append(AutoregressiveSystem(target, eos_id, threads, dtype=dtype))
+            out.append(AutoregressiveSystem(target, eos_id, threads, dtype=dtype, device=device))
         elif n == "hf_generate":
             out.append(HFGenerateSystem(n, target, eos_id, pad_id, threads, dtype=target_dtype(dtype)))
         elif n == "hf_assisted":

