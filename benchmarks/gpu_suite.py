@@ -89,23 +89,34 @@ def say(msg: str) -> None:
 def section_verify(target: Path, size: Size, device: str) -> dict[str, Any]:
     import torch
 
-    from benchmarks.verify_vs_hf import TREE10, Shapes, compare, device_peaks
+    from benchmarks.verify_vs_hf import TREE10, Shapes, compare, device_peaks, timed
     from common.runtime.op_count import forward_ops
     from common.runtime.runner import LMRunner
 
     runner = LMRunner.from_checkpoint(target, dtype=size.dtype, device=device)
     peaks = device_peaks(torch.device(device), None, None)
     rows = compare(runner, size.context, size.batches, size.repeats, peaks)
+    graphs = runner.graphs.stats() if runner.graphs is not None else None
+    mode, runner.graph_mode = runner.graph_mode, "off"  # the eager pass: its ops, and its time beside the graphs'
     ops = {}
-    for b in size.batches:
+    for row in rows:
+        b = row["batch"]
         s = Shapes(runner, b, size.context)
         ops[b] = forward_ops(runner, s.seqs(TREE10))
         s.discard()
+        if mode != "off":
+            row["eager_chain5"] = timed(lambda: s.ours((-1, 0, 1, 2, 3)), size.repeats, torch.device(device))
         s = None
-    print(f"   ops per pass (tree of 10, {runner.kv_cache} cache): " + ", ".join(f"B={b} {n}" for b, n in ops.items()))
+    runner.graph_mode = mode
+    counts = ", ".join(f"B={b} {n}" for b, n in ops.items())
+    print(f"   ops per pass (tree of 10, {runner.kv_cache} cache, eager): {counts}")
+    if mode != "off":
+        ratios = ", ".join(f"B={r['batch']} {r['eager_chain5'] / r['ours_chain5']:.2f}" for r in rows)
+        print(f"   CUDA graphs: {graphs}; chain of 5 eager / from graphs: {ratios}")
     return {
         "attention": runner.attention_name,
         "kv_cache": runner.kv_cache,
+        "cuda_graphs": graphs,
         "dtype": size.dtype,
         "context": size.context,
         "peaks": asdict(peaks) if peaks else None,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.kv_cache_flag import KV_CACHE_HELP, KV_CACHES
+from services.kv_cache_flag import CUDA_GRAPHS_HELP, KV_CACHE_HELP, KV_CACHES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -55,6 +55,12 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHES,
         help=f"of the target and the drafters (default: the services' own, auto). {KV_CACHE_HELP}",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"of the target and the drafters (default: the services' own, on). {CUDA_GRAPHS_HELP}",
+    )
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ def service_args(args: argparse.Namespace) -> ServiceArgs:
         models += ["--dtype", args.dtype]
     if args.kv_cache:
         models += ["--kv-cache", args.kv_cache]
+    if args.cuda_graphs is not None:
+        models += ["--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"]
     return ServiceArgs(verifier=tuple(models), drafter=tuple(models), gateway=tuple(gateway))
 
 

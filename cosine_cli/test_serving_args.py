@@ -38,6 +38,7 @@ def test_serving_flags_become_the_services_settings(tmp_path):
         "bfloat16",
         "--kv-cache",
         "paged",
+        "--no-cuda-graphs",
     )
     gateway = load_settings(GatewaySettings, list(spec.gateway_args), {})
     assert gateway.served_model_name == "my-model" and gateway.chat_template == str(template)
@@ -45,7 +46,8 @@ def test_serving_flags_become_the_services_settings(tmp_path):
     verifier = load_settings(VerifierSettings, ["--target", spec.target, *spec.verifier_args], {})
     drafter = load_settings(DrafterSettings, ["--drafters", "a=/models/a", *spec.drafter_args], {})
     for s in (verifier, drafter):
-        assert (s.device, s.dtype, s.kv_cache) == ("cuda:1", "bfloat16", "paged")
+        assert (s.device, s.dtype, s.kv_cache, s.cuda_graphs) == ("cuda:1", "bfloat16", "paged", False)
+    assert load_settings(VerifierSettings, ["--target", spec.target], {}).cuda_graphs  # on unless turned off
 
 
 def test_unset_flags_pass_nothing_and_keep_the_services_defaults():

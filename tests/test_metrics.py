@@ -108,6 +108,8 @@ def test_kv_cache_gauges(scraped):
     assert {lab["kind"] for lab, _ in v["cosine_kv_cache_tokens"]} == {"reserved", "budget"}
     assert total(v, "cosine_kv_cache_tokens", kind="budget") > 0
     assert len(per_drafters(per)) >= 2  # one series per hosted drafter
+    graphs = {lab["kind"]: val for lab, val in v["cosine_cuda_graph_passes"]}
+    assert set(graphs) == {"replayed", "captured", "eager"} and not any(graphs.values())  # none on a CPU
 
 
 def test_status_key_figures_agree_with_the_counters(scraped):

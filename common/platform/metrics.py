@@ -137,7 +137,8 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
 def bind_engine_metrics(metrics: ServiceMetrics, engine: Callable[[], Any], model: str = "") -> None:
     """KV cache use and live requests of one engine (a verifier's target or one hosted drafter):
     ``cosine_kv_cache_tokens{model, kind="reserved"|"budget"}``, ``cosine_kv_cache_usage_ratio{model}``
-    (0 without a budget) and ``cosine_engine_requests{model}``, read when scraped."""
+    (0 without a budget), ``cosine_engine_requests{model}`` and ``cosine_cuda_graph_passes{model,
+    kind="replayed"|"captured"|"eager"}`` (0 without CUDA graphs), read when scraped."""
     fams = getattr(metrics, "_engine_families", None)
     if fams is None:
         fams = (
@@ -146,9 +147,14 @@ def bind_engine_metrics(metrics: ServiceMetrics, engine: Callable[[], Any], mode
             ),
             metrics.gauge("cosine_kv_cache_usage_ratio", "reserved / budget (0 when unbounded)", ["model"]),
             metrics.gauge("cosine_engine_requests", "requests holding a KV cache", ["model"]),
+            metrics.gauge(
+                "cosine_cuda_graph_passes",
+                "forward passes by how they ran: replayed from a CUDA graph, captured, eager (no bucket fits)",
+                ["model", "kind"],
+            ),
         )
         metrics._engine_families = fams  # type: ignore[attr-defined]
-    tokens, ratio, requests = fams
+    tokens, ratio, requests, graph_passes = fams
     name = model or metrics.service
 
     def reserved() -> float:
@@ -163,3 +169,14 @@ def bind_engine_metrics(metrics: ServiceMetrics, engine: Callable[[], Any], mode
     tokens.labels(name, "budget").set_function(budget)
     ratio.labels(name).set_function(lambda: reserved() / budget() if budget() else 0.0)
     requests.labels(name).set_function(lambda: float(engine().active_requests) if engine() is not None else 0.0)
+
+    def graph_count(kind: str) -> Callable[[], float]:
+        def read() -> float:
+            e = engine()
+            graphs = getattr(getattr(e, "runner", None), "graphs", None)
+            return float(graphs.stats()[kind]) if graphs is not None else 0.0
+
+        return read
+
+    for kind in ("replayed", "captured", "eager"):
+        graph_passes.labels(name, kind).set_function(graph_count(kind))

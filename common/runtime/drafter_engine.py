@@ -89,13 +89,14 @@ class DrafterEngine(RequestEngine[DraftState]):
         dtype: str = "float32",
         attention_backend: str = "auto",
         kv_cache: str = "auto",  # paged, contiguous or auto (common.runtime.kv_arena.select_kv_cache)
+        cuda_graphs: bool = True,  # on CUDA with the paged arena (common.runtime.cuda_graphs)
         kv_token_budget: int | None = None,
         domains: Sequence[str] = (),
         max_top_n: int | None = None,
         max_chain_len: int | None = None,
     ) -> DrafterEngine:
         runner = LMRunner.from_checkpoint(
-            path, dtype=dtype, device=device, backend=attention_backend, kv_cache=kv_cache
+            path, dtype=dtype, device=device, backend=attention_backend, kv_cache=kv_cache, cuda_graphs=cuda_graphs
         )
         return cls(
             runner, kv_token_budget=kv_token_budget, domains=domains, max_top_n=max_top_n, max_chain_len=max_chain_len

@@ -61,7 +61,7 @@ def plan_paged(layout: BatchLayout, caches: Sequence[PagedCache], arena: KVArena
     for b, (off, t) in enumerate(zip(layout.offsets, lens)):
         seq_of += [b] * t
         entry_of += range(past[b], past[b] + t)
-        anc += [row + [False] * (T - t) for row in _ancestor_rows(layout.parents[b])] + [[False] * T] * (T - t)
+        anc += [row + [False] * (T - t) for row in ancestor_rows(layout.parents[b])] + [[False] * T] * (T - t)
         q_rows += [*range(off, off + t), *([0] * (T - t))]
         out_rows += range(b * T, b * T + t)
 
@@ -85,7 +85,7 @@ def plan_paged(layout: BatchLayout, caches: Sequence[PagedCache], arena: KVArena
     return PagedPlan(slot_mapping, block_table, seq_lens, kv_index, long(q_rows).view(B, T), long(out_rows), mask)
 
 
-def _ancestor_rows(parents: Sequence[int]) -> list[list[bool]]:
+def ancestor_rows(parents: Sequence[int]) -> list[list[bool]]:
     """``[t][t]``: row ``i`` is True at ``i`` and its ancestors (plain Python: no tensor per sequence)."""
     rows: list[list[bool]] = []
     for i, p in enumerate(parents):

@@ -52,6 +52,7 @@ from common.runtime.checkpoints import (
 )
 from common.runtime.cpu_attention import CpuKernelBackend
 from common.runtime.cpu_linear import use_cpu_linears
+from common.runtime.cuda_graphs import PassGraphs
 from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
 from common.runtime.fused_projections import LayerProducts, stack_layers
 from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
@@ -180,6 +181,10 @@ class LMRunner:
         self.device, self.dtype = param.device, param.dtype
         # a reduced draft vocabulary: ids in and logits out stay in the target's id space
         self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
+        # paged passes through bucketed graphs: "capture" (CUDA graphs), "static" (the same bucketed
+        # pass run eagerly: how a CPU tests it) or "off"; the graphs are made at the first paged pass
+        self.graph_mode = "off"
+        self.graphs: PassGraphs | None = None
 
     @classmethod
     def from_checkpoint(
@@ -190,9 +195,12 @@ class LMRunner:
         device: str = "cpu",
         backend: str = "auto",
         kv_cache: str = "auto",
+        cuda_graphs: bool = True,
     ) -> LMRunner:
         """Load a checkpoint directory (weights + tokenizer), pick the attention backend and the KV
         cache (:func:`~common.runtime.kv_arena.select_kv_cache`: ``auto``, ``paged`` or ``contiguous``).
+        ``cuda_graphs``: on CUDA with the paged arena, replay the passes that fit a bucket from CUDA
+        graphs (:mod:`common.runtime.cuda_graphs`); elsewhere it changes nothing.
 
         Raises :class:`CheckpointError` (or :class:`UnsupportedArchitecture`) with the path in the
         message, and ``ValueError`` for an unknown dtype/backend/kv cache.
@@ -216,6 +224,8 @@ class LMRunner:
             draft_vocab=draft_vocab,
             kv_cache=kv_mode,
         )
+        if cuda_graphs and torch.device(device).type == "cuda" and kv_mode == "paged":
+            runner.graph_mode = "capture"
         log.info(
             "model_loaded",
             path=str(path),
@@ -226,6 +236,7 @@ class LMRunner:
             requested_backend=backend,
             kv_cache=kv_mode,
             kv_cache_reason=kv_reason,
+            cuda_graphs=runner.graph_mode == "capture",
         )
         return runner
 
@@ -310,12 +321,9 @@ class LMRunner:
             return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         return h + layer.mlp(x)
 
-    def prepare(
-        self, seqs: Sequence[SeqInput]
-    ) -> tuple[BatchLayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pass's layout, its packed token ids ``[N]`` (in the model's id space), their embeddings
-        ``[N, hidden]`` and the rotary ``cos, sin: [N, 1, D]`` at positions ``cache length + depth``;
-        raises ``ValueError`` for a sequence without new tokens or with parents that do not match them."""
+    def layout_of(self, seqs: Sequence[SeqInput]) -> BatchLayout:
+        """The pass's layout; raises ``ValueError`` for a sequence without new tokens or with parents
+        that do not match them."""
         parents = []
         for s in seqs:
             t = len(s.token_ids)
@@ -325,7 +333,15 @@ class LMRunner:
             if len(par) != t:
                 raise ValueError(f"{t} new tokens but {len(par)} parents")
             parents.append(par)
-        layout = BatchLayout(past_lens=tuple(s.cache.length for s in seqs), parents=tuple(parents))
+        return BatchLayout(past_lens=tuple(s.cache.length for s in seqs), parents=tuple(parents))
+
+    def prepare(
+        self, seqs: Sequence[SeqInput]
+    ) -> tuple[BatchLayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pass's layout (:meth:`layout_of`), its packed token ids ``[N]`` (in the model's id space),
+        their embeddings ``[N, hidden]`` and the rotary ``cos, sin: [N, 1, D]`` at positions ``cache
+        length + depth``."""
+        layout = self.layout_of(seqs)
         dev = self.device
         ids = torch.tensor([tok for s in seqs for tok in s.token_ids], dtype=torch.long, device=dev)
         if self.draft_vocab is not None:
@@ -344,6 +360,10 @@ class LMRunner:
         """
         if not seqs:
             return []
+        if self.graph_mode != "off" and isinstance(seqs[0].cache, PagedCache):
+            out = self._graph_pass(seqs)
+            if out is not None:
+                return out
         layout, ids, h, cos, sin = self.prepare(seqs)
         N, H, D = ids.shape[0], self.num_heads, self.head_dim
         if isinstance(seqs[0].cache, PagedCache):
@@ -358,6 +378,16 @@ class LMRunner:
             q, k, v = self.qkv(li, layer.input_layernorm(h), cos, sin)
             h = self.mlp(li, h + layer.self_attn.o_proj(attend(li, q, k, v).reshape(N, H * D)))
         return self.logits(h, seqs, layout)
+
+    def _graph_pass(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor] | None:
+        """The pass replayed from a bucket's graph, or None: run it eagerly (:class:`PassGraphs`)."""
+        arena = seqs[0].cache.arena  # type: ignore[union-attr]
+        if self.graphs is None or self.graphs.arena is not arena:
+            if self.graphs is not None:
+                self.graphs.close()
+            self.graphs = PassGraphs(self, arena, capture=self.graph_mode == "capture")
+        ids = [tok for s in seqs for tok in s.token_ids]
+        return self.graphs.run(seqs, self.layout_of(seqs), ids)
 
     def _cache_attention(
         self, seqs: Sequence[SeqInput], layout: BatchLayout

@@ -113,13 +113,14 @@ class VerifierEngine(PlainSteps, RequestEngine[RequestState]):
         dtype: str = "float32",  # or auto (common.runtime.runner.resolve_dtype)
         attention_backend: str = "auto",
         kv_cache: str = "auto",  # paged, contiguous or auto (common.runtime.kv_arena.select_kv_cache)
+        cuda_graphs: bool = True,  # on CUDA with the paged arena (common.runtime.cuda_graphs)
         kv_token_budget: int | None = None,
         rule_factory: RuleFactory = default_rule_factory,
         seed: int | None = None,
         max_tree_nodes: int | None = None,
     ) -> VerifierEngine:
         runner = LMRunner.from_checkpoint(
-            path, dtype=dtype, device=device, backend=attention_backend, kv_cache=kv_cache
+            path, dtype=dtype, device=device, backend=attention_backend, kv_cache=kv_cache, cuda_graphs=cuda_graphs
         )
         return cls(
             runner,

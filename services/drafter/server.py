@@ -348,6 +348,7 @@ async def build_app(settings: DrafterSettings, store: Store) -> DrafterApp:
                 device=settings.device,
                 dtype=settings.dtype,
                 kv_cache=settings.kv_cache,
+                cuda_graphs=settings.cuda_graphs,
                 kv_token_budget=settings.kv_budget_tokens,
                 domains=_domains_of(path, name),
                 max_top_n=settings.max_top_n,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from common.platform.service import ServiceSettings
 from common.platform.settings import non_negative, port_check, positive, setting
-from services.kv_cache_flag import KV_CACHE_HELP, KV_CACHES
+from services.kv_cache_flag import CUDA_GRAPHS_HELP, KV_CACHE_HELP, KV_CACHES
 
 
 def drafter_spec_check(value: str) -> str | None:
@@ -38,6 +38,7 @@ class DrafterSettings(ServiceSettings):
         choices=("auto", "float32", "float16", "bfloat16"),
     )
     kv_cache: str = setting("auto", help=KV_CACHE_HELP, choices=KV_CACHES)
+    cuda_graphs: bool = setting(True, help=CUDA_GRAPHS_HELP)
     torch_threads: int = setting(
         0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative
     )

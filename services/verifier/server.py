@@ -182,6 +182,7 @@ async def build_app(settings: VerifierSettings, store: Store) -> VerifierApp:
                 dtype=settings.dtype,
                 attention_backend=settings.attention,
                 kv_cache=settings.kv_cache,
+                cuda_graphs=settings.cuda_graphs,
                 kv_token_budget=settings.kv_budget_tokens,
                 max_tree_nodes=settings.max_tree_nodes,
             )

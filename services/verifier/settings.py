@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from common.platform.service import ServiceSettings
 from common.platform.settings import non_negative, port_check, positive, setting
-from services.kv_cache_flag import KV_CACHE_HELP, KV_CACHES
+from services.kv_cache_flag import CUDA_GRAPHS_HELP, KV_CACHE_HELP, KV_CACHES
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class VerifierSettings(ServiceSettings):
         choices=("auto", "flash_attn", "cpu_kernel", "sdpa", "eager", "invariant"),
     )
     kv_cache: str = setting("auto", help=KV_CACHE_HELP, choices=KV_CACHES)
+    cuda_graphs: bool = setting(True, help=CUDA_GRAPHS_HELP)
     torch_threads: int = setting(
         0, help="torch intra-op threads for this process (0: derived from the machine's cores)", check=non_negative
     )
