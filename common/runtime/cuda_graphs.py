@@ -194,9 +194,8 @@ class PassGraphs:
         self.graphs: dict[Bucket, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._arena_k = arena.k.data_ptr()
-        self._scratch: PagedCache | None = arena.new_cache()
         try:
-            self._scratch.reserve(1)  # one block, never committed: the padding rows' slots
+            self._scratch: int | None = arena.take_scratch()  # the padding rows' slots
         except KVBudgetExceeded:
             self._scratch = None
         max_context = getattr(runner, "max_context", None) or MIN_ENTRIES
@@ -222,7 +221,7 @@ class PassGraphs:
             [s.cache for s in seqs],
             ids,
             bucket,
-            self._scratch.blocks[0],
+            self._scratch,
             self.arena.block_size,
             self.runner.dtype,
         )
@@ -254,7 +253,8 @@ class PassGraphs:
         g = _Graph(inputs)
         if not self.capture:
             return g
-        scratch = self._scratch.blocks[0] * self.arena.block_size  # warm-up and capture write only there
+        assert self._scratch is not None
+        scratch = self._scratch * self.arena.block_size  # warm-up and capture write only there
         g.inputs.slots.fill_(scratch)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -269,11 +269,8 @@ class PassGraphs:
         return g
 
     def close(self) -> None:
-        """Drop the graphs and give the scratch block back (the runner moved to another arena)."""
+        """Drop the graphs (the runner moved to another arena; the old one keeps its scratch block)."""
         self.graphs.clear()
-        if self._scratch is not None:
-            self._scratch.release()
-            self._scratch = None
 
     def stats(self) -> dict[str, int]:
         """Passes by what they did (``replayed``, ``captured``, ``eager``) and the graphs held."""

@@ -113,6 +113,7 @@ class KVArena(KVStore):
         self.v = self._alloc(max(first, 1))
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out the lowest first
         self.used_blocks = 0
+        self.scratch_block: int | None = None  # take_scratch
 
     def _alloc(self, blocks: int) -> torch.Tensor:
         shape = (self.num_layers, blocks * self.block_size, self.num_kv_heads, self.head_dim)
@@ -128,8 +129,16 @@ class KVArena(KVStore):
 
     @property
     def reserved_tokens(self) -> int:
-        """Tokens of the blocks live caches hold."""
-        return self.used_blocks * self.block_size
+        """Tokens of the blocks live caches hold (the scratch block is no cache's)."""
+        return (self.used_blocks - (self.scratch_block is not None)) * self.block_size
+
+    def take_scratch(self) -> int:
+        """A block no cache owns, for writes that must land somewhere harmless (the padding rows of a
+        CUDA graph's pass): taken once from the budget, then the same block every call; raises
+        :class:`KVBudgetExceeded` when the budget has no block left for it."""
+        if self.scratch_block is None:
+            self.scratch_block = self._take(1, self.block_size)[0]
+        return self.scratch_block
 
     def new_cache(self) -> PagedCache:
         return PagedCache(self)

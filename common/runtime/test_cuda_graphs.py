@@ -112,8 +112,9 @@ def test_committed_tree_paths_and_later_steps_agree_with_the_eager_pass(checkpoi
     twin = Twin(graphed, eager)
     r = twin.add(ids(9, seed=1))
     twin.step({r: (TREE[0], TREE[1])}, commit=(0, 1, 3))
-    scratch = graphed.graphs._scratch.blocks
-    assert scratch and not set(scratch) & set(twin.caches[r][0].blocks)
+    scratch = twin.pools[0].scratch_block
+    assert scratch is not None and scratch not in twin.caches[r][0].blocks
+    assert twin.pools[0].reserved_tokens == twin.pools[1].reserved_tokens  # the scratch block is no request's
     for step in range(3):
         got, want = twin.step({r: ((11 + step,), None)}, commit=True)
         torch.testing.assert_close(got[0], want[0], **(dict(atol=2e-4, rtol=1e-4) if device == "cpu" else {}))

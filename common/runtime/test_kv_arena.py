@@ -229,3 +229,21 @@ def test_selection() -> None:
         select_kv_cache("paged", "cuda", "flash_attn")
     with pytest.raises(ValueError, match="row-invariant"):
         select_kv_cache("paged", "cpu", "auto", "bfloat16")
+
+
+def test_the_scratch_block_is_taken_once_from_the_budget_and_is_no_request_s():
+    a = arena(budget=8, block=4)
+    c = a.new_cache()
+    c.reserve(4)
+    block = a.take_scratch()
+    assert a.take_scratch() == block and block not in c.blocks
+    assert a.reserved_tokens == 4 and a.used_blocks == 2  # counted against the budget, reported as no cache's
+    with pytest.raises(KVBudgetExceeded):
+        a.new_cache().reserve(1)  # the budget's last block is the scratch block
+    c.release()
+    assert a.reserved_tokens == 0 and a.take_scratch() == block
+    full = arena(budget=4, block=4)
+    full.new_cache().reserve(4)
+    with pytest.raises(KVBudgetExceeded):
+        full.take_scratch()
+    assert full.scratch_block is None
