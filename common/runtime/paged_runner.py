@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from common.runtime.attention import BatchLayout
+from common.runtime.flex_paged import flex_attend, plan_flex
 from common.runtime.kv_arena import PagedCache
 from common.runtime.paged_attention import paged_attend, plan_paged, write_kv
 
@@ -27,7 +28,9 @@ class PagedPass:
     of one arena, with room reserved for its new tokens, in the batch's order), then each layer's
     new keys/values written and attended in one call each (:meth:`attend`)."""
 
-    def __init__(self, caches: Sequence[PagedCache], layout: BatchLayout, dtype: torch.dtype) -> None:
+    def __init__(
+        self, caches: Sequence[PagedCache], layout: BatchLayout, dtype: torch.dtype, attention: str = "sdpa"
+    ) -> None:
         arena = caches[0].arena
         if any(not isinstance(c, PagedCache) or c.arena is not arena for c in caches):
             raise ValueError("a paged pass needs every sequence's cache in the same arena")
@@ -35,8 +38,12 @@ class PagedPass:
             c.will_write(t)  # checks the room the slot mapping needs
         self.arena = arena
         self.plan = plan_paged(layout, caches, arena, dtype)
+        # "flex": the arena read in place through a block mask (flex_paged.py); "sdpa": a gathered view
+        self.flex = plan_flex(self.plan, arena) if attention == "flex" else None
 
     def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Layer ``li``: write ``k, v: [N, Hkv, D]`` into the arena, attend ``q: [N, H, D]`` -> ``[N, H, D]``."""
         write_kv(self.arena, li, k, v, self.plan)
+        if self.flex is not None:
+            return flex_attend(q, self.arena, li, self.flex, scale)
         return paged_attend(q, self.arena, li, self.plan, scale)

@@ -54,6 +54,7 @@ from common.runtime.cpu_attention import CpuKernelBackend
 from common.runtime.cpu_linear import use_cpu_linears
 from common.runtime.cuda_graphs import PassGraphs
 from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
+from common.runtime.flex_paged import flex_available
 from common.runtime.fused_projections import LayerProducts, stack_layers
 from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
 from common.runtime.kv_arena import KVArena, PagedCache, select_kv_cache
@@ -185,6 +186,7 @@ class LMRunner:
         # pass run eagerly: how a CPU tests it) or "off"; the graphs are made at the first paged pass
         self.graph_mode = "off"
         self.graphs: PassGraphs | None = None
+        self.paged_attention = "sdpa"  # the paged arena's attention: "sdpa" (a gathered view) or "flex" (in place)
 
     @classmethod
     def from_checkpoint(
@@ -213,7 +215,10 @@ class LMRunner:
         arch = check_architecture(config, path)
         draft_vocab = load_draft_vocab(path, config)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        attention = pick_backend(backend, device, DTYPES[dtype], head_dim)
+        if backend == "flex" and not flex_available():
+            raise ValueError("attention backend flex needs torch.nn.attention.flex_attention (torch 2.5 or later)")
+        # flex attends the paged arena itself; the dense backend object then only names a fallback
+        attention = pick_backend("sdpa" if backend == "flex" else backend, device, DTYPES[dtype], head_dim)
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
         runner = cls(
@@ -224,7 +229,8 @@ class LMRunner:
             draft_vocab=draft_vocab,
             kv_cache=kv_mode,
         )
-        if cuda_graphs and torch.device(device).type == "cuda" and kv_mode == "paged":
+        runner.paged_attention = "flex" if backend == "flex" else "sdpa"
+        if cuda_graphs and torch.device(device).type == "cuda" and kv_mode == "paged" and backend != "flex":
             runner.graph_mode = "capture"
         log.info(
             "model_loaded",
@@ -265,8 +271,8 @@ class LMRunner:
 
     @property
     def attention_name(self) -> str:
-        """What attends: the backend's name, or ``paged_sdpa`` on the paged arena."""
-        return "paged_sdpa" if self.kv_cache == "paged" else self.backend.name
+        """What attends: the backend's name, or ``paged_sdpa`` / ``paged_flex`` on the paged arena."""
+        return f"paged_{self.paged_attention}" if self.kv_cache == "paged" else self.backend.name
 
     def new_pool(self, token_budget: int | None) -> KVPool | KVArena:
         """The caches' pool: a :class:`KVPool` (contiguous) or a :class:`KVArena` (paged), which on
@@ -367,7 +373,7 @@ class LMRunner:
         layout, ids, h, cos, sin = self.prepare(seqs)
         N, H, D = ids.shape[0], self.num_heads, self.head_dim
         if isinstance(seqs[0].cache, PagedCache):
-            paged = PagedPass([s.cache for s in seqs], layout, h.dtype)  # type: ignore[misc]
+            paged = PagedPass([s.cache for s in seqs], layout, h.dtype, self.paged_attention)  # type: ignore[misc]
 
             def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return paged.attend(li, q, k, v, self.scale)
