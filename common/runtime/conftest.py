@@ -31,3 +31,13 @@ def torch_threads():
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a whole module (its figures do not depend on what else the machine runs),
+    the old count put back after it; a module takes it with ``pytestmark``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

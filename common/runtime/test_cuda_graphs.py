@@ -6,8 +6,6 @@ greedy output through it equals transformers. On CUDA the same checks run with r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -21,12 +19,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TREE = ((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,6 @@ decoding equal to transformers; asked for where it cannot run, it is refused wit
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -18,14 +15,10 @@ from cosine_zoo.random_checkpoints import make_checkpoint
 TREE = ((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # flex attention's note that it runs uncompiled on a CPU
-        yield
-    torch.set_num_threads(n)
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore:.*flex_attention.*"),  # its note that it runs uncompiled on a CPU
+]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ number of tensor operations at any batch size."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,7 @@ VARIANTS = {
 TREE = ((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3))  # two branches: 0-1-3-4 and 0-2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
