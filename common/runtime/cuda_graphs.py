@@ -19,10 +19,13 @@ i`` is sequence ``b``'s new token ``i``). Its inputs live in static buffers (:cl
 refilled before each replay with one copy each:
 
 - ``ids, pos [batch * tokens]``: token ids and positions (padding: id 0, position 0);
-- ``slots [batch * tokens]``: the arena slot each row's keys and values go to; padding rows go to a
-  **scratch block** the graphs own, so a replay never touches an entry of any request;
+- a :class:`~common.runtime.paged_attention.PagedPlan` over the padded rows (the same attention as
+  the eager paged pass, :func:`~common.runtime.paged_attention.paged_attend`), whose
+  ``slot_mapping [batch * tokens]`` is the arena slot each row's keys and values go to; padding rows go to a
+  **scratch block** that is no request's (:meth:`~common.runtime.kv_arena.KVArena.take_scratch`),
+  so a replay never touches an entry of any request; its
 - ``kv_index [batch, entries]``: the slots of each sequence's entries in order (padding: scratch slots);
-- ``mask [batch, 1, tokens, entries]``: additive (0 / -inf), committed entries and the tree's
+- and its ``mask [batch, 1, tokens, entries]``: additive (0 / -inf), committed entries and the tree's
   ancestors-or-self, as :func:`~common.runtime.paged_attention.plan_paged` builds it; a padding row
   sees its first entry only, so no row is all -inf.
 
@@ -44,16 +47,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from common.logs import get_logger
 from common.runtime.attention import BatchLayout
 from common.runtime.kv_arena import KVArena, PagedCache
-from common.runtime.paged_attention import ancestor_rows
+from common.runtime.paged_attention import PagedPlan, ancestor_rows, entry_view, paged_attend, write_kv
 from common.spec.types import KVBudgetExceeded
 
 log = get_logger(__name__)
@@ -95,17 +97,27 @@ def bucket_for(layout: BatchLayout, max_entries: int) -> Bucket | None:
 
 @dataclass
 class StaticInputs:
-    """A bucket's input buffers (shapes in the module docstring), on the device."""
+    """A bucket's input buffers (shapes in the module docstring): the token ids and positions, and a
+    :class:`~common.runtime.paged_attention.PagedPlan` over the padded rows (its row maps the
+    identity, its ``slot_mapping`` the ``slots``; the block table and lengths are not read)."""
 
     ids: torch.Tensor
     pos: torch.Tensor
-    slots: torch.Tensor
-    kv_index: torch.Tensor
-    mask: torch.Tensor
+    plan: PagedPlan
+
+    FILLED = ("slot_mapping", "kv_index", "q_index", "out_index", "mask")
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ids, self.pos, *(getattr(self.plan, n) for n in self.FILLED)]
 
     def fill(self, other: StaticInputs) -> None:
-        for name in ("ids", "pos", "slots", "kv_index", "mask"):
-            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.copy_(theirs, non_blocking=True)
+
+    def to(self, device: torch.device) -> StaticInputs:
+        """A copy on ``device`` (a bucket's own buffers)."""
+        plan = replace(self.plan, **{n: getattr(self.plan, n).to(device).clone() for n in self.FILLED})
+        return StaticInputs(self.ids.to(device).clone(), self.pos.to(device).clone(), plan)
 
 
 def plan_static(
@@ -135,45 +147,28 @@ def plan_static(
         for i, row in enumerate(ancestor_rows(layout.parents[b])):
             anc[b][i][:t] = row
     long = torch.long
-    table_t, past_t = torch.tensor(table, dtype=long), torch.tensor(past, dtype=long)
-    cols = torch.arange(S)
-    kv_index = table_t[:, cols // block_size] * block_size + cols % block_size  # [B, S]
-    allowed = (cols[None, None, :] < past_t[:, None, None]).expand(B, T, S).clone()
-    tree = past_t[:, None] + torch.arange(T)[None, :]  # [B, T]: the entry of each new token
-    wide = torch.zeros(B, T, S + T, dtype=torch.bool)
-    wide.scatter_(2, tree[:, None, :].expand(B, T, T), torch.tensor(anc, dtype=torch.bool))
-    allowed |= wide[:, :, :S]
-    allowed[:, :, 0] |= ~allowed.any(-1)
-    mask = torch.full((B, 1, T, S), float("-inf"), dtype=dtype).masked_fill_(allowed[:, None], 0.0)
-    return StaticInputs(
-        torch.tensor(tok, dtype=long), torch.tensor(pos, dtype=long), torch.tensor(slots, dtype=long), kv_index, mask
+    anc_t = torch.tensor(anc, dtype=torch.bool)
+    kv_index, mask = entry_view(
+        torch.tensor(table, dtype=long), torch.tensor(past, dtype=long), anc_t, S, block_size, dtype
     )
+    rows = torch.arange(B * T)
+    plan = PagedPlan(
+        torch.tensor(slots, dtype=long), torch.zeros(0), torch.zeros(0), kv_index, rows.view(B, T), rows, mask
+    )
+    return StaticInputs(torch.tensor(tok, dtype=long), torch.tensor(pos, dtype=long), plan)
 
 
 def static_forward(runner: Any, arena: KVArena, bucket: Bucket, inp: StaticInputs) -> torch.Tensor:
     """One bucketed pass: float32 logits ``[batch * tokens, vocab]`` of every row (padding rows'
     included, meaningless); writes the real rows' keys and values into their slots."""
-    B, T = bucket.batch, bucket.tokens
-    N, H, D = B * T, runner.num_heads, runner.head_dim
     ids = inp.ids if runner.draft_vocab is None else runner.draft_vocab.to_draft[inp.ids]
-    h = runner.embed(ids)
-    cos, sin = runner.rotary(h.unsqueeze(0), inp.pos.unsqueeze(0))
-    cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
-    for li, layer in enumerate(runner.layers):
-        q, k, v = runner.qkv(li, layer.input_layernorm(h), cos, sin)
-        arena.k[li].index_copy_(0, inp.slots, k.to(arena.dtype))
-        arena.v[li].index_copy_(0, inp.slots, v.to(arena.dtype))
-        keys = arena.k[li][inp.kv_index].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
-        values = arena.v[li][inp.kv_index].transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.view(B, T, H, D).transpose(1, 2),
-            keys,
-            values,
-            attn_mask=inp.mask,
-            scale=runner.scale,
-            enable_gqa=H != keys.shape[1],
-        )
-        h = runner.mlp(li, h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(N, H * D)))
+    h, cos, sin = runner.embed_at(ids, inp.pos)
+
+    def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        write_kv(arena, li, k, v, inp.plan)
+        return paged_attend(q, arena, li, inp.plan, runner.scale)
+
+    h = runner.layers_over(h, cos, sin, attend)
     return runner.lm_head(runner.norm(h)).float()
 
 
@@ -249,13 +244,12 @@ class PassGraphs:
 
     def _new(self, bucket: Bucket, host: StaticInputs) -> _Graph:
         dev = self.runner.device
-        inputs = StaticInputs(*(getattr(host, n).to(dev).clone() for n in ("ids", "pos", "slots", "kv_index", "mask")))
-        g = _Graph(inputs)
+        g = _Graph(host.to(dev))
         if not self.capture:
             return g
         assert self._scratch is not None
         scratch = self._scratch * self.arena.block_size  # warm-up and capture write only there
-        g.inputs.slots.fill_(scratch)
+        g.inputs.plan.slot_mapping.fill_(scratch)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):

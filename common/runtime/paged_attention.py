@@ -71,18 +71,31 @@ def plan_paged(layout: BatchLayout, caches: Sequence[PagedCache], arena: KVArena
     block_table, past_t, seq_lens = long(table), long(list(past)), long([p + t for p, t in zip(past, lens)])
     seq_t, entry_t = long(seq_of), long(entry_of)
     slot_mapping = block_table[seq_t, entry_t // bs] * bs + entry_t % bs
+    anc_t = torch.tensor(anc, dtype=torch.bool, device=dev).view(B, T, T)
+    kv_index, mask = entry_view(block_table, past_t, anc_t, S, bs, dtype)
+    return PagedPlan(slot_mapping, block_table, seq_lens, kv_index, long(q_rows).view(B, T), long(out_rows), mask)
+
+
+def entry_view(
+    block_table: torch.Tensor, past: torch.Tensor, anc: torch.Tensor, S: int, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_index [B, S]`` and the additive ``mask [B, 1, T, S]`` (module docstring) of sequences with
+    ``block_table [B, blocks]``, ``past [B]`` committed entries and new tokens' ancestor masks ``anc
+    [B, T, T]`` (row ``i``: token ``i`` and its ancestors; all False for a padding row)."""
+    B, T = anc.shape[0], anc.shape[1]
+    dev = block_table.device
     cols = torch.arange(S, device=dev)
-    kv_index = block_table[:, (cols // bs)] * bs + cols % bs  # [B, S]
-    allowed = cols[None, None, :] < past_t[:, None, None]  # [B, 1, S]: the committed entries
+    kv_index = block_table[:, (cols // block_size)] * block_size + cols % block_size  # [B, S]
+    allowed = cols[None, None, :] < past[:, None, None]  # [B, 1, S]: the committed entries
     allowed = allowed.expand(B, T, S).clone()
-    tree_cols = (past_t[:, None] + torch.arange(T, device=dev)[None, :])[:, None, :].expand(B, T, T)
+    tree_cols = (past[:, None] + torch.arange(T, device=dev)[None, :])[:, None, :].expand(B, T, T)
     # full, not zeros: zeros dispatches small and large tensors differently, which a count of ops would see
     wide = torch.full((B, T, S + T), False, dtype=torch.bool, device=dev)
-    wide.scatter_(2, tree_cols, torch.tensor(anc, dtype=torch.bool, device=dev).view(B, T, T))
+    wide.scatter_(2, tree_cols, anc)
     allowed |= wide[:, :, :S]
     allowed[:, :, 0] |= ~allowed.any(-1)  # padding rows: see entry 0, dropped afterwards
     mask = torch.full((B, 1, T, S), float("-inf"), dtype=dtype, device=dev).masked_fill_(allowed[:, None], 0.0)
-    return PagedPlan(slot_mapping, block_table, seq_lens, kv_index, long(q_rows).view(B, T), long(out_rows), mask)
+    return kv_index, mask
 
 
 def ancestor_rows(parents: Sequence[int]) -> list[list[bool]]:

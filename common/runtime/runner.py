@@ -353,9 +353,29 @@ class LMRunner:
         if self.draft_vocab is not None:
             ids = self.draft_vocab.to_draft[ids]
         pos = torch.tensor([p for b in range(layout.batch) for p in layout.positions(b)], dtype=torch.long, device=dev)
-        h = self.embed(ids)  # [N, hidden]
+        return (layout, ids, *self.embed_at(ids, pos))
+
+    def embed_at(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Embeddings ``[N, hidden]`` of ``ids: [N]`` (the model's id space) and the rotary ``cos, sin:
+        [N, 1, D]`` at positions ``pos: [N]``."""
+        h = self.embed(ids)
         cos, sin = self.rotary(h.unsqueeze(0), pos.unsqueeze(0))  # [1, N, D]
-        return layout, ids, h, cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
+        return h, cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+
+    def layers_over(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Every layer over ``h: [N, hidden]``, attention by ``attend(layer, q, k, v) -> [N, H, D]``
+        (which writes the new keys/values where its caches keep them): the final hidden states."""
+        N, H, D = h.shape[0], self.num_heads, self.head_dim
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.qkv(li, layer.input_layernorm(h), cos, sin)
+            h = self.mlp(li, h + layer.self_attn.o_proj(attend(li, q, k, v).reshape(N, H * D)))
+        return h
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
@@ -371,7 +391,6 @@ class LMRunner:
             if out is not None:
                 return out
         layout, ids, h, cos, sin = self.prepare(seqs)
-        N, H, D = ids.shape[0], self.num_heads, self.head_dim
         if isinstance(seqs[0].cache, PagedCache):
             paged = PagedPass([s.cache for s in seqs], layout, h.dtype, self.paged_attention)  # type: ignore[misc]
 
@@ -380,9 +399,7 @@ class LMRunner:
 
         else:
             attend = self._cache_attention(seqs, layout)
-        for li, layer in enumerate(self.layers):
-            q, k, v = self.qkv(li, layer.input_layernorm(h), cos, sin)
-            h = self.mlp(li, h + layer.self_attn.o_proj(attend(li, q, k, v).reshape(N, H * D)))
+        h = self.layers_over(h, cos, sin, attend)
         return self.logits(h, seqs, layout)
 
     def _graph_pass(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor] | None:
