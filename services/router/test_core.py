@@ -534,14 +534,17 @@ def test_drafters_left_behind_by_plain_rounds_catch_up_beside_a_pass(engines, re
     gate = core.gate.drafts
     core.gate.drafts = lambda r, *args, **kw: not 2 <= len(r.generated) < 12 and gate(r, *args, **kw)
     assert asyncio.run(generate_all(core, prompts, MAX_NEW, drain=True)) == expected
-    assert core.counters.routed_ahead == 2 * len(prompts)  # their prompts, then what they decoded plainly
+    # their prompts, then what they decoded plainly; on a busy machine the cost control can turn a
+    # request down for a few more rounds of its own, and its drafters then catch up once more
+    assert core.counters.routed_ahead >= 2 * len(prompts)
     seen: set[str] = set()
-    catch_ups = []
+    catch_ups: dict[str, list[int]] = {}
     for rid, top_n, appended in pool.items:
         if rid in seen and top_n == 0:
-            catch_ups.append(appended)
+            catch_ups.setdefault(rid, []).append(appended)
         seen.add(rid)  # a request's first item reads its prompt
-    assert len(catch_ups) == len(prompts) and min(catch_ups) > 4
+    assert set(catch_ups) == set(prompts)  # every request caught up off the path at least once
+    assert min(a for got in catch_ups.values() for a in got) > 4  # never what an inline catch-up takes
     drafting = [(rid, appended) for rid, top_n, appended in pool.items if top_n > 0]
     assert drafting and all(appended <= 4 + 1 for _, appended in drafting)  # at most the bound, and a fused token
 
