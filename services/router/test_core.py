@@ -451,7 +451,8 @@ def test_new_requests_decode_plainly_while_the_drafters_score_their_prompts(engi
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, max_new, drain=True))
     assert got == {rid: toks[:max_new] for rid, toks in expected.items()}
-    assert core.counters.routed_ahead == len(prompts) and core.counters.domains_by_drafters == len(prompts)
+    # (a request the cost control turns down later has its drafters catch up beside a pass too)
+    assert core.counters.routed_ahead >= len(prompts) and core.counters.domains_by_drafters == len(prompts)
     scoring = pool.spans[0]  # the first drafter call scores every prompt
     assert any(v[0] < scoring[1] and scoring[0] < v[1] for v in backend.spans)  # a pass ran meanwhile
     if max_new == MAX_NEW:
@@ -488,7 +489,7 @@ def test_new_requests_first_pass_does_not_wait_for_their_drafters_to_read_their_
     core = pool.core = backend.core = RouterCore(config, pool, backend)
     got = asyncio.run(generate_all(core, prompts, MAX_NEW, drain=True))
     assert got == expected
-    assert core.counters.routed_ahead == len(prompts)
+    assert core.counters.routed_ahead >= len(prompts)  # their prompts (and any catch-up beside a pass)
     reading, first_pass = pool.spans[0], backend.spans[0]
     assert pool.top_ns[0] == {0}  # the first call only reads the prompts
     assert pool.rounds_drafted[0] == 0 and first_pass[0] < reading[1]  # the first pass did not wait for it
