@@ -141,9 +141,11 @@ def test_concurrent_greedy_equals_target_across_domains(cluster, workload, refer
         assert list(res.token_ids) == reference[prompt], f"{domain}: {prompt!r}"
         assert res.usage.completion_tokens == len(res.token_ids)
         assert res.stats.rounds >= 1
-    # speculation really happened: more than one token per round on average
+    # speculation really happened: more than one token per round on average (every pass, plain steps
+    # included, is a round, so decoding without a drafted token gives at most 1.0; how far above 1.0
+    # is the cost control's call on the machine's measured pass times: a busy CI run gave 1.08)
     rounds = sum(r.stats.rounds for r in results)
-    assert sum(len(r.token_ids) for r in results) / rounds > 1.2
+    assert sum(len(r.token_ids) for r in results) / rounds > 1.0
     # the drafter process hosts every drafter: it fused the requests' rounds itself, one message each
     assert router_counters(cluster)["drafter_fused_rounds"] > 0
     # new prompts arriving together are scored while they decode plainly, so a short request may
