@@ -195,16 +195,19 @@ def test_the_router_withdraws_speculation_whose_rows_cost_more_than_they_bring_a
         try:
             withdrawn = await until(lambda: core.guard.record(1).withdrawn, 12)
             backend.row_s = 0.0
+            groups_before = core.guard.record(1).speculate.epochs
             readmitted = await until(lambda: not core.guard.record(1).withdrawn, 24)
-            return withdrawn, readmitted
+            return withdrawn, readmitted, core.guard.record(1).speculate.epochs - groups_before
         finally:
             await core.stop()
 
-    withdrawn, readmitted = asyncio.run(run())
+    withdrawn, readmitted, groups = asyncio.run(run())
     assert core.counters.draft_tokens > 0 and core.counters.guard_withdrawals == 1
     assert core.counters.guard_readmissions == 1 and core.counters.guard_plain_rounds > 0
     # one epoch of each arm, then the verdict (its requests' last rounds besides)
     assert withdrawn <= 3 * 4 + 8, withdrawn
-    # the plain epochs until the first control group of speculation, then that one; a second such
-    # cycle when the first group's epoch paid for the drafters' catch-up and fell short
-    assert readmitted <= 2 * (EXPLORE_START + 1) * 4 + 8, readmitted
+    # readmitted by a control group of speculation, at most the third (the first may pay for the
+    # drafters' catch-up and fall short; on a busy machine, a plain epoch's figure may be lucky once),
+    # and each cycle costs the plain epochs until its control group, then that one
+    assert 1 <= groups <= 3, groups
+    assert readmitted <= groups * (EXPLORE_START + 1) * 4 + 8, (readmitted, groups)
