@@ -86,14 +86,14 @@ def say(msg: str) -> None:
 # ---- 1. the verify pass ---------------------------------------------------------------------------
 
 
-def section_verify(target: Path, size: Size, device: str) -> dict[str, Any]:
+def section_verify(target: Path, size: Size, device: str, attention: str = "auto") -> dict[str, Any]:
     import torch
 
     from benchmarks.verify_vs_hf import TREE10, Shapes, compare, device_peaks, timed
     from common.runtime.op_count import forward_ops
     from common.runtime.runner import LMRunner
 
-    runner = LMRunner.from_checkpoint(target, dtype=size.dtype, device=device)
+    runner = LMRunner.from_checkpoint(target, dtype=size.dtype, device=device, backend=attention)
     peaks = device_peaks(torch.device(device), None, None)
     rows = compare(runner, size.context, size.batches, size.repeats, peaks)
     graphs = runner.graphs.stats() if runner.graphs is not None else None
@@ -295,6 +295,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: the whole suite in about a minute")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     ap.add_argument("--out", type=Path, default=Path("gpu-suite/report.json"), help="the JSON report")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        help="the verify section's attention backend (the verifier's --attention: auto, flashinfer, flex, sdpa, ...)",
+    )
     ap.add_argument("--family", type=Path, help="an already built family directory to reuse (default: build one)")
     return ap.parse_args(argv)
 
@@ -338,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             s0 = time.perf_counter()
             say(f"suite      {name} ...")
             if name == "verify":
-                report["sections"]["verify"] = section_verify(zoo.target.path, size, args.device)
+                report["sections"]["verify"] = section_verify(zoo.target.path, size, args.device, args.attention)
             elif name == "equality":
                 report["sections"]["equality"] = section_equality(zoo, prompts, size, args.device)
             else:

@@ -45,6 +45,7 @@ from common.spec.types import KVBudgetExceeded
 log = get_logger(__name__)
 
 KV_CACHES = ("auto", "paged", "contiguous")
+ARENA_BACKENDS = ("flex", "flashinfer")  # attention backends that read the arena in place: paged only
 
 
 def select_kv_cache(
@@ -65,12 +66,12 @@ def select_kv_cache(
     if name not in KV_CACHES:
         raise ValueError(f"unknown kv cache {name!r} (choose {', '.join(KV_CACHES)})")
     on_cpu = torch.device(device).type == "cpu"
-    if attention == "flex":  # reads the arena in place: paged whatever auto would pick
+    if attention in ARENA_BACKENDS:  # reads the arena in place: paged whatever auto would pick
         if name == "contiguous":
-            raise ValueError("attention backend flex reads the paged arena; use --kv-cache paged or auto")
+            raise ValueError(f"attention backend {attention} reads the paged arena; use --kv-cache paged or auto")
         if on_cpu and dtype == "bfloat16":
-            raise ValueError("attention backend flex computes in bfloat16, which on a CPU is not row-invariant")
-        return "paged", "attention backend flex asked for by name: it reads the paged arena"
+            raise ValueError(f"attention backend {attention} computes in bfloat16, which on a CPU is not row-invariant")
+        return "paged", f"attention backend {attention} asked for by name: it reads the paged arena"
     if name == "paged":
         if attention not in ("auto", "sdpa"):
             raise ValueError(

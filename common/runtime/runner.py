@@ -54,10 +54,12 @@ from common.runtime.cpu_attention import CpuKernelBackend
 from common.runtime.cpu_linear import use_cpu_linears
 from common.runtime.cuda_graphs import PassGraphs
 from common.runtime.draft_vocab import DraftVocab, load_draft_vocab
+from common.runtime.flashinfer_paged import missing_reason as flashinfer_missing
+from common.runtime.flashinfer_paged import new_wrapper as new_flashinfer_wrapper
 from common.runtime.flex_paged import flex_available
 from common.runtime.fused_projections import LayerProducts, stack_layers
 from common.runtime.invariant_bf16 import InvariantAttention, bf16_available, use_invariant_linears
-from common.runtime.kv_arena import KVArena, PagedCache, select_kv_cache
+from common.runtime.kv_arena import ARENA_BACKENDS, KVArena, PagedCache, select_kv_cache
 from common.runtime.kv_cache import KVCache, KVPool
 from common.runtime.paged_runner import PagedPass
 from common.spec.types import ModelInfo
@@ -186,7 +188,9 @@ class LMRunner:
         # pass run eagerly: how a CPU tests it) or "off"; the graphs are made at the first paged pass
         self.graph_mode = "off"
         self.graphs: PassGraphs | None = None
-        self.paged_attention = "sdpa"  # the paged arena's attention: "sdpa" (a gathered view) or "flex" (in place)
+        # the paged arena's attention: "sdpa" (a gathered view), "flex" or "flashinfer" (in place)
+        self.paged_attention = "sdpa"
+        self.flashinfer_wrapper: Any = None  # FlashInfer's planned wrapper, made on first use
 
     @classmethod
     def from_checkpoint(
@@ -217,8 +221,11 @@ class LMRunner:
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         if backend == "flex" and not flex_available():
             raise ValueError("attention backend flex needs torch.nn.attention.flex_attention (torch 2.5 or later)")
-        # flex attends the paged arena itself; the dense backend object then only names a fallback
-        attention = pick_backend("sdpa" if backend == "flex" else backend, device, DTYPES[dtype], head_dim)
+        if backend == "flashinfer" and (reason := flashinfer_missing(device)) is not None:
+            raise ValueError(reason)
+        in_place = backend in ARENA_BACKENDS
+        # flex and flashinfer attend the paged arena themselves; the dense backend then only names a fallback
+        attention = pick_backend("sdpa" if in_place else backend, device, DTYPES[dtype], head_dim)
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
         runner = cls(
@@ -229,8 +236,8 @@ class LMRunner:
             draft_vocab=draft_vocab,
             kv_cache=kv_mode,
         )
-        runner.paged_attention = "flex" if backend == "flex" else "sdpa"
-        if cuda_graphs and torch.device(device).type == "cuda" and kv_mode == "paged" and backend != "flex":
+        runner.paged_attention = backend if in_place else "sdpa"
+        if cuda_graphs and torch.device(device).type == "cuda" and kv_mode == "paged" and not in_place:
             runner.graph_mode = "capture"
         log.info(
             "model_loaded",
@@ -273,6 +280,13 @@ class LMRunner:
     def attention_name(self) -> str:
         """What attends: the backend's name, or ``paged_sdpa`` / ``paged_flex`` on the paged arena."""
         return f"paged_{self.paged_attention}" if self.kv_cache == "paged" else self.backend.name
+
+    def _flashinfer_kernel(self) -> tuple[Any, int, int, float]:
+        """FlashInfer's wrapper (made once, with its workspace, on this runner's device) and the
+        shapes each pass plans it for."""
+        if self.flashinfer_wrapper is None:
+            self.flashinfer_wrapper = new_flashinfer_wrapper(self.device)
+        return self.flashinfer_wrapper, self.num_heads, self.head_dim, self.scale
 
     def new_pool(self, token_budget: int | None) -> KVPool | KVArena:
         """The caches' pool: a :class:`KVPool` (contiguous) or a :class:`KVArena` (paged), which on
@@ -392,7 +406,13 @@ class LMRunner:
                 return out
         layout, ids, h, cos, sin = self.prepare(seqs)
         if isinstance(seqs[0].cache, PagedCache):
-            paged = PagedPass([s.cache for s in seqs], layout, h.dtype, self.paged_attention)  # type: ignore[misc]
+            paged = PagedPass(
+                [s.cache for s in seqs],  # type: ignore[misc]
+                layout,
+                h.dtype,
+                self.paged_attention,
+                self._flashinfer_kernel() if self.paged_attention == "flashinfer" else None,
+            )
 
             def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return paged.attend(li, q, k, v, self.scale)

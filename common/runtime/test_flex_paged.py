@@ -26,40 +26,40 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("flex"), "llama", seed=5)
 
 
+def mixed_passes(runner: LMRunner) -> list[torch.Tensor]:
+    """The logits of three prompts (one spanning blocks), then one pass of a tree beside a chain
+    beside a decode step, the tree's path 0-1-3 committed, and one decode step of each."""
+    pool = runner.new_pool(None)
+    caches = [pool.new_cache() for _ in range(3)]
+    lens = (5, 37, 9)
+    for c, n in zip(caches, lens):
+        c.reserve(n)
+    prompts = [SeqInput(c, tuple(range(1, n + 1)), logit_rows=tuple(range(n))) for c, n in zip(caches, lens)]
+    out = runner.forward(prompts)
+    for c, n in zip(caches, lens):
+        c.commit(n)
+    for c in caches:
+        c.reserve(len(TREE[0]))
+    out += runner.forward(
+        [
+            SeqInput(caches[0], TREE[0], TREE[1], tuple(range(5))),
+            SeqInput(caches[1], (3, 4), None, (0, 1)),
+            SeqInput(caches[2], (8,), None, (0,)),
+        ]
+    )
+    caches[0].commit([0, 1, 3])
+    caches[1].commit(2)
+    caches[2].commit(1)
+    for c in caches:
+        c.reserve(1)
+    return out + runner.forward([SeqInput(c, (11,), None, (0,)) for c in caches])
+
+
 def test_flex_gives_the_gathered_view_s_logits_for_prompts_trees_and_committed_paths(checkpoint):
     flex = LMRunner.from_checkpoint(checkpoint, backend="flex")
     sdpa = LMRunner.from_checkpoint(checkpoint, backend="sdpa", kv_cache="paged")
     assert flex.kv_cache == "paged" and flex.attention_name == "paged_flex"
-    results = []
-    for runner in (flex, sdpa):
-        pool = runner.new_pool(None)
-        caches = [pool.new_cache() for _ in range(3)]
-        lens = (5, 37, 9)  # one prompt spans blocks
-        for c, n in zip(caches, lens):
-            c.reserve(n)
-        out = runner.forward(
-            [SeqInput(c, tuple(range(1, n + 1)), logit_rows=tuple(range(n))) for c, n in zip(caches, lens)]
-        )
-        for c, n in zip(caches, lens):
-            c.commit(n)
-        for c in caches:
-            c.reserve(len(TREE[0]))
-        # a tree beside a chain beside a decode step: one mixed pass
-        out += runner.forward(
-            [
-                SeqInput(caches[0], TREE[0], TREE[1], tuple(range(5))),
-                SeqInput(caches[1], (3, 4), None, (0, 1)),
-                SeqInput(caches[2], (8,), None, (0,)),
-            ]
-        )
-        caches[0].commit([0, 1, 3])  # the tree's path 0-1-3
-        caches[1].commit(2)
-        caches[2].commit(1)
-        for c in caches:
-            c.reserve(1)
-        out += runner.forward([SeqInput(c, (11,), None, (0,)) for c in caches])
-        results.append(out)
-    for a, b in zip(*results):
+    for a, b in zip(mixed_passes(flex), mixed_passes(sdpa)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 

@@ -36,9 +36,10 @@ class VerifierSettings(ServiceSettings):
         "or AVX2: a pass's sequences in one call a layer, float32 attention; in float32 prompts go to sdpa), sdpa, "
         "eager, invariant (bfloat16 on a CPU with AMX, row-invariant, eager); auto picks cpu_kernel on a CPU where it "
         "builds (float32, or the row-invariant bfloat16), else invariant for that bfloat16, flash_attn on CUDA when "
-        "importable, else sdpa; flex (torch's flex attention reading the paged arena in place through a block mask, "
-        "never picked by auto)",
-        choices=("auto", "flash_attn", "cpu_kernel", "sdpa", "eager", "invariant", "flex"),
+        "importable, else sdpa; flex (torch's flex attention reading the paged arena in place through a block mask) "
+        "and flashinfer (FlashInfer's paged prefill kernel over the arena with the tree as its mask: CUDA and the "
+        "flashinfer-python package) are never picked by auto",
+        choices=("auto", "flash_attn", "cpu_kernel", "sdpa", "eager", "invariant", "flex", "flashinfer"),
     )
     kv_cache: str = setting("auto", help=KV_CACHE_HELP, choices=KV_CACHES)
     cuda_graphs: bool = setting(True, help=CUDA_GRAPHS_HELP)
