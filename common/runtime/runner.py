@@ -356,12 +356,12 @@ class LMRunner:
         return BatchLayout(past_lens=tuple(s.cache.length for s in seqs), parents=tuple(parents))
 
     def prepare(
-        self, seqs: Sequence[SeqInput]
+        self, seqs: Sequence[SeqInput], layout: BatchLayout | None = None
     ) -> tuple[BatchLayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pass's layout (:meth:`layout_of`), its packed token ids ``[N]`` (in the model's id space),
-        their embeddings ``[N, hidden]`` and the rotary ``cos, sin: [N, 1, D]`` at positions ``cache
-        length + depth``."""
-        layout = self.layout_of(seqs)
+        """The pass's layout (:meth:`layout_of`, unless the caller built it already), its packed token
+        ids ``[N]`` (in the model's id space), their embeddings ``[N, hidden]`` and the rotary ``cos,
+        sin: [N, 1, D]`` at positions ``cache length + depth``."""
+        layout = self.layout_of(seqs) if layout is None else layout
         dev = self.device
         ids = torch.tensor([tok for s in seqs for tok in s.token_ids], dtype=torch.long, device=dev)
         if self.draft_vocab is not None:
@@ -400,11 +400,12 @@ class LMRunner:
         """
         if not seqs:
             return []
+        layout = None
         if self.graph_mode != "off" and isinstance(seqs[0].cache, PagedCache):
-            out = self._graph_pass(seqs)
+            out, layout = self._graph_pass(seqs)
             if out is not None:
                 return out
-        layout, ids, h, cos, sin = self.prepare(seqs)
+        layout, ids, h, cos, sin = self.prepare(seqs, layout)
         if isinstance(seqs[0].cache, PagedCache):
             paged = PagedPass(
                 [s.cache for s in seqs],  # type: ignore[misc]
@@ -422,15 +423,17 @@ class LMRunner:
         h = self.layers_over(h, cos, sin, attend)
         return self.logits(h, seqs, layout)
 
-    def _graph_pass(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor] | None:
-        """The pass replayed from a bucket's graph, or None: run it eagerly (:class:`PassGraphs`)."""
+    def _graph_pass(self, seqs: Sequence[SeqInput]) -> tuple[list[torch.Tensor] | None, BatchLayout]:
+        """The pass replayed from a bucket's graph, or None: run it eagerly (:class:`PassGraphs`);
+        with the pass's layout, which the eager pass then reuses."""
         arena = seqs[0].cache.arena  # type: ignore[union-attr]
         if self.graphs is None or self.graphs.arena is not arena:
             if self.graphs is not None:
                 self.graphs.close()
             self.graphs = PassGraphs(self, arena, capture=self.graph_mode == "capture")
         ids = [tok for s in seqs for tok in s.token_ids]
-        return self.graphs.run(seqs, self.layout_of(seqs), ids)
+        layout = self.layout_of(seqs)
+        return self.graphs.run(seqs, layout, ids), layout
 
     def _cache_attention(
         self, seqs: Sequence[SeqInput], layout: BatchLayout
