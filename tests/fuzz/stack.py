@@ -6,6 +6,7 @@ state in Redis, no request in the router's pool, no KV cache in the verifier or 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ VERIFIER_MAX_TREE_NODES = 256
 DRAFTER_MAX_TOP_N = 8
 DRAFTER_MAX_CHAIN_LEN = 16
 DRAFTERS = ("code", "prose")
+# the verifier's and drafters' KV cache: auto (per-request caches on a CPU), or paged to fuzz the
+# arena's runtime where auto would not pick it (FUZZ_KV_CACHE=paged make fuzz)
+KV_CACHE = os.environ.get("FUZZ_KV_CACHE", "auto")
 # the tiny zoo's target (checked at start): the strategies are built with these at import time
 VOCAB_SIZE = 320
 MAX_CONTEXT = 1024
@@ -78,6 +82,7 @@ class FuzzStack:
                 common,
                 target=zoo.target.path,
                 torch_threads=1,
+                kv_cache=KV_CACHE,
                 max_batch_tokens=VERIFIER_MAX_BATCH_TOKENS,
                 max_tree_nodes=VERIFIER_MAX_TREE_NODES,
             )
@@ -87,6 +92,7 @@ class FuzzStack:
                 DrafterSettings,
                 common,
                 torch_threads=1,
+                kv_cache=KV_CACHE,
                 max_top_n=DRAFTER_MAX_TOP_N,
                 max_chain_len=DRAFTER_MAX_CHAIN_LEN,
                 drafters=[f"{d}={zoo.drafters[d].path}" for d in DRAFTERS],
