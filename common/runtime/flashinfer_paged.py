@@ -38,7 +38,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's float workspace, one per dev
 
 def flashinfer_available(device: torch.device | str) -> bool:
     """Whether the kernel can run here: a CUDA device and the ``flashinfer`` module importable."""
-    return torch.device(device).type == "cuda" and importlib.util.find_spec("flashinfer") is not None
+    return missing_reason(device) is None
 
 
 def missing_reason(device: torch.device | str) -> str | None:
@@ -65,7 +65,6 @@ class FlashInferPlan:
     kv_indices: torch.Tensor  # [pages]
     last_page_len: torch.Tensor  # [B]
     custom_mask: torch.Tensor  # [sum_b t_b * (L_b + t_b)] bool
-    block_size: int
     wrapper: Any = None  # the planned BatchPrefillWithPagedKVCacheWrapper (CUDA), else None
 
 
@@ -104,7 +103,7 @@ def plan_flashinfer(
             q_data_type=arena.dtype,
             kv_data_type=arena.dtype,
         )
-    return FlashInferPlan(*i32, custom_mask, bs, wrapper)
+    return FlashInferPlan(*i32, custom_mask, wrapper)
 
 
 def new_wrapper(device: torch.device | str) -> Any:
@@ -136,7 +135,7 @@ def reference_attend(q: torch.Tensor, arena: KVArena, layer: int, plan: FlashInf
     mask_at = 0
     for b in range(len(qo) - 1):
         blocks = idx[kv[b] : kv[b + 1]]
-        n = (len(blocks) - 1) * plan.block_size + last[b]
+        n = (len(blocks) - 1) * arena.block_size + last[b]
         k = k_pages[blocks].reshape(-1, arena.num_kv_heads, arena.head_dim)[:n].to(q.dtype)
         v = v_pages[blocks].reshape(-1, arena.num_kv_heads, arena.head_dim)[:n].to(q.dtype)
         rows = q[qo[b] : qo[b + 1]]  # [t, H, D]

@@ -278,7 +278,8 @@ class LMRunner:
 
     @property
     def attention_name(self) -> str:
-        """What attends: the backend's name, or ``paged_sdpa`` / ``paged_flex`` on the paged arena."""
+        """What attends: the backend's name, or ``paged_sdpa`` / ``paged_flex`` / ``paged_flashinfer``
+        on the paged arena."""
         return f"paged_{self.paged_attention}" if self.kv_cache == "paged" else self.backend.name
 
     def _flashinfer_kernel(self) -> tuple[Any, int, int, float]:
